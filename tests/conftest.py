@@ -1,0 +1,19 @@
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("DRAFTSMITH_TEST_THREADS", "2")))
+
+
+@pytest.fixture()
+def tiny_target():
+    from tests.tiny import make_tiny_target
+    return make_tiny_target()
+
+
+@pytest.fixture(scope="session")
+def real_target():
+    """The real default target (SmolLM2-135M-Instruct), converted once and cached."""
+    from draftsmith.target import load_target
+    return load_target()

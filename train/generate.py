@@ -1,0 +1,239 @@
+"""Self-distillation: the target writes the training responses (and prompts).
+
+* ``generate_batch``: batched, left-padded generation with the target.
+* ``regenerate``: every assistant turn of every conversation rewritten by the
+  target, batched, resumable (one JSONL line per finished conversation).
+* ``synthesize_prompts``: Magpie-style prompts: the instruct model is given only
+  its chat template's user-turn prefix and writes the question itself.
+* ``render_example``: a conversation as token ids plus a loss mask over the
+  assistant tokens (the end-of-turn token included when the turn finished).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from tqdm.auto import tqdm
+
+from draftsmith.target import Target
+from draftsmith.train.sources import Conversation, normalise
+
+log = logging.getLogger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    """A prompt does not fit in the context with room for the response."""
+
+
+def _messages(conv_system: str | None, users: list[str], replies: list[str]) -> list[dict]:
+    msgs = [{"role": "system", "content": conv_system}] if conv_system else []
+    for i, u in enumerate(users):
+        msgs.append({"role": "user", "content": u})
+        if i < len(replies):
+            msgs.append({"role": "assistant", "content": replies[i]})
+    return msgs
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                   top_p: float = 1.0, seed: int = 0) -> list[tuple[list[int], bool]]:
+    """Generate for a batch of token-id prompts; returns (response ids, finished).
+
+    A response stops at (and includes) the first end-of-turn token; ``finished``
+    is False when it was cut by ``max_new_tokens``.
+    """
+    model, tok = target.model, target.tokenizer
+    eos = target.eos_token_ids
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    width = max(len(p) for p in prompts)
+    dev = model.device
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding keeps every prompt's end aligned
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    kw = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+    if temperature > 0:
+        kw.update(temperature=temperature, top_p=top_p, top_k=0)
+        torch.manual_seed(seed)
+    else:
+        kw.update(temperature=None, top_p=None, top_k=None)
+    out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **kw)[:, width:].tolist()
+    results = []
+    eos_set = set(eos)
+    for row in out:
+        cut = next((j for j, t in enumerate(row) if t in eos_set), None)
+        results.append((row[: cut + 1], True) if cut is not None else (row, False))
+    return results
+
+
+def fit_prompt(ids: list[int], limit: int, policy: str, where: str) -> list[int] | None:
+    """Apply the long-prompt policy: 'error', 'truncate' (keep the end) or 'skip'."""
+    if len(ids) <= limit:
+        return ids
+    if policy == "error":
+        raise PromptTooLongError(
+            f"{where}: prompt is {len(ids)} tokens but only {limit} fit with the response budget "
+            f"(context minus max_new_tokens); set data.on_long_prompt to 'truncate' or 'skip'")
+    if policy == "truncate":
+        return ids[-limit:]
+    return None
+
+
+def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max_new_tokens: int,
+               max_turns: int, batch_size: int, max_seq_len: int, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int = 0, on_long_prompt: str = "error") -> Counter:
+    """Rewrite every assistant turn with the target; resumable.
+
+    Finished conversations are appended to ``out_path`` (JSONL); on restart
+    conversations already there are skipped. Turns are generated in lock-step
+    across the batch (all first turns, then all second turns, ...).
+    """
+    stats: Counter = Counter()
+    done: set[str] = set()
+    if out_path.exists():
+        for line in out_path.read_text().splitlines():
+            try:
+                done.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError):
+                stats["corrupt_resume_lines"] += 1
+    todo = [c for c in convs if c.id not in done]
+    stats["resumed"] = len(convs) - len(todo)
+    tok = target.tokenizer
+    budget = min(max_seq_len, target.context_length)
+    # Similar lengths in one batch waste less padding.
+    todo.sort(key=lambda c: len(c.user_turns[0]))
+    bar = tqdm(total=len(todo), desc="self-distill", unit="conv", disable=not todo)
+    with out_path.open("a") as f:
+        for b in range(0, len(todo), batch_size):
+            batch = todo[b:b + batch_size]
+            replies: list[list[str]] = [[] for _ in batch]
+            finished: list[list[bool]] = [[] for _ in batch]
+            live = list(range(len(batch)))
+            for turn in range(max_turns):
+                live = [i for i in live if turn < len(batch[i].user_turns) and (turn == 0 or finished[i][-1])]
+                prompts, keep = [], []
+                for i in live:
+                    msgs = _messages(batch[i].system, batch[i].user_turns[: turn + 1], replies[i])
+                    ids = prompt_ids(tok, msgs)
+                    if turn == 0:
+                        ids = fit_prompt(ids, budget - max_new_tokens, on_long_prompt, batch[i].id)
+                        if ids is None:
+                            stats["skipped_long_prompt"] += 1
+                            continue
+                    elif len(ids) + max_new_tokens > budget:
+                        stats["cut_at_context"] += 1
+                        continue
+                    prompts.append(ids)
+                    keep.append(i)
+                live = keep
+                if not live:
+                    break
+                outs = generate_batch(target, prompts, max_new_tokens, temperature, top_p,
+                                      seed=seed * 1_000_003 + b * 101 + turn)
+                for i, (resp, fin) in zip(live, outs):
+                    replies[i].append(tok.decode(resp, skip_special_tokens=True))
+                    finished[i].append(fin)
+                    stats["responses"] += 1
+                    stats["response_tokens"] += len(resp)
+                    stats["unfinished_responses"] += int(not fin)
+            for c, rep, fin in zip(batch, replies, finished):
+                if not rep:
+                    continue
+                row = {"id": c.id, "source": c.source, "system": c.system,
+                       "messages": _messages(c.system, c.user_turns[: len(rep)], rep)[1 if c.system else 0:],
+                       "finished": fin}
+                f.write(json.dumps(row) + "\n")
+                stats["conversations"] += 1
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(batch))
+    bar.close()
+    return stats
+
+
+def user_prefix_ids(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user's words begin."""
+    marker = "\x00MAGPIE\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    return tokenizer(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
+
+
+def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_new_tokens: int = 64,
+                       temperature: float = 1.0, top_p: float = 0.99, seed: int = 0,
+                       exclude: set[str] = frozenset(), min_chars: int = 12) -> tuple[list[Conversation], Counter]:
+    """Magpie-style prompts written by the target from its user-turn prefix."""
+    prefix = user_prefix_ids(target.tokenizer)
+    out: list[Conversation] = []
+    seen: set[str] = set()
+    stats: Counter = Counter()
+    attempt = 0
+    bar = tqdm(total=count, desc="magpie prompts", unit="prompt")
+    while len(out) < count and attempt < 8 * (count // batch_size + 1):
+        res = generate_batch(target, [prefix] * batch_size, max_new_tokens, temperature, top_p,
+                             seed=seed * 7919 + attempt)
+        attempt += 1
+        for ids, fin in res:
+            text = target.tokenizer.decode(ids, skip_special_tokens=True).strip()
+            key = normalise(text)
+            reason = ("unfinished" if not fin else "too_short" if len(text) < min_chars else
+                      "duplicate" if key in seen else "mtbench" if key in exclude else None)
+            if reason:
+                stats[f"rejected_{reason}"] += 1
+                continue
+            seen.add(key)
+            out.append(Conversation(id=f"magpie:{seed}:{len(out)}", source="magpie", user_turns=[text]))
+            bar.update(1)
+            if len(out) >= count:
+                break
+    bar.close()
+    stats["accepted"] = len(out)
+    return out, stats
+
+
+def render_example(tokenizer, messages: list[dict], finished: Iterable[bool]) -> tuple[list[int], list[int]]:
+    """Token ids of a whole conversation and a 0/1 mask over assistant tokens.
+
+    Each assistant reply's character span is located by rendering the
+    conversation up to that reply (chat templates are prefix-consistent; this
+    is checked), and tokens inside it are marked; the end-of-turn token right
+    after a reply is marked too when that reply finished on its own.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    fin = list(finished)
+    a = 0
+    for j, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = tokenizer.apply_chat_template(messages[:j], tokenize=False, add_generation_prompt=True)
+        start, end = len(head), len(head) + len(m["content"])
+        if text[start:end] != m["content"]:
+            raise ValueError("chat template is not prefix-consistent; cannot locate assistant turns")
+        spans.append((start, end, fin[a] if a < len(fin) else True))
+        a += 1
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    eos = tokenizer.eos_token_id
+    mask = [0] * len(ids)
+    for start, end, done in spans:
+        after = None
+        for i, (s, e) in enumerate(offsets):
+            if e > s and start <= s and e <= end:
+                mask[i] = 1
+            elif after is None and s >= end:
+                after = i
+        if done and after is not None and ids[after] == eos:
+            mask[after] = 1  # the end-of-turn token that closes this reply
+    return ids, mask

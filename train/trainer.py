@@ -1,0 +1,189 @@
+"""One training loop for every drafter kind, on accelerate.
+
+Runs as ``draftsmith train RECIPE`` on one process, or under
+``accelerate launch --config_file recipes/launch/<cfg>.yaml -m draftsmith.cli train RECIPE``
+(multi-process CPU, multi-GPU DDP, DeepSpeed ZeRO-2).
+
+Batches are a pure function of (seed, epoch, step, rank): the chunk order of
+each epoch is a seeded permutation, so a resumed run sees exactly the batches
+the interrupted run would have, and exact resume needs no dataloader state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from draftsmith import registry
+from draftsmith.checkpoint import save_checkpoint
+from draftsmith.heads.objective import HeadObjective
+from draftsmith.recipe import Recipe
+from draftsmith.train.cache import HiddenCache
+from draftsmith.train.state import latest_checkpoint, load_trainer_state, save_trainer_state
+
+log = logging.getLogger(__name__)
+
+
+class StopTraining(Exception):
+    """Raised by the ``stop_after`` test hook to simulate a killed run."""
+
+
+def drafter_config(recipe: Recipe, target) -> dict:
+    cfg = recipe.drafter.model_dump()
+    cfg.pop("kind")
+    return {"hidden_size": target.hidden_size, "vocab_size": target.vocab_size, **cfg}
+
+
+def build_drafter(recipe: Recipe, target) -> torch.nn.Module:
+    return registry.get(recipe.drafter.kind).from_config(drafter_config(recipe, target), target)
+
+
+def make_objective(recipe: Recipe, cache: HiddenCache, target):
+    t = recipe.train
+    if recipe.drafter.kind == "medusa":
+        return HeadObjective(cache, target, recipe.drafter.num_heads, loss=t.loss, soft_weight=t.soft_weight,
+                             head_decay=t.head_decay, chunk_len=t.chunk_len)
+    raise KeyError(f"no training objective for drafter kind {recipe.drafter.kind!r}")
+
+
+def lr_lambda(t, total: int):
+    def f(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        if t.schedule == "constant":
+            return 1.0
+        frac = (step - t.warmup_steps) / max(1, total - t.warmup_steps)
+        decay = 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))) if t.schedule == "cosine" else 1.0 - min(frac, 1.0)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * decay
+    return f
+
+
+def _merge_hits(acc: dict, stats: dict) -> None:
+    for k, v in stats.items():
+        if isinstance(v, tuple):
+            a = acc.setdefault(k, [0, 0])
+            a[0] += v[0]
+            a[1] += v[1]
+        else:
+            acc.setdefault(k, []).append(v)
+
+
+def _summarise(acc: dict) -> dict:
+    out = {}
+    for k, v in acc.items():
+        out[k] = (v[0] / v[1] if v[1] else 0.0) if isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) \
+            and ("top" in k) else sum(v) / len(v)
+    return out
+
+
+def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: bool = True,
+          stop_after: int | None = None, data_provenance: dict | None = None) -> tuple[Path, dict]:
+    """Train the recipe's drafter on a cache; returns (final checkpoint dir, timing/metrics)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    t = recipe.train
+    tracker = t.tracker
+    if tracker == "wandb":
+        os.environ.setdefault("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_DIR", str(run_dir))
+        os.environ.setdefault("WANDB_SILENT", "true")
+    acc = Accelerator(gradient_accumulation_steps=t.grad_accum, log_with="wandb" if tracker == "wandb" else None,
+                      project_dir=str(run_dir))
+    set_seed(recipe.seed)
+    cache = HiddenCache(cache_dir, target)
+    objective = make_objective(recipe, cache, target)
+    model = build_drafter(recipe, target)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    world, rank = acc.num_processes, acc.process_index
+    per_step = t.batch_size * world * t.grad_accum
+    steps_per_epoch = len(objective.chunks) // per_step
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(objective.chunks)} chunks are fewer than one optimizer step needs ({per_step}); "
+                         f"lower train.batch_size or train.grad_accum, or add data")
+    total = t.max_steps or max(1, int(steps_per_epoch * t.epochs))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t, total))
+    start = 0
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if ckpt is not None:
+        from safetensors.torch import load_file
+        model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
+        meta = load_trainer_state(ckpt, optimizer, scheduler)
+        start = meta["step"]
+        log.info("resumed from %s at step %d", ckpt, start)
+    model, optimizer = acc.prepare(model, optimizer)
+    if tracker == "wandb":
+        acc.init_trackers(recipe.name, config=recipe.model_dump(mode="json"),
+                          init_kwargs={"wandb": {"mode": os.environ["WANDB_MODE"], "dir": str(run_dir)}})
+    orders: dict[int, list[int]] = {}
+
+    def order(epoch: int) -> list[int]:
+        if epoch not in orders:
+            g = torch.Generator().manual_seed(recipe.seed * 1000 + epoch)
+            orders[epoch] = torch.randperm(len(objective.chunks), generator=g).tolist()
+        return orders[epoch]
+
+    bar = tqdm(total=total, initial=start, desc=f"train {recipe.drafter.kind}", disable=not acc.is_main_process)
+    timing = {"math_s": 0.0, "data_s": 0.0, "other_s": 0.0, "positions": 0}
+    window: dict = {}
+    loop_t0 = time.perf_counter()
+    model.train()
+    for step in range(start, total):
+        epoch, within = divmod(step, steps_per_epoch)
+        ids = order(epoch)
+        for micro in range(t.grad_accum):
+            base = (within * t.grad_accum + micro) * t.batch_size * world + rank * t.batch_size
+            t0 = time.perf_counter()
+            batch = objective.prepare(ids[base: base + t.batch_size])
+            t1 = time.perf_counter()
+            with acc.accumulate(model):
+                loss, stats = objective.loss(model, batch)
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(params, t.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            t2 = time.perf_counter()
+            timing["data_s"] += t1 - t0
+            timing["math_s"] += t2 - t1
+            timing["positions"] += int(batch.hidden.shape[0])
+            stats["loss"] = float(loss.detach())
+            _merge_hits(window, stats)
+        scheduler.step()
+        done = step + 1
+        bar.update(1)
+        if done % t.log_every == 0 or done == total:
+            summary = _summarise(window)
+            summary["lr"] = scheduler.get_last_lr()[0]
+            window = {}
+            acc.log(summary, step=done)
+            bar.set_postfix(loss=f"{summary['loss']:.3f}", h1=f"{summary.get('head1/top1', 0):.3f}")
+        if done % t.save_every == 0 or done == total:
+            t3 = time.perf_counter()
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                path = run_dir / "checkpoints" / f"step-{done}"
+                save_checkpoint(path, acc.unwrap_model(model), target, recipe=recipe.model_dump(mode="json"),
+                                data=data_provenance, metrics={"step": done})
+                if acc.distributed_type.name != "DEEPSPEED":
+                    save_trainer_state(path, optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer,
+                                       scheduler, done, {"epoch": epoch, "world_size": world})
+            acc.wait_for_everyone()
+            timing["other_s"] += time.perf_counter() - t3
+        if stop_after is not None and done >= stop_after:
+            bar.close()
+            raise StopTraining(f"stopped after step {done}")
+    bar.close()
+    wall = time.perf_counter() - loop_t0
+    timing.update(wall_s=wall, steps=total - start,
+                  outside_math_share=(wall - timing["math_s"]) / wall if wall > 0 else 0.0)
+    acc.end_training()
+    final = run_dir / "checkpoints" / f"step-{total}"
+    return final, timing
