@@ -34,14 +34,11 @@ class EmptyDatasetError(ValueError):
 def collect_prompts(recipe: Recipe, target: Target, skips: sources.SkipLog, stats: Counter) -> list[sources.Conversation]:
     holdout = sources.mtbench_holdout_keys()
     convs: list[sources.Conversation] = []
+    seen: set[tuple[str, ...]] = set()
     for n, src in enumerate(recipe.data.sources):
         name = f"{src.type}{n}"
         if src.type == "magpie":
-            got, mstats = generate.synthesize_prompts(
-                target, src.count or 100, batch_size=recipe.data.batch_size,
-                max_new_tokens=recipe.data.magpie_max_new_tokens, seed=recipe.seed + n, exclude=holdout)
-            stats.update({f"magpie_{k}": v for k, v in mstats.items()})
-            it = iter(got)
+            it = iter(_magpie(recipe, target, n, src.count or 100, holdout, stats))
         else:
             if not src.path:
                 raise ValueError(f"data.sources[{n}] ({src.type}) needs a path")
@@ -52,10 +49,31 @@ def collect_prompts(recipe: Recipe, target: Target, skips: sources.SkipLog, stat
         for c in sources.held_out(it, holdout, stats):
             if src.max_conversations and kept >= src.max_conversations:
                 break
+            key = tuple(sources.normalise(u) for u in c.user_turns)
+            if key in seen:  # identical prompts give identical (greedy) data
+                stats["duplicate_conversations"] += 1
+                continue
+            seen.add(key)
             convs.append(c)
             kept += 1
         stats[f"source_{name}"] = kept
     return convs
+
+
+def _magpie(recipe: Recipe, target: Target, n: int, count: int, holdout: set[str],
+            stats: Counter) -> list[sources.Conversation]:
+    """Synthesised prompts, saved so a restarted data stage does not redo them."""
+    path = recipe.out / "data" / f"magpie{n}.jsonl"
+    if path.exists():
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        if len(rows) >= count:
+            return [sources.Conversation(r["id"], "magpie", [r["prompt"]]) for r in rows[:count]]
+    got, mstats = generate.synthesize_prompts(
+        target, count, batch_size=recipe.data.batch_size, max_new_tokens=recipe.data.magpie_max_new_tokens,
+        seed=recipe.seed + n, exclude=holdout)
+    stats.update({f"magpie_{k}": v for k, v in mstats.items()})
+    path.write_text("".join(json.dumps({"id": c.id, "prompt": c.user_turns[0]}) + "\n" for c in got))
+    return got
 
 
 def stage_data(recipe: Recipe, target: Target) -> Path:

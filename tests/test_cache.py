@@ -1,0 +1,76 @@
+import numpy as np
+import pytest
+import torch
+
+from draftsmith.train.cache import HiddenCache, build_cache, teacher_logits
+
+
+def _seqs(target, n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        L = int(torch.randint(5, 40, (1,), generator=g))
+        ids = torch.randint(3, target.vocab_size, (L,), generator=g).tolist()
+        mask = [0] * (L // 2) + [1] * (L - L // 2)
+        out.append({"ids": ids, "mask": mask})
+    return out
+
+
+def _max_prob_diff(target, cache, seqs):
+    worst = 0.0
+    for i, s in enumerate(seqs):
+        with torch.no_grad():
+            ref = torch.softmax(target.model(torch.tensor([s["ids"]])).logits[0].float(), -1)
+        got = torch.softmax(teacher_logits(target, cache.states(i, "final")), -1)
+        worst = max(worst, float((ref - got).abs().max()))
+    return worst
+
+
+def test_cached_states_match_target_and_are_aligned(tiny_target, tmp_path):
+    seqs = _seqs(tiny_target)
+    idx = build_cache(tiny_target, seqs, ["final", "layer:1"], tmp_path / "c", dtype="float32",
+                      batch_tokens=64, shard_tokens=50)
+    assert len(idx["shards"]) > 1  # several shards, read back as one
+    cache = HiddenCache(tmp_path / "c", tiny_target)
+    assert len(cache) == len(seqs)
+    for i, s in enumerate(seqs):
+        assert cache.tokens(i).tolist() == s["ids"] and cache.mask(i).tolist() == s["mask"]
+        with torch.no_grad():
+            out = tiny_target.model(torch.tensor([s["ids"]]), output_hidden_states=True)
+        torch.testing.assert_close(cache.states(i, "layer:1"), out.hidden_states[1][0], atol=1e-5, rtol=1e-5)
+        # position t's state, through the frozen head, gives the target's logits at t (no shift)
+        torch.testing.assert_close(teacher_logits(tiny_target, cache.states(i, "final")), out.logits[0],
+                                   atol=1e-4, rtol=1e-4)
+    assert _max_prob_diff(tiny_target, cache, seqs) < 1e-5
+    assert idx["bytes_per_token"] > 2 * 4 * tiny_target.hidden_size  # two fp32 fields per token
+
+
+def test_cache_is_resumable_and_checks_target(tiny_target, tmp_path):
+    from tests.tiny import make_tiny_target
+    seqs = _seqs(tiny_target, n=4)
+    build_cache(tiny_target, seqs, ["final"], tmp_path / "c", dtype="bfloat16", shard_tokens=40)
+    first = (tmp_path / "c" / "shard-00000" / "final.npy").stat().st_mtime_ns
+    build_cache(tiny_target, seqs, ["final"], tmp_path / "c", dtype="bfloat16", shard_tokens=40)
+    assert (tmp_path / "c" / "shard-00000" / "final.npy").stat().st_mtime_ns == first
+    c = HiddenCache(tmp_path / "c")
+    assert c.states(0, "final").dtype == torch.float32
+    with pytest.raises(ValueError, match="fingerprint"):
+        HiddenCache(tmp_path / "c", make_tiny_target(seed=1))
+
+
+def test_empty_dataset_is_refused(tiny_target, tmp_path):
+    with pytest.raises(ValueError, match="empty dataset"):
+        build_cache(tiny_target, [], ["final"], tmp_path / "c")
+
+
+@pytest.mark.real
+def test_alignment_on_real_target(real_target, tmp_path):
+    """Cached final state at t -> frozen head == target's own next-token distribution at t."""
+    from draftsmith.train.generate import prompt_ids, render_example
+    tok = real_target.tokenizer
+    msgs = [{"role": "user", "content": "Give me two tips for writing clear code."},
+            {"role": "assistant", "content": "Use descriptive names, and keep functions short and focused."}]
+    ids, mask = render_example(tok, msgs, [True])
+    seqs = [{"ids": ids, "mask": mask}, {"ids": prompt_ids(tok, msgs[:1]), "mask": [1] * len(prompt_ids(tok, msgs[:1]))}]
+    build_cache(real_target, seqs, ["final"], tmp_path / "c32", dtype="float32")
+    assert _max_prob_diff(real_target, HiddenCache(tmp_path / "c32"), seqs) < 1e-4

@@ -1,0 +1,58 @@
+import json
+
+import pytest
+import yaml
+
+from draftsmith.cli import main
+from tests.tiny import make_tiny_target
+
+
+@pytest.fixture()
+def tiny_dir(tmp_path):
+    make_tiny_target(save_to=tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+def _recipe_file(tmp_path, tiny_dir, **extra):
+    data = tmp_path / "user.jsonl"
+    rows = [json.dumps({"prompt": f"tell me about topic {i}"}) for i in range(30)] + ["{broken", json.dumps({"x": 1})]
+    data.write_text("\n".join(rows) + "\n")
+    r = {"name": "cli", "target": str(tiny_dir), "output_dir": str(tmp_path / "run"),
+         "data": {"sources": [{"type": "jsonl", "path": str(data)},
+                              {"type": "sharegpt", "path": "builtin:sharegpt-dummy", "max_conversations": 10}],
+                  "max_new_tokens": 12, "temperature": 1.0, "batch_size": 16, "heldout_max_new_tokens": 8,
+                  "on_long_prompt": "skip"},
+         "drafter": {"kind": "medusa", "num_heads": 2},
+         "train": {"epochs": 1, "batch_size": 2, "chunk_len": 16, "tracker": "none"}, **extra}
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(r))
+    return p
+
+
+def test_run_end_to_end_reports_and_counts_skips(tmp_path, tiny_dir, capsys):
+    assert main(["run", str(_recipe_file(tmp_path, tiny_dir))]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 2 bad rows" in out and "predicted chain acceptance length" in out
+    rep = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert len(rep["top1"]) == 2 and rep["positions"][0] > 0
+    meta = json.loads((tmp_path / "run" / "data" / "meta.json").read_text())
+    assert meta["skipped"]["by_reason"] == {"jsonl0: invalid JSON": 1, "jsonl0: no 'conversations' list": 1}
+    assert main(["info", str(tmp_path / "run" / "final")]) == 0
+    assert "fingerprint" in capsys.readouterr().out
+
+
+def test_unknown_recipe_key_exits_2_naming_it(tmp_path, tiny_dir, capsys):
+    p = _recipe_file(tmp_path, tiny_dir, trian={"epochs": 1})
+    assert main(["train", str(p)]) == 2
+    assert "'trian': unknown key" in capsys.readouterr().err
+
+
+def test_empty_dataset_fails_clearly(tmp_path, tiny_dir, capsys):
+    (tmp_path / "empty.jsonl").write_text("{bad\n\n")
+    r = {"name": "e", "target": str(tiny_dir), "output_dir": str(tmp_path / "run"),
+         "data": {"sources": [{"type": "jsonl", "path": str(tmp_path / "empty.jsonl")}]},
+         "drafter": {"kind": "medusa"}, "train": {"tracker": "none"}}
+    (tmp_path / "e.yaml").write_text(yaml.safe_dump(r))
+    assert main(["data", str(tmp_path / "e.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "no usable conversations" in err and "1 rows skipped" in err

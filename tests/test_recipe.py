@@ -1,0 +1,46 @@
+from pathlib import Path
+
+import pytest
+
+from draftsmith.recipe import RecipeError, load_recipe, parse_recipe
+
+RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
+
+
+def test_shipped_recipes_validate():
+    assert RECIPES, "no recipes shipped"
+    for p in RECIPES:
+        r = load_recipe(p)
+        assert r.name and r.drafter.kind
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(RecipeError, match=r"'train\.lrr': unknown key"):
+        parse_recipe({"name": "x", "drafter": {"kind": "medusa"}, "train": {"lrr": 1e-3}})
+
+
+def test_unknown_top_level_and_drafter_keys():
+    with pytest.raises(RecipeError, match=r"'bogus': unknown key"):
+        parse_recipe({"name": "x", "drafter": {"kind": "medusa"}, "bogus": 1})
+    with pytest.raises(RecipeError, match=r"'drafter\.heads': unknown key"):
+        parse_recipe({"name": "x", "drafter": {"kind": "medusa", "heads": 3}})
+
+
+def test_mistyped_value_is_named():
+    with pytest.raises(RecipeError, match=r"'drafter\.num_heads'"):
+        parse_recipe({"name": "x", "drafter": {"kind": "medusa", "num_heads": "four"}})
+    with pytest.raises(RecipeError, match=r"'data\.on_long_prompt'"):
+        parse_recipe({"name": "x", "drafter": {"kind": "medusa"}, "data": {"on_long_prompt": "ignore"}})
+
+
+def test_overrides_beat_yaml_and_are_validated():
+    r = parse_recipe({"name": "x", "drafter": {"kind": "medusa"}, "train": {"lr": 1.0}},
+                     ["train.lr=0.0005", "drafter.num_heads=3"])
+    assert r.train.lr == 0.0005 and r.drafter.num_heads == 3
+    with pytest.raises(RecipeError, match=r"'train\.nope': unknown key"):
+        parse_recipe({"name": "x", "drafter": {"kind": "medusa"}}, ["train.nope=1"])
+
+
+def test_unknown_drafter_kind():
+    with pytest.raises(RecipeError, match="drafter"):
+        parse_recipe({"name": "x", "drafter": {"kind": "eagle"}})
