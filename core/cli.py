@@ -41,7 +41,10 @@ def _target(recipe):
 
 
 def _run_stages(args, stages) -> int:
+    import os
     from draftsmith.train import pipeline
+    if int(os.environ.get("RANK", "0")) != 0:  # under a launcher only rank 0 talks
+        sys.stdout = open(os.devnull, "w")
     recipe = _recipe(args)
     recipe.out.mkdir(parents=True, exist_ok=True)
     (recipe.out / "recipe.json").write_text(json.dumps(recipe.model_dump(mode="json"), indent=2))
@@ -66,7 +69,8 @@ def _run_stages(args, stages) -> int:
                       f"{idx['bytes_per_token']:.0f} bytes/token on disk ({idx['dtype']}, needs {idx['needs']})")
         elif st == "train":
             ckpt, timing = pipeline.stage_train(recipe, target, resume=not getattr(args, "fresh", False))
-            print(f"train: {timing['steps']} steps in {timing['wall_s']:.1f} s; "
+            print(f"train: {timing['steps']} steps in {timing['wall_s']:.1f} s "
+                  f"({timing['distributed_type']}, {timing['world_size']} process(es)); "
                   f"{100 * timing['outside_math_share']:.1f}% of wall time outside model math")
         elif st == "report":
             rep = pipeline.stage_report(recipe, target, ckpt)

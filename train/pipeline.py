@@ -165,7 +165,7 @@ def stage_train(recipe: Recipe, target: Target, resume: bool = True, stop_after:
     ckpt, timing = train(recipe, target, recipe.out / "cache" / "train", recipe.out, resume=resume,
                          stop_after=stop_after, data_provenance={"data_dir": str(recipe.out / "data"), **meta})
     final = recipe.out / "final"
-    if ckpt.exists():
+    if ckpt.exists() and timing["is_main"]:
         shutil.rmtree(final, ignore_errors=True)
         shutil.copytree(ckpt, final, ignore=shutil.ignore_patterns("trainer_state*"))
         update_metrics(final, {"training_timing": timing})

@@ -94,8 +94,10 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
         os.environ.setdefault("WANDB_MODE", "offline")
         os.environ.setdefault("WANDB_DIR", str(run_dir))
         os.environ.setdefault("WANDB_SILENT", "true")
+    # cpu=True without a GPU: accelerate then joins torchrun-launched processes as MULTI_CPU over gloo.
     acc = Accelerator(gradient_accumulation_steps=t.grad_accum, log_with="wandb" if tracker == "wandb" else None,
-                      project_dir=str(run_dir))
+                      project_dir=str(run_dir),
+                      cpu=not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_DEEPSPEED") != "true")
     set_seed(recipe.seed)
     cache = HiddenCache(cache_dir, target)
     objective = make_objective(recipe, cache, target)
@@ -118,6 +120,18 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
         meta = load_trainer_state(ckpt, optimizer, scheduler)
         start = meta["step"]
         log.info("resumed from %s at step %d", ckpt, start)
+    ds = getattr(acc.state, "deepspeed_plugin", None)
+    if ds is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size() != acc.num_processes:
+        # Seen with accelerate 1.15 + DeepSpeed on CPU: each process believes it is rank 0 of 1,
+        # so every rank would train on the same batches and write the same files.
+        raise RuntimeError(
+            f"accelerate reports {acc.num_processes} process(es) but torch.distributed has "
+            f"{torch.distributed.get_world_size()}: multi-process DeepSpeed without GPUs is not supported "
+            f"by accelerate; use recipes/launch/cpu_ddp2.yaml on CPU, or DeepSpeed with 1 process")
+    if ds is not None:  # we feed batches ourselves, so DeepSpeed must be told their size
+        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = t.batch_size
+        ds.deepspeed_config["gradient_accumulation_steps"] = t.grad_accum
+        ds.deepspeed_config["train_batch_size"] = t.batch_size * t.grad_accum * acc.num_processes
     model, optimizer = acc.prepare(model, optimizer)
     if tracker == "wandb":
         acc.init_trackers(recipe.name, config=recipe.model_dump(mode="json"),
@@ -182,7 +196,8 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
             raise StopTraining(f"stopped after step {done}")
     bar.close()
     wall = time.perf_counter() - loop_t0
-    timing.update(wall_s=wall, steps=total - start,
+    timing.update(wall_s=wall, steps=total - start, is_main=acc.is_main_process, world_size=world,
+                  distributed_type=acc.distributed_type.name,
                   outside_math_share=(wall - timing["math_s"]) / wall if wall > 0 else 0.0)
     acc.end_training()
     final = run_dir / "checkpoints" / f"step-{total}"
