@@ -94,21 +94,29 @@ class HeadObjective:
         return HeadBatch(torch.cat(hs), torch.cat(labs, dim=1), torch.cat(teach, dim=1) if need_teacher else None)
 
     def loss(self, model, batch: HeadBatch) -> tuple[torch.Tensor, dict]:
+        """Weighted head loss; returns (loss, aux) where aux feeds ``stats``."""
         logits = model(batch.hidden)  # [K, P, V]
         total = logits.new_zeros(())
-        stats = {}
+        per_head = []
         for k, w in enumerate(self.weights()):
             lab = batch.labels[k]
-            parts = []
+            lk = logits.new_zeros(())
             if self.loss_kind in ("hard", "mix"):
-                parts.append((1 - self.soft_weight if self.loss_kind == "mix" else 1.0, hard_ce(logits[k], lab)))
+                lk = lk + (1 - self.soft_weight if self.loss_kind == "mix" else 1.0) * hard_ce(logits[k], lab)
             if self.loss_kind in ("soft", "mix"):
-                parts.append((self.soft_weight if self.loss_kind == "mix" else 1.0,
-                              soft_ce(logits[k], batch.teacher[k], lab != -100)))
-            lk = sum(a * b for a, b in parts)
+                lk = lk + (self.soft_weight if self.loss_kind == "mix" else 1.0) * \
+                    soft_ce(logits[k], batch.teacher[k], lab != -100)
             total = total + w * lk
-            hits = topk_hits(logits[k].detach(), lab)
-            stats[f"head{k + 1}/loss"] = float(lk.detach())
-            stats[f"head{k + 1}/top1"] = hits[1]
-            stats[f"head{k + 1}/top5"] = hits[5]
-        return total, stats
+            per_head.append(lk.detach())
+        return total, {"logits": logits.detach(), "per_head": per_head}
+
+    @torch.no_grad()
+    def stats(self, aux: dict, batch: HeadBatch) -> dict:
+        """Per-head loss and top-1/top-5 (hits, count) of one micro-batch."""
+        out = {}
+        for k in range(self.K):
+            hits = topk_hits(aux["logits"][k], batch.labels[k])
+            out[f"head{k + 1}/loss"] = float(aux["per_head"][k])
+            out[f"head{k + 1}/top1"] = hits[1]
+            out[f"head{k + 1}/top5"] = hits[5]
+        return out

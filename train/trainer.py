@@ -65,6 +65,7 @@ def lr_lambda(t, total: int):
 
 
 def _merge_hits(acc: dict, stats: dict) -> None:
+    """Accumulate a micro-batch's stats: (hits, count) pairs add up, floats average."""
     for k, v in stats.items():
         if isinstance(v, tuple):
             a = acc.setdefault(k, [0, 0])
@@ -75,11 +76,7 @@ def _merge_hits(acc: dict, stats: dict) -> None:
 
 
 def _summarise(acc: dict) -> dict:
-    out = {}
-    for k, v in acc.items():
-        out[k] = (v[0] / v[1] if v[1] else 0.0) if isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) \
-            and ("top" in k) else sum(v) / len(v)
-    return out
+    return {k: (v[0] / max(v[1], 1) if "/top" in k else sum(v) / len(v)) for k, v in acc.items()}
 
 
 def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: bool = True,
@@ -145,7 +142,7 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
         return orders[epoch]
 
     bar = tqdm(total=total, initial=start, desc=f"train {recipe.drafter.kind}", disable=not acc.is_main_process)
-    timing = {"math_s": 0.0, "data_s": 0.0, "other_s": 0.0, "positions": 0}
+    timing = {"math_s": 0.0, "data_s": 0.0, "stats_s": 0.0, "checkpoint_s": 0.0, "positions": 0}
     window: dict = {}
     loop_t0 = time.perf_counter()
     model.train()
@@ -158,18 +155,20 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
             batch = objective.prepare(ids[base: base + t.batch_size])
             t1 = time.perf_counter()
             with acc.accumulate(model):
-                loss, stats = objective.loss(model, batch)
+                loss, aux = objective.loss(model, batch)
                 acc.backward(loss)
                 if acc.sync_gradients:
                     acc.clip_grad_norm_(params, t.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             t2 = time.perf_counter()
-            timing["data_s"] += t1 - t0
-            timing["math_s"] += t2 - t1
-            timing["positions"] += int(batch.hidden.shape[0])
+            stats = objective.stats(aux, batch)
             stats["loss"] = float(loss.detach())
             _merge_hits(window, stats)
+            timing["data_s"] += t1 - t0
+            timing["math_s"] += t2 - t1
+            timing["stats_s"] += time.perf_counter() - t2
+            timing["positions"] += int(batch.hidden.shape[0])
         scheduler.step()
         done = step + 1
         bar.update(1)
@@ -190,7 +189,7 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
                     save_trainer_state(path, optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer,
                                        scheduler, done, {"epoch": epoch, "world_size": world})
             acc.wait_for_everyone()
-            timing["other_s"] += time.perf_counter() - t3
+            timing["checkpoint_s"] += time.perf_counter() - t3
         if stop_after is not None and done >= stop_after:
             bar.close()
             raise StopTraining(f"stopped after step {done}")

@@ -1,0 +1,133 @@
+"""Benchmark of the training pipeline, every ratio measured side by side in one run.
+
+    python -m draftsmith.eval.bench_pipeline [--prompts 16] [--new-tokens 64] [--train-steps 30]
+
+Prints and writes (``--out``, JSON):
+  * batched generation tokens/s over single-sequence ``generate`` (goal >= 3x);
+  * caching-pass tokens/s over a bare target forward on the same tokens and
+    batches (goal >= 0.9x);
+  * the share of head-training wall time spent outside model math (goal <= 10%).
+Prompts are MT-Bench first turns (timing only; nothing is trained on them
+except inside this throw-away benchmark directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.checkpoint import environment
+
+
+def _gen_tokens_per_s(target, prompts, new_tokens, batched: bool) -> tuple[float, int, float]:
+    from draftsmith.train.generate import generate_batch
+    t0 = time.perf_counter()
+    if batched:
+        outs = generate_batch(target, prompts, new_tokens)
+    else:
+        outs = [generate_batch(target, [p], new_tokens)[0] for p in prompts]
+    dt = time.perf_counter() - t0
+    n = sum(len(o[0]) for o in outs)
+    return n / dt, n, dt
+
+
+@torch.no_grad()
+def _bare_forward(target, seqs, batch_tokens) -> float:
+    from draftsmith.train.cache import _batches
+    lens = [len(s["ids"]) for s in seqs]
+    t0 = time.perf_counter()
+    for b in _batches(lens, batch_tokens):
+        w = max(lens[j] for j in b)
+        ids = torch.zeros((len(b), w), dtype=torch.long)
+        attn = torch.zeros((len(b), w), dtype=torch.long)
+        for r, j in enumerate(b):
+            ids[r, : lens[j]] = torch.tensor(seqs[j]["ids"])
+            attn[r, : lens[j]] = 1
+        target.model(input_ids=ids, attention_mask=attn, use_cache=False)
+    return sum(lens) / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--train-steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=2, help="alternating repeats of each pair; best of each kept")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    from draftsmith.recipe import parse_recipe
+    from draftsmith.target import load_target
+    from draftsmith.train.cache import build_cache
+    from draftsmith.train.generate import prompt_ids, render_example
+    from draftsmith.train.sources import mtbench_questions
+    from draftsmith.train.trainer import train
+
+    target = load_target(args.target)
+    tok = target.tokenizer
+    qs = mtbench_questions()[: args.prompts]
+    prompts = [prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}]) for q in qs]
+    res: dict = {"environment": environment(), "prompts": len(prompts), "new_tokens": args.new_tokens}
+
+    # 1. generation: single vs batched, alternating, same prompts
+    single, batched = [], []
+    outs = None
+    for _ in range(args.repeats):
+        single.append(_gen_tokens_per_s(target, prompts, args.new_tokens, batched=False))
+        batched.append(_gen_tokens_per_s(target, prompts, args.new_tokens, batched=True))
+    s_best, b_best = max(x[0] for x in single), max(x[0] for x in batched)
+    res["generation"] = {"single_tokens_per_s": s_best, "batched_tokens_per_s": b_best,
+                         "batch_size": len(prompts), "ratio": b_best / s_best, "goal": ">= 3"}
+
+    # 2. caching pass vs bare forward on the same sequences and batches
+    from draftsmith.train.generate import generate_batch
+    outs = generate_batch(target, prompts, args.new_tokens)
+    seqs = []
+    for q, (resp, fin) in zip(qs, outs):
+        msgs = [{"role": "user", "content": q["turns"][0]},
+                {"role": "assistant", "content": tok.decode(resp, skip_special_tokens=True)}]
+        ids, mask = render_example(tok, msgs, [fin])
+        seqs.append({"ids": ids, "mask": mask})
+    ntok = sum(len(s["ids"]) for s in seqs)
+    bare, cached = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            bare.append(_bare_forward(target, seqs, args.batch_tokens))
+            t0 = time.perf_counter()
+            idx = build_cache(target, seqs, ["final"], Path(tmp) / f"c{r}", dtype="float16",
+                              batch_tokens=args.batch_tokens)
+            cached.append(ntok / (time.perf_counter() - t0))
+        res["caching"] = {"tokens": ntok, "bare_forward_tokens_per_s": max(bare), "cache_tokens_per_s": max(cached),
+                          "ratio": max(cached) / max(bare), "bytes_per_token": idx["bytes_per_token"], "goal": ">= 0.9"}
+
+        # 3. head training: share of wall time outside model math
+        recipe = parse_recipe({"name": "bench", "output_dir": str(Path(tmp) / "run"),
+                               "drafter": {"kind": "medusa", "num_heads": 4},
+                               "train": {"max_steps": args.train_steps, "batch_size": 4, "chunk_len": 64,
+                                         "tracker": "none", "save_every": 10_000, "log_every": 10}})
+        _, timing = train(recipe, target, Path(tmp) / "c0", recipe.out, resume=False)
+        res["training"] = {**{k: timing[k] for k in ("wall_s", "math_s", "data_s", "stats_s", "checkpoint_s",
+                                                      "steps", "positions")},
+                           "outside_math_share": timing["outside_math_share"], "goal": "<= 0.10"}
+
+    g, c, t = res["generation"], res["caching"], res["training"]
+    print(f"generation: batched {g['batched_tokens_per_s']:.1f} tok/s (batch {g['batch_size']}) vs single "
+          f"{g['single_tokens_per_s']:.1f} tok/s -> {g['ratio']:.2f}x (goal >= 3x)")
+    print(f"caching:    {c['cache_tokens_per_s']:.0f} tok/s vs bare forward {c['bare_forward_tokens_per_s']:.0f} tok/s "
+          f"-> {c['ratio']:.2f}x (goal >= 0.9x); {c['bytes_per_token']:.0f} bytes/token on disk")
+    print(f"training:   {100 * t['outside_math_share']:.1f}% of {t['wall_s']:.1f} s wall outside model math "
+          f"(data {t['data_s']:.2f} s, stats {t['stats_s']:.2f} s, checkpoints {t['checkpoint_s']:.2f} s; goal <= 10%)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()
