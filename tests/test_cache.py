@@ -65,12 +65,25 @@ def test_empty_dataset_is_refused(tiny_target, tmp_path):
 
 @pytest.mark.real
 def test_alignment_on_real_target(real_target, tmp_path):
-    """Cached final state at t -> frozen head == target's own next-token distribution at t."""
+    """Cached final state at t -> frozen head == target's own next-token distribution at t.
+
+    fp32 caches meet 1e-4; fp16 storage rounds the state (measured ~2e-3), so it
+    gets 1e-2, still far below what a one-position misalignment produces.
+    """
     from draftsmith.train.generate import prompt_ids, render_example
     tok = real_target.tokenizer
     msgs = [{"role": "user", "content": "Give me two tips for writing clear code."},
             {"role": "assistant", "content": "Use descriptive names, and keep functions short and focused."}]
     ids, mask = render_example(tok, msgs, [True])
-    seqs = [{"ids": ids, "mask": mask}, {"ids": prompt_ids(tok, msgs[:1]), "mask": [1] * len(prompt_ids(tok, msgs[:1]))}]
+    p = prompt_ids(tok, msgs[:1])
+    seqs = [{"ids": ids, "mask": mask}, {"ids": p, "mask": [1] * len(p)}]
     build_cache(real_target, seqs, ["final"], tmp_path / "c32", dtype="float32")
+    build_cache(real_target, seqs, ["final"], tmp_path / "c16", dtype="float16")
     assert _max_prob_diff(real_target, HiddenCache(tmp_path / "c32"), seqs) < 1e-4
+    assert _max_prob_diff(real_target, HiddenCache(tmp_path / "c16"), seqs) < 1e-2
+    # the check can fail: states shifted by one position are far off
+    c = HiddenCache(tmp_path / "c32")
+    with torch.no_grad():
+        ref = torch.softmax(real_target.model(torch.tensor([ids])).logits[0], -1)
+    shifted = torch.softmax(teacher_logits(real_target, c.states(0, "final"))[1:], -1)
+    assert float((ref[:-1] - shifted).abs().max()) > 0.1
