@@ -115,6 +115,9 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
         from safetensors.torch import load_file
         model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
         meta = load_trainer_state(ckpt, optimizer, scheduler)
+        if meta.get("world_size", world) != world:
+            raise ValueError(f"{ckpt} was written by {meta['world_size']} process(es), this run has {world}: "
+                             f"batches would differ, so exact resume is impossible (use --fresh to restart)")
         start = meta["step"]
         log.info("resumed from %s at step %d", ckpt, start)
     ds = getattr(acc.state, "deepspeed_plugin", None)
