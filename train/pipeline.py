@@ -49,8 +49,8 @@ def collect_prompts(recipe: Recipe, target: Target, skips: sources.SkipLog, stat
         for c in sources.held_out(it, holdout, stats):
             if src.max_conversations and kept >= src.max_conversations:
                 break
-            key = tuple(sources.normalise(u) for u in c.user_turns)
-            if key in seen:  # identical prompts give identical (greedy) data
+            key = tuple(sources.normalise(u) for u in c.user_turns[: recipe.data.max_turns])
+            if key in seen:  # identical prompts (in the turns we use) give identical greedy data
                 stats["duplicate_conversations"] += 1
                 continue
             seen.add(key)
