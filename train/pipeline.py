@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith import registry
+from draftsmith import paths, registry
 from draftsmith.checkpoint import environment, load_checkpoint, update_metrics, command_line
 from draftsmith.recipe import Recipe
 from draftsmith.target import Target
@@ -99,9 +99,13 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
     if d.heldout_mtbench:
         qs = [sources.Conversation(id=f"mtbench:{q['question_id']}", source=f"mtbench:{q['category']}",
                                    user_turns=[q["turns"][0]]) for q in sources.mtbench_questions()]
-        hstats = generate.regenerate(target, qs, out / "heldout.jsonl",
+        # Greedy MT-Bench answers depend only on the target and the budget: generated once per target.
+        shared = paths.home() / "heldout" / f"{target.fingerprint.split(':')[1]}-mtbench-{d.heldout_max_new_tokens}.jsonl"
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        hstats = generate.regenerate(target, qs, shared,
                                      **{**kw, "max_new_tokens": d.heldout_max_new_tokens, "temperature": 0.0,
-                                        "max_turns": 1})
+                                        "max_turns": 1, "on_long_prompt": "skip"})
+        shutil.copyfile(shared, out / "heldout.jsonl")
     meta = {"skipped": skips.as_dict(), "sources": dict(stats), "generation": dict(gstats),
             "heldout_generation": dict(hstats), "seconds": round(time.time() - t0, 1),
             "target_fingerprint": target.fingerprint}
