@@ -1,0 +1,185 @@
+"""Benchmark decoding methods on MT-Bench first turns, interleaved per prompt.
+
+Methods (each a `Method`: a name and a ``run(prompt_ids, max_new_tokens, seed)``):
+  * ours: plain decoding, and speculative decoding with any drafter / tree;
+  * Hugging Face ``generate`` (plain) and assisted generation with a given
+    assistant model, a constant number of assistant tokens and the
+    confidence-threshold heuristic off, so its draft length matches ours.
+For HF methods, target forwards are counted with a forward hook (every
+call emits tokens, the prompt's included, as with ours), so tau is defined
+identically for every method.
+
+Every method is warmed up once, then for each prompt every method runs in
+turn (interleaved, so machine noise hits all methods alike). Figures come
+from eval/metrics.py; speedups always name their baseline.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from draftsmith.eval.metrics import DecodeResult, acceptance_by_position, speedup, summarize, tau
+from draftsmith.eval.sampling import SamplingParams
+
+BASELINE = "plain (ours)"
+
+
+@dataclass
+class Method:
+    name: str
+    run: Callable[[list[int], int, int], DecodeResult]
+    family: str = "ours"  # "ours" or "hf"
+
+
+def ours(name: str, dec) -> Method:
+    """A `SpeculativeDecoder` (plain when it has no drafter) as a benchmark method."""
+    return Method(name, lambda ids, n, seed: dec.generate(ids, n, seed=seed), "ours")
+
+
+class _ForwardCounter:
+    def __init__(self, model: torch.nn.Module):
+        self.calls = 0
+        self.handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.calls += 1
+
+
+def _hf_kwargs(target, sampling: SamplingParams) -> dict:
+    kw = {"eos_token_id": list(target.eos_token_ids), "pad_token_id": target.tokenizer.pad_token_id}
+    if sampling.greedy:
+        kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    else:
+        kw.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    return kw
+
+
+def _hf_run(target, sampling: SamplingParams, extra: dict) -> Callable[[list[int], int, int], DecodeResult]:
+    model = target.model
+    dev = next(model.parameters()).device
+
+    @torch.no_grad()
+    def run(ids: list[int], n: int, seed: int) -> DecodeResult:
+        torch.manual_seed(seed)
+        counter = _ForwardCounter(model)
+        try:
+            t0 = time.perf_counter()
+            out = model.generate(torch.tensor([ids], device=dev), max_new_tokens=n, **_hf_kwargs(target, sampling),
+                                 **extra)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            wall = time.perf_counter() - t0
+        finally:
+            counter.handle.remove()
+        toks = out[0, len(ids):].tolist()
+        eos = set(target.eos_token_ids)
+        hit = next((i for i, t in enumerate(toks) if t in eos), None)
+        toks = toks if hit is None else toks[: hit + 1]
+        return DecodeResult(tokens=toks, prompt_len=len(ids), wall_s=wall, counted_forwards=counter.calls,
+                            stop_reason="eos" if hit is not None else "max_new_tokens")
+
+    return run
+
+
+def hf_generate(target, sampling: SamplingParams) -> Method:
+    """Hugging Face ``generate`` without a drafter."""
+    return Method("HF generate", _hf_run(target, sampling, {}), "hf")
+
+
+def hf_assisted(target, assistant: torch.nn.Module, num_tokens: int, sampling: SamplingParams,
+                name: str | None = None) -> Method:
+    """Hugging Face assisted generation: constant ``num_tokens`` drafts, confidence threshold off."""
+    asst = copy.copy(assistant)
+    asst.generation_config = copy.deepcopy(assistant.generation_config)
+    asst.generation_config.num_assistant_tokens = int(num_tokens)
+    asst.generation_config.num_assistant_tokens_schedule = "constant"
+    asst.generation_config.assistant_confidence_threshold = 0.0  # 0 = off: always draft num_tokens
+    return Method(name or f"HF assisted K={num_tokens}", _hf_run(target, sampling, {"assistant_model": asst}), "hf")
+
+
+def run_bench(methods: list[Method], prompts: list, max_new_tokens: int, seed: int = 0, warmup_tokens: int = 8,
+              log: Callable[[str], None] | None = print) -> dict:
+    """Run every method on every prompt (interleaved) and return all figures."""
+    if not methods:
+        raise ValueError("no methods to benchmark")
+    names = [m.name for m in methods]
+    if len(set(names)) != len(names):
+        raise ValueError(f"method names must be unique: {names}")
+    for m in methods:  # one-time costs (cache allocation, kernels) out of the timings
+        m.run(prompts[0].ids, min(warmup_tokens, max_new_tokens), seed)
+    per: dict[str, list[DecodeResult]] = {m.name: [] for m in methods}
+    for k, pr in enumerate(prompts):
+        for m in methods:
+            per[m.name].append(m.run(pr.ids, max_new_tokens, seed + k))
+        if log:
+            log(f"[{k + 1}/{len(prompts)}] q{pr.question_id} ({pr.category}): " + ", ".join(
+                f"{m.name} {len(per[m.name][-1].tokens)} tok {per[m.name][-1].wall_s:.2f}s" for m in methods))
+    figures = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "methods": {}}
+    cats = sorted({p.category for p in prompts})
+    for m in methods:
+        rs = per[m.name]
+        s = summarize(rs)
+        s["family"] = m.family
+        s["tau_by_category"] = {}
+        for c in cats:
+            sub = [r for r, p in zip(rs, prompts) if p.category == c]
+            s["tau_by_category"][c] = tau(sum(len(r.tokens) for r in sub), sum(r.target_forwards for r in sub))
+        if m.family != "ours":  # HF does not expose per-step acceptance
+            s["acceptance_by_position"] = []
+            s["time_shares"] = None
+        figures["methods"][m.name] = s
+    base = figures["methods"].get(BASELINE)
+    hf = figures["methods"].get("HF generate")
+    for s in figures["methods"].values():
+        s["speedup"] = []
+        for b_name, b in ((BASELINE, base), ("HF generate", hf)):
+            if b is not None:
+                s["speedup"].append(speedup(s["tokens_per_s"], b["tokens_per_s"], b_name))
+    figures["per_prompt"] = [
+        {"question_id": p.question_id, "category": p.category,
+         **{m.name: {"tokens": len(per[m.name][i].tokens), "wall_s": per[m.name][i].wall_s,
+                     "tau": per[m.name][i].tau} for m in methods}}
+        for i, p in enumerate(prompts)]
+    return figures
+
+
+def table(figures: dict) -> str:
+    """A plain-text table of the headline figures."""
+    rows = [("method", "tokens/s", "tau", "speedup", "accept@1..3", "draft/verify")]
+    for name, s in figures["methods"].items():
+        sp = next((f"{x['speedup']:.2f}x vs {x['baseline']}" for x in s["speedup"]), "-")
+        acc = ",".join("-" if a is None else f"{a:.2f}" for a in s["acceptance_by_position"][:3]) or "-"
+        ts = s.get("time_shares")
+        share = f"{ts['draft']:.0%}/{ts['verify']:.0%}" if ts else "-"
+        rows.append((name, f"{s['tokens_per_s']:.2f}", f"{s['tau']:.2f}", sp, acc, share))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def default_methods(target, sampling: SamplingParams, *, drafter_layers: int | None = 8, draft_len: int = 4,
+                    hf: bool = True, hf_assisted_too: bool = True, heads=None, trees: list | None = None) -> list[Method]:
+    """The standard comparison set (see the module docstring)."""
+    from draftsmith.eval.decoder import SpeculativeDecoder
+    from draftsmith.eval.drafters import first_layers_drafter
+    from draftsmith.eval.policies import FixedLength
+
+    methods = [ours(BASELINE, SpeculativeDecoder(target, sampling=sampling))]
+    if hf:
+        methods.append(hf_generate(target, sampling))
+    if drafter_layers:
+        dr = first_layers_drafter(target, drafter_layers)
+        methods.append(ours(f"ours first-{drafter_layers}-layers K={draft_len}",
+                            SpeculativeDecoder(target, dr, policy=FixedLength(draft_len), sampling=sampling)))
+        if hf_assisted_too:
+            methods.append(hf_assisted(target, dr.model, draft_len, sampling,
+                                       name=f"HF assisted first-{drafter_layers}-layers K={draft_len}"))
+    if heads is not None:
+        for label, tree in (trees or [("chain", None)]):
+            methods.append(ours(f"ours {heads.name} {label}", SpeculativeDecoder(target, heads, tree=tree,
+                                                                                  sampling=sampling)))
+    return methods

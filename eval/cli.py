@@ -1,0 +1,103 @@
+"""``draftsmith eval``: benchmark a drafter checkpoint against plain decoding and Hugging Face.
+
+    draftsmith eval CHECKPOINT [--plain] [--drafter-layers N] [--hf-assisted] [--prompts N]
+                    [--max-new-tokens 128] [--temperature 0 ...] [--tree SPEC ...] --out DIR
+
+CHECKPOINT is a drafter checkpoint directory, or ``none`` to benchmark
+baselines only. Plain decoding with our decoder always runs: it is the
+baseline every speedup names. Writes DIR/report.json (every figure, the
+command, the config and the environment), DIR/report.md and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from draftsmith.eval.trees import DynamicTree, StaticTree
+
+
+def parse_tree(spec: str):
+    """``chain`` | ``dynamic[:BUDGET[,DEPTH[,WIDTH]]]`` | JSON list of rank paths | path to such a JSON file."""
+    s = spec.strip()
+    if s == "chain":
+        return None
+    if s.startswith("dynamic"):
+        nums = [int(x) for x in s.split(":", 1)[1].split(",")] if ":" in s else []
+        keys = ["budget", "max_depth", "width"]
+        return DynamicTree(**dict(zip(keys, nums)))
+    if Path(s).is_file():
+        s = Path(s).read_text()
+    try:
+        paths = json.loads(s)
+    except json.JSONDecodeError:
+        raise ValueError(f"--tree {spec!r}: expected 'chain', 'dynamic[:B,D,W]', a JSON list of paths or a "
+                         f"JSON file") from None
+    return StaticTree([tuple(p) for p in paths])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="draftsmith eval", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", help="drafter checkpoint directory, or 'none' for baselines only")
+    ap.add_argument("--target", default=None, help="target name or directory (default: the checkpoint's target)")
+    ap.add_argument("--plain", action="store_true", help="also run Hugging Face generate (plain decoding)")
+    ap.add_argument("--drafter-layers", type=int, default=None,
+                    help="also run a standalone drafter made of the target's first N layers (untrained baseline)")
+    ap.add_argument("--draft-len", type=int, default=4, help="draft length K for chains (ours and HF assisted)")
+    ap.add_argument("--hf-assisted", action="store_true",
+                    help="also run HF assisted generation with the --drafter-layers model as assistant")
+    ap.add_argument("--prompts", type=int, default=80, help="number of MT-Bench first turns")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several allowed")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--tree", action="append", default=None,
+                    help="tree for the checkpoint's drafter: chain | dynamic[:B,D,W] | JSON paths | JSON file; "
+                         "repeatable (default: chain)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, help="output directory")
+    return ap
+
+
+def eval_main(argv: list[str] | None = None) -> dict:
+    """Entry point of ``draftsmith eval``; returns the report dict."""
+    from draftsmith.checkpoint import command_line, environment, read_manifest
+    from draftsmith.eval.bench import default_methods, run_bench, table
+    from draftsmith.eval.drafters import drafter_from_checkpoint
+    from draftsmith.eval.mtbench import mtbench_prompts
+    from draftsmith.eval.report import write_report
+    from draftsmith.eval.sampling import SamplingParams
+    from draftsmith.target import load_target
+
+    a = build_parser().parse_args(argv)
+    if a.hf_assisted and not a.drafter_layers:
+        raise SystemExit("--hf-assisted needs --drafter-layers N (the assistant model)")
+    trees = [(t, parse_tree(t)) for t in (a.tree or ["chain"])]
+    ckpt = None if a.checkpoint.lower() == "none" else Path(a.checkpoint)
+    target_name = a.target
+    if target_name is None and ckpt is not None:
+        t = read_manifest(ckpt)["target"]
+        target_name = t["path"] if Path(t["path"]).exists() else t["name"]
+    target = load_target(target_name or "smollm2-135m-instruct")
+    heads = drafter_from_checkpoint(ckpt, target) if ckpt is not None else None
+    prompts = mtbench_prompts(target.tokenizer, a.prompts)
+    runs = {}
+    for temp in a.temperature:
+        sampling = SamplingParams(temp, a.top_k if temp > 0 else 0, a.top_p if temp > 0 else 1.0)
+        label = "greedy" if sampling.greedy else f"T={temp}"
+        methods = default_methods(target, sampling, drafter_layers=a.drafter_layers, draft_len=a.draft_len,
+                                  hf=a.plain, hf_assisted_too=a.hf_assisted, heads=heads, trees=trees)
+        print(f"== {label}: {', '.join(m.name for m in methods)}", flush=True)
+        runs[label] = run_bench(methods, prompts, a.max_new_tokens, seed=a.seed)
+        print(table(runs[label]), flush=True)
+    config = {k: v for k, v in vars(a).items()}
+    config["target"] = {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint}
+    report = write_report(a.out, runs, config, command_line(), environment())
+    print(f"wrote {Path(a.out) / 'report.json'}, report.md and {len(report['plots'])} plots")
+    return report
+
+
+if __name__ == "__main__":
+    eval_main()

@@ -1,0 +1,39 @@
+"""``draftsmith eval`` end to end on a tiny target saved as a local model directory."""
+
+import json
+
+import torch
+
+from draftsmith.checkpoint import save_checkpoint
+from draftsmith.eval.cli import eval_main, parse_tree
+from draftsmith.eval.trees import DynamicTree, StaticTree
+from draftsmith.heads.medusa import MedusaHeads
+from tests.tiny import make_tiny_target
+
+
+def test_parse_tree_specs():
+    assert parse_tree("chain") is None
+    assert parse_tree("dynamic:6,3") == DynamicTree(budget=6, max_depth=3)
+    assert parse_tree("[[0],[1],[0,0]]") == StaticTree([(0,), (1,), (0, 0)])
+
+
+def test_eval_cli_writes_report(tmp_path):
+    target = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, save_to=tmp_path / "target")
+    torch.manual_seed(0)
+    heads = MedusaHeads(target.hidden_size, target.vocab_size, target.lm_head, num_heads=2)
+    save_checkpoint(tmp_path / "ck", heads, target)
+    out = tmp_path / "report"
+    report = eval_main([str(tmp_path / "ck"), "--plain", "--drafter-layers", "1", "--hf-assisted", "--draft-len", "2",
+                        "--prompts", "2", "--max-new-tokens", "6", "--temperature", "0", "0.8",
+                        "--tree", "chain", "--tree", "dynamic:4,2,2", "--out", str(out)])
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["environment"]["torch"] == torch.__version__ and "command" in saved
+    for label in ("greedy", "T=0.8"):
+        methods = saved["runs"][label]["methods"]
+        assert set(methods) == {"plain (ours)", "HF generate", "ours first-1-layers K=2",
+                                "HF assisted first-1-layers K=2", "ours medusa chain", "ours medusa dynamic:4,2,2"}
+        assert methods["plain (ours)"]["tau"] == 1.0
+        assert methods["HF generate"]["tau"] == 1.0  # one forward per token, counted by a hook
+        assert methods["ours medusa chain"]["speedup"][0]["baseline"] == "plain (ours)"
+    assert (out / "report.md").exists() and len(report["plots"]) == 6
+    assert all((out / p).stat().st_size > 1000 for p in report["plots"])

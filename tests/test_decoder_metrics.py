@@ -1,0 +1,39 @@
+"""The metric definitions (eval/metrics.py) on hand-made step records."""
+
+import pytest
+
+from draftsmith.eval.metrics import (DecodeResult, StepStats, acceptance_by_position, speedup, summarize, tau,
+                                     time_shares, tokens_per_second)
+
+
+def _step(accepted, attempted, emitted=None, d=0.1, v=0.3, o=0.0):
+    return StepStats(emitted=accepted + 1 if emitted is None else emitted, accepted=accepted, attempted=attempted,
+                     drafted=4, draft_s=d, verify_s=v, other_s=o)
+
+
+def test_tau_counts_bonus_and_not_prefill():
+    r = DecodeResult(tokens=list(range(7)), prompt_len=3, steps=[_step(3, 4), _step(0, 1), _step(1, 2)], prefill_s=5.0)
+    assert r.target_forwards == 3 and r.tau == pytest.approx(7 / 3)
+    plain = DecodeResult(tokens=[1, 2, 3], prompt_len=2, steps=[_step(0, 0) for _ in range(3)])
+    assert plain.tau == 1.0
+    assert tau(0, 0) == 0.0
+
+
+def test_acceptance_by_position_is_conditional():
+    # depth 1 tested in 4 steps, accepted in 3; depth 2 tested in 3 (those that reached it), accepted in 1;
+    # depth 3 tested once (the step that accepted depth 2 and had a depth-3 candidate), rejected.
+    r = DecodeResult(tokens=[0] * 9, prompt_len=1,
+                     steps=[_step(0, 1), _step(1, 2), _step(1, 2), _step(2, 3), _step(0, 0)])
+    assert acceptance_by_position([r]) == [pytest.approx(3 / 4), pytest.approx(1 / 3), 0.0]
+    assert acceptance_by_position([r], max_depth=1) == [pytest.approx(3 / 4)]
+
+
+def test_time_shares_speedup_and_summary():
+    r = DecodeResult(tokens=[0] * 4, prompt_len=1, steps=[_step(1, 2, d=0.1, v=0.3, o=0.1)] * 2, wall_s=2.0)
+    assert time_shares([r]) == pytest.approx({"draft": 0.2, "verify": 0.6, "other": 0.2})
+    assert tokens_per_second(10, 4.0) == 2.5
+    s = speedup(30.0, 20.0, "plain (ours)")
+    assert s == {"speedup": 1.5, "baseline": "plain (ours)"}
+    summ = summarize([r, r])
+    assert summ["tokens"] == 8 and summ["target_forwards"] == 4 and summ["tau"] == 2.0
+    assert summ["tokens_per_s"] == 2.0
