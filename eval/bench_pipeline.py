@@ -60,8 +60,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--train-steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats of each pair; best of each kept")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from draftsmith.recipe import parse_recipe
     from draftsmith.target import load_target
