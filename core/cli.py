@@ -117,13 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "urllib3", "datasets", "accelerate", "DeepSpeed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # the decoder CLI owns its own options (argparse REMAINDER drops leading flags)
+        from draftsmith.eval.cli import eval_main
+        return eval_main(argv[1:])
     args = build_parser().parse_args(argv)
     from draftsmith.recipe import RecipeError
     from draftsmith.target import TargetMismatchError
     try:
-        if args.cmd == "eval":
-            from draftsmith.eval.cli import eval_main
-            return eval_main(args.rest)
         if args.cmd == "info":
             return _info(args)
         if args.cmd == "quickstart":
