@@ -60,7 +60,8 @@ def _run_stages(args, stages) -> int:
             meta = json.loads((recipe.out / "data" / "meta.json").read_text())
             print(f"data: {meta['generation'].get('conversations', 0)} conversations, "
                   f"{meta['generation'].get('response_tokens', 0)} response tokens; "
-                  f"held out {meta['sources'].get('held_out_mtbench', 0)} MT-Bench prompts; "
+                  f"{meta['sources'].get('held_out_mtbench', 0)} MT-Bench questions removed from training sources, "
+                  f"{meta['heldout_generation'].get('conversations', 0)} MT-Bench answers held out; "
                   f"skipped {meta['skipped']['total']} bad rows")
         elif st == "cache":
             res = pipeline.stage_cache(recipe, target)
