@@ -129,10 +129,6 @@ def parse_recipe(raw: dict, overrides: list[str] | None = None) -> Recipe:
         raise RecipeError(_format(e)) from None
 
 
-def builtin_recipe_path(name: str) -> Path:
-    return Path(__file__).resolve().parent.parent / "recipes" / f"{name}.yaml"
-
-
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read and validate a recipe; a bare name like 'quickstart' means recipes/<name>.yaml."""
     p = Path(path)
