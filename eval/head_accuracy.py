@@ -30,7 +30,6 @@ def head_accuracy(model, cache: HiddenCache, num_heads: int, ks=(1, 5), batch_po
     ranked token of head k is the label (used to build Medusa trees).
     """
     model.eval()
-    hits = torch.zeros(num_heads, max(ks))
     count = torch.zeros(num_heads)
     kmax = max(max(ks), ranks)
     rank_hits = torch.zeros(num_heads, kmax)

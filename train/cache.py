@@ -76,6 +76,17 @@ def _batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return out
 
 
+def pad_batch(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and attention mask for a list of token-id rows."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        attn[i, : len(r)] = 1
+    return ids, attn
+
+
 def build_cache(target: Target, sequences: list[dict], needs: list[str], out_dir: str | Path, *,
                 dtype: str = "float16", batch_tokens: int = 8192, shard_tokens: int = 200_000,
                 provenance: dict | None = None) -> dict:
@@ -122,12 +133,7 @@ def build_cache(target: Target, sequences: list[dict], needs: list[str], out_dir
         mms = {nd: np.lib.format.open_memmap(tmp / _field_file(nd), mode="w+", dtype=_NP_DTYPE[dtype], shape=(ntok, d))
                for nd in needs}
         for batch in _batches(lens, batch_tokens):
-            width = max(lens[j] for j in batch)
-            ids = torch.zeros((len(batch), width), dtype=torch.long)
-            attn = torch.zeros((len(batch), width), dtype=torch.long)
-            for r, j in enumerate(batch):
-                ids[r, : lens[j]] = torch.tensor(sequences[members[j]]["ids"])
-                attn[r, : lens[j]] = 1
+            ids, attn = pad_batch([sequences[members[j]]["ids"] for j in batch])
             states = target_states(target, ids.to(dev), attn.to(dev), needs)
             for nd, st in states.items():
                 st = st.to(_TORCH_DTYPE[dtype]).cpu()
