@@ -54,7 +54,15 @@ class MedusaConfig(_Strict):
     share_lm_head: bool = Field(True, description="project through the target's frozen LM head (else a trainable copy)")
 
 
-DrafterConfig = Annotated[Union[MedusaConfig], Field(discriminator="kind")]
+class HydraConfig(_Strict):
+    kind: Literal["hydra"]
+    num_heads: int = Field(4, ge=1, le=16)
+    num_layers: int = Field(1, ge=1, le=8, description="layers per head (input layer included); Hydra++: 4")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Hydra++: 0.2")
+    prefix_layer: bool = Field(False, description="Hydra++: one decoder layer over the base hidden states")
+
+
+DrafterConfig = Annotated[Union[MedusaConfig, HydraConfig], Field(discriminator="kind")]
 
 
 class TrainConfig(_Strict):
@@ -71,7 +79,10 @@ class TrainConfig(_Strict):
     max_grad_norm: float = Field(1.0, gt=0)
     loss: Literal["hard", "soft", "mix"] = Field("hard", description="hard labels, teacher distribution, or both")
     soft_weight: float = Field(0.5, ge=0, le=1, description="weight of the soft term when loss = mix")
-    head_decay: float = Field(0.8, gt=0, le=1, description="head k loss weight = head_decay**k")
+    head_decay: float = Field(0.8, gt=0, le=1, description="head k loss weight = head_decay**k (1 = equal)")
+    calibration_every: int = Field(20, ge=0, description="hold every N-th cached sequence out of training to "
+                                   "measure acceptance for tree building (0 = none)")
+    tree_budgets: list[int] = Field([8, 16], description="node budgets of the trees built after training")
     save_every: int = Field(200, ge=1)
     log_every: int = Field(10, ge=1)
     tracker: Literal["wandb", "none"] = Field("wandb", description="wandb runs offline unless WANDB_MODE says otherwise")
@@ -110,7 +121,7 @@ def _set_dotted(d: dict, dotted: str, value) -> None:
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"] if not (isinstance(x, str) and x in ("medusa",)))
+        loc = ".".join(str(x) for x in e["loc"] if not (isinstance(x, str) and x in ("medusa", "hydra")))
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
         lines.append(f"recipe key {loc!r}: {msg}")
     return "invalid recipe:\n  " + "\n  ".join(lines)

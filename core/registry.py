@@ -39,4 +39,5 @@ def kinds() -> list[str]:
 
 def _load_builtin() -> None:
     # Importing the modules registers their kinds.
+    import draftsmith.heads.hydra  # noqa: F401
     import draftsmith.heads.medusa  # noqa: F401

@@ -60,6 +60,9 @@ class DecodeState:
     length: int  # tokens[:length] are committed (in the target's KV cache once `cached` catches up)
     hidden: torch.Tensor | None  # target's last hidden state (after the final norm) at length-1, [1, d]
     max_new_tokens: int
+    # the target's hidden states of the positions committed by the last prefill or step, ending at length-1
+    # (drafters that read the whole history, e.g. Hydra++'s prefix layer, consume them)
+    fresh_hidden: torch.Tensor | None = None
     drafter_state: Any = None
     cached: int = 0  # tokens[:cached] are in the target's cache; the rest of the prefix rides with the next forward
     done: bool = False
@@ -199,6 +202,7 @@ class SpeculativeDecoder:
                       position_ids=torch.arange(c, L, device=self.device)[None], attention_mask=mask,
                       past_key_values=self.cache, use_cache=True).last_hidden_state
         state.hidden, state.cached = h[0, -1:], L
+        state.fresh_hidden = h[0] if c == 0 or state.fresh_hidden is None else torch.cat([state.fresh_hidden, h[0]])
 
     # ------------------------------------------------------------------ one step, in phases
     @torch.no_grad()
@@ -263,6 +267,7 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.commit(self, state, tree, verdict.path)
         state.hidden = hidden[verdict.path[-1]][None]
+        state.fresh_hidden = hidden[verdict.path]
         out = list(verdict.tokens)
         room = state.max_new_tokens - state.emitted
         if len(out) > room:  # cannot happen (drafts are capped), kept as a guard

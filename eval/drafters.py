@@ -20,8 +20,11 @@ Drafter state lives in ``state.drafter_state`` and is copied with
 Families:
   * `HeadDrafter`: heads on the target's last hidden state (Medusa). A head
     module that also reads the drafted tokens (Hydra) implements
-    ``draft_logits(hidden [1, d], paths [n, k+1]) -> [n, V]`` where each path
-    is the root followed by the k drafted tokens above the new node.
+    ``draft_states(base [1, d], paths [n, k+1]) -> [n, d]`` (head k+1) where
+    each path is the root followed by the k drafted tokens above the new
+    node, and ``base_step(rows, start, past)`` for its base state (Hydra++'s
+    prefix layer reads every committed position's hidden state, from
+    ``state.fresh_hidden``).
   * `ModelDrafter`: any causal LM over the target's vocabulary, with its own
     pre-allocated KV cache and tree attention (`first_layers_drafter` builds
     an untrained baseline from the target's first layers).
@@ -75,6 +78,9 @@ class Drafter(Protocol):
 @dataclass
 class _HeadState:
     logits: torch.Tensor | None = None  # [K, V] Medusa logits for this step
+    base: torch.Tensor | None = None  # [1, d] Hydra's base state at length-1 (after the prefix layer)
+    fed: int = 0  # Hydra++: positions [0, fed) went through the prefix layer
+    past: tuple | None = None  # Hydra++: the prefix layer's keys and values (replaced, never mutated)
 
 
 class HeadDrafter:
@@ -92,7 +98,8 @@ class HeadDrafter:
         self.target_fingerprint = target_fingerprint
         self.max_depth = int(getattr(heads, "num_heads"))
         self.needs_target_hidden = True  # the decoder prefills the target before the first draft
-        self.reads_path = callable(getattr(heads, "draft_logits", None))
+        self.reads_path = callable(getattr(heads, "draft_states", None))
+        self.has_prefix = getattr(heads, "prefix", None) is not None
 
     def start(self, dec, state) -> _HeadState:
         return _HeadState()
@@ -105,11 +112,7 @@ class HeadDrafter:
         # Nodes at the deepest level may be in the range without needing children; clamp their rows.
         depths = [min(d, self.max_depth - 1) for d in tree.depth[start:end]]
         if self.reads_path:
-            out = []
-            for i in range(start, end):  # Hydra: head d+1 reads the root and drafted tokens on the path
-                path = tree.tok[torch.tensor(tree.path(i), device=tree.tok.device)][None]
-                out.append(self.heads.draft_logits(state.hidden, path)[0])
-            return torch.stack(out)
+            return self._path_logits(state, ds, tree, start, end)
         if ds.logits is None:
             shared = getattr(self.heads, "proj", "absent") is None and getattr(self.heads, "lm_head", None) is not None
             if shared:  # Medusa with the target's LM head: one product for all K heads
@@ -119,6 +122,40 @@ class HeadDrafter:
         if len(set(depths)) == 1:
             return ds.logits[depths[0]].expand(end - start, -1)
         return ds.logits[torch.tensor(depths, device=ds.logits.device)]
+
+    def _base(self, state, ds: _HeadState) -> torch.Tensor:
+        """Hydra's base state at length-1: h itself, or the prefix layer fed every new committed position."""
+        if not self.has_prefix:
+            return state.hidden
+        L = state.length
+        if ds.fed < L:
+            fresh = state.fresh_hidden
+            n = L - ds.fed
+            if fresh is None or fresh.shape[0] < n:
+                raise RuntimeError(f"prefix layer needs hidden states of positions {ds.fed}..{L - 1}, "
+                                   f"the decoder kept {0 if fresh is None else fresh.shape[0]}")
+            out, ds.past = self.heads.base_step(fresh[-n:].to(self._dtype()), ds.fed, ds.past)
+            ds.base, ds.fed = out[-1:], L
+        return ds.base
+
+    def _dtype(self):
+        return next(self.heads.parameters()).dtype
+
+    def _path_logits(self, state, ds: _HeadState, tree: DraftTree, start: int, end: int) -> torch.Tensor:
+        """Hydra: node i's children come from head depth(i)+1 reading the root and the drafted tokens
+        above it; nodes are batched by depth (one head, one LM-head product per depth)."""
+        base = self._base(state, ds)
+        dev = tree.tok.device
+        by_depth: dict[int, list[int]] = {}
+        for i in range(start, end):
+            by_depth.setdefault(tree.depth[i], []).append(i)
+        rows: list[torch.Tensor] = [None] * (end - start)  # type: ignore[list-item]
+        for d, nodes in by_depth.items():
+            paths = torch.stack([tree.tok[torch.tensor(tree.path(i), device=dev)] for i in nodes])
+            logits = project(self.heads.lm_head, self.heads.draft_states(base, paths))
+            for j, i in enumerate(nodes):
+                rows[i - start] = logits[j]
+        return torch.stack(rows)
 
     def commit(self, dec, state, tree, path) -> None:
         state.drafter_state.logits = None
@@ -244,7 +281,7 @@ def drafter_from_checkpoint(path, target: Target) -> "HeadDrafter | ModelDrafter
     p = next(target.model.parameters())
     module, manifest = load_checkpoint(path, target, device=p.device)
     fp = manifest["target"]["fingerprint"]
-    if hasattr(module, "head_states") or callable(getattr(module, "draft_logits", None)):
+    if hasattr(module, "head_states") or callable(getattr(module, "draft_states", None)):
         return HeadDrafter(module.to(dtype=p.dtype), target_fingerprint=fp, name=manifest.get("kind", "heads"))
     inner = getattr(module, "model", None)
     if inner is not None and callable(getattr(inner, "get_decoder", None)):

@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--drafter-layers", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="subset of: chain static-tree dynamic-tree heads-chain heads-static-tree heads-dynamic-tree")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     target = load_target(a.target)
@@ -94,7 +96,14 @@ def main(argv: list[str] | None = None) -> dict:
     if a.checkpoint:
         heads = drafter_from_checkpoint(a.checkpoint, target)
         methods["heads-chain"] = SpeculativeDecoder(target, heads)
+        methods["heads-static-tree"] = SpeculativeDecoder(
+            target, heads, tree=[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)])
         methods["heads-dynamic-tree"] = SpeculativeDecoder(target, heads, tree=DynamicTree(16, heads.max_depth, 4))
+    if a.methods:
+        unknown = sorted(set(a.methods) - set(methods))
+        if unknown:
+            raise SystemExit(f"unknown or unavailable methods {unknown}; available: {sorted(methods)}")
+        methods = {k: v for k, v in methods.items() if k in a.methods}
     report = greedy_equality(target, methods, mtbench_prompts(target.tokenizer, a.prompts), a.max_new_tokens)
     print(json.dumps({n: {k: v for k, v in m.items() if k != "divergences"} for n, m in report["methods"].items()}))
     print("PASS" if report["pass"] else "FAIL: divergences away from near-ties")

@@ -7,17 +7,18 @@ from torch import nn
 
 
 class ResBlock(nn.Module):
-    """x + SiLU(W x + b) with W zero-initialised: starts as the identity."""
+    """x + Dropout(SiLU(W x + b)) with W zero-initialised: starts as the identity."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, dropout: float = 0.0):
         super().__init__()
         self.linear = nn.Linear(dim, dim)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
         self.act = nn.SiLU()
+        self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.act(self.linear(x))
+        return x + self.drop(self.act(self.linear(x)))
 
 
 def copy_of_linear(src: nn.Module) -> nn.Linear:

@@ -22,15 +22,35 @@ from draftsmith.train.losses import hard_ce, soft_ce, topk_hits
 
 @dataclass
 class HeadBatch:
-    hidden: torch.Tensor   # [P, d]  h_t for every kept position t
+    hidden: torch.Tensor | None  # [P, d]  h_t for every kept position t (None when ``seqs`` is used)
     labels: torch.Tensor   # [K, P]  token t+k+1 or -100
     teacher: torch.Tensor | None  # [K, P, V] teacher logits at t+k, only for soft losses
+    next_tokens: torch.Tensor | None = None  # [P, K] tokens t+1..t+K (Hydra's teacher forcing)
+    # Hydra++: per window (h_0..h_{hi-1} of its sequence, lo, kept rows), for the prefix layer
+    seqs: list | None = None
+
+    @property
+    def positions(self) -> int:
+        return int(self.labels.shape[1])
+
+    def to(self, device) -> "HeadBatch":
+        mv = lambda x: None if x is None else x.to(device)  # noqa: E731
+        seqs = None if self.seqs is None else [(mv(h), lo, mv(k)) for h, lo, k in self.seqs]
+        return HeadBatch(mv(self.hidden), mv(self.labels), mv(self.teacher), mv(self.next_tokens), seqs)
 
 
-def make_chunks(cache: HiddenCache, chunk_len: int, min_offset: int = 2) -> list[tuple[int, int, int]]:
+def calibration_split(n: int, every: int) -> set[int]:
+    """Sequences held out of training to measure acceptance for tree building: every ``every``-th one."""
+    return set(range(every - 1, n, every)) if every > 0 else set()
+
+
+def make_chunks(cache: HiddenCache, chunk_len: int, min_offset: int = 2,
+                exclude: set[int] | None = None) -> list[tuple[int, int, int]]:
     """(sequence, lo, hi) windows that contain at least one head-1 label."""
     chunks = []
     for i in range(len(cache)):
+        if exclude and i in exclude:
+            continue
         m = cache.mask(i)
         n = len(m)
         # position t has a head-1 label if mask[t + 2]
@@ -61,10 +81,10 @@ class HeadObjective:
     """Builds batches from the cache and computes the weighted head loss."""
 
     def __init__(self, cache: HiddenCache, target, num_heads: int, loss: str = "hard", soft_weight: float = 0.5,
-                 head_decay: float = 0.8, chunk_len: int = 128):
+                 head_decay: float = 0.8, chunk_len: int = 128, exclude: set[int] | None = None):
         self.cache, self.target, self.K = cache, target, num_heads
         self.loss_kind, self.soft_weight, self.head_decay = loss, soft_weight, head_decay
-        self.chunks = make_chunks(cache, chunk_len)
+        self.chunks = make_chunks(cache, chunk_len, exclude=exclude)
         if not self.chunks:
             raise ValueError("the cache holds no trainable positions (no assistant tokens); check the data stage")
 
@@ -72,30 +92,44 @@ class HeadObjective:
         return [self.head_decay ** k for k in range(1, self.K + 1)]
 
     @torch.no_grad()
+    def window(self, i: int, lo: int, hi: int, teacher: bool = False) -> HeadBatch | None:
+        """Positions lo..hi-1 of sequence i that have at least one label (None if none do)."""
+        tok, m = self.cache.tokens(i), self.cache.mask(i)
+        lab = head_labels(tok, m, lo, hi, self.K)
+        keep = (lab != -100).any(0)
+        if not keep.any():
+            return None
+        keep_t = torch.from_numpy(keep)
+        h = self.cache.states(i, "final", lo, hi + self.K)
+        tl = None
+        if teacher:
+            tl = teacher_logits(self.target, h)  # rows lo .. hi+K-1
+            n = tl.shape[0]
+            rows = []
+            for k in range(1, self.K + 1):
+                idx = torch.clamp(torch.arange(k, k + hi - lo), max=n - 1)
+                rows.append(tl[idx][keep_t])
+            tl = torch.stack(rows)
+        return HeadBatch(h[: hi - lo][keep_t], torch.from_numpy(lab[:, keep]), tl)
+
+    @staticmethod
+    def collate(parts: list[HeadBatch]) -> HeadBatch:
+        return HeadBatch(torch.cat([p.hidden for p in parts]), torch.cat([p.labels for p in parts], dim=1),
+                         torch.cat([p.teacher for p in parts], dim=1) if parts[0].teacher is not None else None)
+
+    @torch.no_grad()
     def prepare(self, chunk_ids: list[int]) -> HeadBatch:
-        hs, labs, teach = [], [], []
         need_teacher = self.loss_kind in ("soft", "mix")
-        for c in chunk_ids:
-            i, lo, hi = self.chunks[c]
-            tok, m = self.cache.tokens(i), self.cache.mask(i)
-            lab = head_labels(tok, m, lo, hi, self.K)
-            keep = (lab != -100).any(0)
-            h = self.cache.states(i, "final", lo, hi + self.K)
-            hs.append(h[: hi - lo][torch.from_numpy(keep)])
-            labs.append(torch.from_numpy(lab[:, keep]))
-            if need_teacher:
-                tl = teacher_logits(self.target, h)  # rows lo .. hi+K-1
-                n = tl.shape[0]
-                rows = []
-                for k in range(1, self.K + 1):
-                    idx = torch.clamp(torch.arange(k, k + hi - lo), max=n - 1)
-                    rows.append(tl[idx][torch.from_numpy(keep)])
-                teach.append(torch.stack(rows))
-        return HeadBatch(torch.cat(hs), torch.cat(labs, dim=1), torch.cat(teach, dim=1) if need_teacher else None)
+        parts = [self.window(*self.chunks[c], teacher=need_teacher) for c in chunk_ids]
+        return self.collate([p for p in parts if p is not None])
+
+    def logits(self, model, batch: HeadBatch) -> torch.Tensor:
+        """[K, P, V] logits of every head at the batch's positions."""
+        return model(batch.hidden)
 
     def loss(self, model, batch: HeadBatch) -> tuple[torch.Tensor, dict]:
         """Weighted head loss; returns (loss, aux) where aux feeds ``stats``."""
-        logits = model(batch.hidden)  # [K, P, V]
+        logits = self.logits(model, batch)  # [K, P, V]
         total = logits.new_zeros(())
         per_head = []
         for k, w in enumerate(self.weights()):
@@ -120,3 +154,43 @@ class HeadObjective:
             out[f"head{k + 1}/top1"] = hits[1]
             out[f"head{k + 1}/top5"] = hits[5]
         return out
+
+
+class HydraObjective(HeadObjective):
+    """Hydra heads: teacher-forced tokens t+1..t+K, and the prefix layer's full-sequence input.
+
+    Head i at t predicts token t+i+1 (same labels and teachers as Medusa head
+    i); it reads the embeddings of tokens t+1..t+i.
+    """
+
+    def __init__(self, *args, prefix_layer: bool = False, **kw):
+        super().__init__(*args, **kw)
+        self.prefix_layer = prefix_layer
+
+    @torch.no_grad()
+    def window(self, i: int, lo: int, hi: int, teacher: bool = False) -> HeadBatch | None:
+        b = super().window(i, lo, hi, teacher)
+        if b is None:
+            return None
+        tok = self.cache.tokens(i)
+        n = len(tok)
+        keep = torch.from_numpy((head_labels(tok, self.cache.mask(i), lo, hi, self.K) != -100).any(0))
+        t = torch.arange(lo, hi)[keep]
+        idx = torch.clamp(t[:, None] + torch.arange(1, self.K + 1)[None], max=n - 1)
+        b.next_tokens = torch.from_numpy(tok.astype(np.int64))[idx]  # [P, K]
+        if self.prefix_layer:
+            b.seqs = [(self.cache.states(i, "final", 0, hi), lo, keep)]
+            b.hidden = None
+        return b
+
+    @staticmethod
+    def collate(parts: list[HeadBatch]) -> HeadBatch:
+        seqs = [s for p in parts for s in p.seqs] if parts[0].seqs is not None else None
+        return HeadBatch(None if seqs else torch.cat([p.hidden for p in parts]),
+                         torch.cat([p.labels for p in parts], dim=1),
+                         torch.cat([p.teacher for p in parts], dim=1) if parts[0].teacher is not None else None,
+                         torch.cat([p.next_tokens for p in parts]), seqs)
+
+    def logits(self, model, batch: HeadBatch) -> torch.Tensor:
+        # One call through the (possibly DDP-wrapped) module, so every trained weight is in its forward.
+        return model(batch.hidden, batch.next_tokens, batch.seqs)

@@ -51,10 +51,10 @@ class PathHeads(torch.nn.Module):
         self.mix = torch.nn.Linear(2 * target.hidden_size, target.hidden_size)
         self.paths_seen = []
 
-    def draft_logits(self, hidden, paths):  # hidden [1, d], paths [n, k+1]: root then drafted tokens
+    def draft_states(self, hidden, paths):  # hidden [1, d], paths [n, k+1]: root then drafted tokens
         self.paths_seen.append(paths.tolist())
         e = self.emb(paths[:, -1])
-        return self.lm_head(hidden.expand(len(paths), -1) + self.mix(torch.cat([hidden.expand(len(paths), -1), e], -1)))
+        return hidden.expand(len(paths), -1) + self.mix(torch.cat([hidden.expand(len(paths), -1), e], -1))
 
 
 @pytest.fixture(scope="module")

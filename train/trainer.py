@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from draftsmith import registry
 from draftsmith.checkpoint import save_checkpoint
-from draftsmith.heads.objective import HeadObjective
+from draftsmith.heads.objective import HeadObjective, HydraObjective, calibration_split
 from draftsmith.recipe import Recipe
 from draftsmith.train.cache import HiddenCache
 from draftsmith.train.state import latest_checkpoint, load_trainer_state, save_trainer_state
@@ -41,14 +41,24 @@ def drafter_config(recipe: Recipe, target) -> dict:
 
 
 def build_drafter(recipe: Recipe, target) -> torch.nn.Module:
-    return registry.get(recipe.drafter.kind).from_config(drafter_config(recipe, target), target)
+    cls = registry.get(recipe.drafter.kind)
+    if hasattr(cls, "for_target"):  # kinds that initialise from the target (Hydra's prefix layer)
+        cfg = recipe.drafter.model_dump()
+        cfg.pop("kind")
+        return cls.for_target(target, **cfg)
+    return cls.from_config(drafter_config(recipe, target), target)
 
 
 def make_objective(recipe: Recipe, cache: HiddenCache, target):
     t = recipe.train
+    exclude = calibration_split(len(cache), t.calibration_every)
+    common = dict(loss=t.loss, soft_weight=t.soft_weight, head_decay=t.head_decay, chunk_len=t.chunk_len,
+                  exclude=exclude)
     if recipe.drafter.kind == "medusa":
-        return HeadObjective(cache, target, recipe.drafter.num_heads, loss=t.loss, soft_weight=t.soft_weight,
-                             head_decay=t.head_decay, chunk_len=t.chunk_len)
+        return HeadObjective(cache, target, recipe.drafter.num_heads, **common)
+    if recipe.drafter.kind == "hydra":
+        return HydraObjective(cache, target, recipe.drafter.num_heads, prefix_layer=recipe.drafter.prefix_layer,
+                              **common)
     raise KeyError(f"no training objective for drafter kind {recipe.drafter.kind!r}")
 
 
@@ -155,7 +165,7 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
         for micro in range(t.grad_accum):
             base = (within * t.grad_accum + micro) * t.batch_size * world + rank * t.batch_size
             t0 = time.perf_counter()
-            batch = objective.prepare(ids[base: base + t.batch_size])
+            batch = objective.prepare(ids[base: base + t.batch_size]).to(acc.device)
             t1 = time.perf_counter()
             with acc.accumulate(model):
                 loss, aux = objective.loss(model, batch)
@@ -171,7 +181,7 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
             timing["data_s"] += t1 - t0
             timing["math_s"] += t2 - t1
             timing["stats_s"] += time.perf_counter() - t2
-            timing["positions"] += int(batch.hidden.shape[0])
+            timing["positions"] += batch.positions
         scheduler.step()
         done = step + 1
         bar.update(1)
