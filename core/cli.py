@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-STAGES = ("data", "cache", "train", "report")
+STAGES = ("data", "cache", "train", "trees", "report", "bench")
 
 
 def _recipe(args):
@@ -49,6 +49,17 @@ def _run_stages(args, stages) -> int:
     recipe.out.mkdir(parents=True, exist_ok=True)
     (recipe.out / "recipe.json").write_text(json.dumps(recipe.model_dump(mode="json"), indent=2))
     (recipe.out / "command.txt").write_text(" ".join(sys.argv) + "\n")
+    if recipe.shared_data:  # same data and cache for every recipe that names this directory
+        shared = Path(recipe.shared_data)
+        for sub in ("data", "cache"):
+            (shared / sub).mkdir(parents=True, exist_ok=True)
+            link = recipe.out / sub
+            if link.is_symlink() and link.resolve() != (shared / sub).resolve():
+                link.unlink()
+            if not link.exists():
+                link.symlink_to((shared / sub).resolve(), target_is_directory=True)
+            elif not link.is_symlink():
+                raise ValueError(f"{link} exists and is not a link to shared_data {shared}: move it away first")
     t_all = time.time()
     target = _target(recipe)
     times = {}
@@ -73,9 +84,19 @@ def _run_stages(args, stages) -> int:
             print(f"train: {timing['steps']} steps in {timing['wall_s']:.1f} s "
                   f"({timing['distributed_type']}, {timing['world_size']} process(es)); "
                   f"{100 * timing['outside_math_share']:.1f}% of wall time outside model math")
+        elif st == "trees":
+            tr = pipeline.stage_trees(recipe, target, ckpt)
+            print(f"trees from {tr['source']['sequences']} held-out training sequences: " + ", ".join(
+                f"{b} nodes -> expected tau {t['expected_tau']:.2f}" for b, t in tr["trees"].items()) +
+                f" (chain K={len(tr['rank_acc'])}: {tr['chain_expected_tau'][str(len(tr['rank_acc']))]:.2f})")
         elif st == "report":
             rep = pipeline.stage_report(recipe, target, ckpt)
             print((recipe.out / "report.md").read_text())
+        elif st == "bench":
+            b = pipeline.stage_bench(recipe, target, ckpt)
+            print(f"decoding {b['prompts']} MT-Bench first turns, {b['max_new_tokens']} new tokens, greedy "
+                  f"(interleaved, this machine):")
+            print(b["table"])
         times[st] = round(time.time() - t0, 1)
     print(f"stage seconds: {times}; total {time.time() - t_all:.1f} s; outputs in {recipe.out}")
     return 0

@@ -88,16 +88,26 @@ class TrainConfig(_Strict):
     tracker: Literal["wandb", "none"] = Field("wandb", description="wandb runs offline unless WANDB_MODE says otherwise")
 
 
+class EvalConfig(_Strict):
+    prompts: int = Field(8, ge=1, le=80, description="MT-Bench first turns, spread over the categories")
+    max_new_tokens: int = Field(64, ge=1)
+    trees: list[str] = Field(["chain", "built:8"], description="chain | built:BUDGET | dynamic[:B,D,W] | JSON paths")
+    hf_generate: bool = Field(True, description="also time Hugging Face generate (speedup baseline)")
+
+
 class Recipe(_Strict):
     name: str
     target: str = "smollm2-135m-instruct"
     output_dir: str = "runs/${name}"
+    shared_data: Optional[str] = Field(None, description="a directory whose data/ and cache/ this run uses "
+                                       "(created there if missing): recipes that compare drafters on the same data")
     seed: int = 0
     threads: Optional[int] = Field(None, ge=1, description="torch CPU threads (default: all cores)")
     data: DataConfig = Field(default_factory=DataConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     drafter: DrafterConfig
     train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @property
     def out(self) -> Path:

@@ -18,11 +18,17 @@ from pathlib import Path
 from draftsmith.eval.trees import DynamicTree, StaticTree
 
 
-def parse_tree(spec: str):
-    """``chain`` | ``dynamic[:BUDGET[,DEPTH[,WIDTH]]]`` | JSON list of rank paths | path to such a JSON file."""
+def parse_tree(spec: str, checkpoint=None):
+    """``chain`` | ``built:BUDGET`` (the checkpoint's tree built from measured acceptance) |
+    ``dynamic[:BUDGET[,DEPTH[,WIDTH]]]`` | JSON list of rank paths | path to such a JSON file."""
     s = spec.strip()
     if s == "chain":
         return None
+    if s.startswith("built:"):
+        from draftsmith.eval.tree_build import load_tree
+        if checkpoint is None:
+            raise ValueError(f"--tree {spec!r} needs a checkpoint with built trees")
+        return StaticTree(load_tree(checkpoint, s.split(":", 1)[1]))
     if s.startswith("dynamic"):
         nums = [int(x) for x in s.split(":", 1)[1].split(",")] if ":" in s else []
         keys = ["budget", "max_depth", "width"]
@@ -40,7 +46,9 @@ def parse_tree(spec: str):
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="draftsmith eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint", help="drafter checkpoint directory, or 'none' for baselines only")
+    ap.add_argument("checkpoint", nargs="+",
+                    help="drafter checkpoint directories (several are benchmarked side by side, interleaved), "
+                         "or 'none' for baselines only")
     ap.add_argument("--target", default=None, help="target name or directory (default: the checkpoint's target)")
     ap.add_argument("--plain", action="store_true", help="also run Hugging Face generate (plain decoding)")
     ap.add_argument("--drafter-layers", type=int, default=None,
@@ -48,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-len", type=int, default=4, help="draft length K for chains (ours and HF assisted)")
     ap.add_argument("--hf-assisted", action="store_true",
                     help="also run HF assisted generation with the --drafter-layers model as assistant")
-    ap.add_argument("--prompts", type=int, default=80, help="number of MT-Bench first turns")
+    ap.add_argument("--prompts", type=int, default=80,
+                    help="number of MT-Bench first turns (fewer than 80: evenly spread over the categories)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several allowed")
     ap.add_argument("--top-k", type=int, default=0)
@@ -74,21 +83,26 @@ def eval_main(argv: list[str] | None = None) -> dict:
     a = build_parser().parse_args(argv)
     if a.hf_assisted and not a.drafter_layers:
         raise SystemExit("--hf-assisted needs --drafter-layers N (the assistant model)")
-    trees = [(t, parse_tree(t)) for t in (a.tree or ["chain"])]
-    ckpt = None if a.checkpoint.lower() == "none" else Path(a.checkpoint)
+    ckpts = [] if [c.lower() for c in a.checkpoint] == ["none"] else [Path(c) for c in a.checkpoint]
     target_name = a.target
-    if target_name is None and ckpt is not None:
-        t = read_manifest(ckpt)["target"]
+    if target_name is None and ckpts:
+        t = read_manifest(ckpts[0])["target"]
         target_name = t["path"] if Path(t["path"]).exists() else t["name"]
     target = load_target(target_name or "smollm2-135m-instruct")
-    heads = drafter_from_checkpoint(ckpt, target) if ckpt is not None else None
-    prompts = mtbench_prompts(target.tokenizer, a.prompts)
+    drafters = []
+    for c in ckpts:
+        d = drafter_from_checkpoint(c, target)
+        d.name = (read_manifest(c).get("recipe") or {}).get("name") or d.name
+        drafters.append((d, [(t, parse_tree(t, c)) for t in (a.tree or ["chain"])]))
+    prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
     runs = {}
     for temp in a.temperature:
         sampling = SamplingParams(temp, a.top_k if temp > 0 else 0, a.top_p if temp > 0 else 1.0)
         label = "greedy" if sampling.greedy else f"T={temp}"
         methods = default_methods(target, sampling, drafter_layers=a.drafter_layers, draft_len=a.draft_len,
-                                  hf=a.plain, hf_assisted_too=a.hf_assisted, heads=heads, trees=trees)
+                                  hf=a.plain, hf_assisted_too=a.hf_assisted)
+        for d, trees in drafters:
+            methods += default_methods(target, sampling, drafter_layers=None, hf=False, heads=d, trees=trees)[1:]
         print(f"== {label}: {', '.join(m.name for m in methods)}", flush=True)
         runs[label] = run_bench(methods, prompts, a.max_new_tokens, seed=a.seed)
         print(table(runs[label]), flush=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.objective import head_labels
 from draftsmith.train.cache import HiddenCache
 
 
@@ -21,33 +20,43 @@ def predicted_chain_tau(top1: list[float]) -> float:
     return tau
 
 
+def objective_for(model, cache: HiddenCache, target=None):
+    """The training objective matching a head module (it knows how to feed it a window)."""
+    from draftsmith.heads.objective import HeadObjective, HydraObjective
+
+    if getattr(model, "kind", None) == "hydra":
+        return HydraObjective(cache, target, model.num_heads, chunk_len=1 << 30,
+                              prefix_layer=getattr(model, "prefix", None) is not None)
+    return HeadObjective(cache, target, model.num_heads, chunk_len=1 << 30)
+
+
 @torch.no_grad()
-def head_accuracy(model, cache: HiddenCache, num_heads: int, ks=(1, 5), batch_positions: int = 2048,
-                  ranks: int = 0) -> dict:
-    """Per-head top-k accuracy over every labelled position of a cache.
+def head_accuracy(model, cache: HiddenCache, num_heads: int, ks=(1, 5), batch_positions: int = 512,
+                  ranks: int = 0, sequences=None) -> dict:
+    """Per-head top-k accuracy over every labelled position of a cache (or of ``sequences`` in it).
 
     With ``ranks`` > 0 also returns ``rank_acc[k][i]``: how often the i-th
-    ranked token of head k is the label (used to build Medusa trees).
+    ranked token of head k is the label (used to build trees). Hydra heads
+    are teacher-forced: their figures are acceptance given the path so far.
     """
     model.eval()
+    obj = objective_for(model, cache)
+    dev = next(model.parameters()).device
     count = torch.zeros(num_heads)
     kmax = max(max(ks), ranks)
     rank_hits = torch.zeros(num_heads, kmax)
-    for i in range(len(cache)):
-        tok, m = cache.tokens(i), cache.mask(i)
-        n = len(tok)
+    for i in (range(len(cache)) if sequences is None else sorted(sequences)):
+        n = len(cache.tokens(i))
         for lo in range(0, n, batch_positions):
-            hi = min(n, lo + batch_positions)
-            lab = torch.from_numpy(head_labels(tok, m, lo, hi, num_heads))
-            keep = (lab != -100).any(0)
-            if not keep.any():
+            b = obj.window(i, lo, min(n, lo + batch_positions))
+            if b is None:
                 continue
-            h = cache.states(i, "final", lo, hi)[keep]
-            lab = lab[:, keep]
-            logits = model(h)  # [K, P, V]
+            b = b.to(dev)
+            logits = obj.logits(model, b)  # [K, P, V]
+            lab = b.labels
             top = logits.topk(kmax, dim=-1).indices  # [K, P, kmax]
-            eq = top == lab.unsqueeze(-1)
-            valid = lab != -100
+            eq = (top == lab.unsqueeze(-1)).cpu()
+            valid = (lab != -100).cpu()
             for k in range(num_heads):
                 v = valid[k]
                 count[k] += v.sum()

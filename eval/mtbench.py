@@ -25,12 +25,19 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return [int(i) for i in ids]
 
 
-def mtbench_prompts(tokenizer, n: int | None = None) -> list[Prompt]:
-    """First turns of the 80 MT-Bench questions (the first ``n`` if given), chat template applied."""
+def mtbench_prompts(tokenizer, n: int | None = None, spread: bool = False) -> list[Prompt]:
+    """First turns of the 80 MT-Bench questions, chat template applied.
+
+    With ``n``: the first ``n``, or with ``spread`` ``n`` evenly spaced ones
+    (the file is grouped by category, so a spread subset covers them all).
+    """
     rows = [json.loads(line) for line in mtbench_questions_path().read_text().splitlines() if line.strip()]
     if n is not None:
         if n < 1:
             raise ValueError(f"need at least one prompt, got {n}")
-        rows = rows[:n]
+        if spread and n < len(rows):
+            rows = [rows[(i * len(rows)) // n] for i in range(n)]
+        else:
+            rows = rows[:n]
     return [Prompt(int(r["question_id"]), r["category"], r["turns"][0], chat_ids(tokenizer, r["turns"][0]))
             for r in rows]

@@ -23,16 +23,27 @@ def _recipe_file(tmp_path, tiny_dir, **extra):
                   "max_new_tokens": 12, "temperature": 1.0, "batch_size": 16, "heldout_max_new_tokens": 8,
                   "on_long_prompt": "skip"},
          "drafter": {"kind": "medusa", "num_heads": 2},
-         "train": {"epochs": 1, "batch_size": 2, "chunk_len": 16, "tracker": "none"}, **extra}
+         "train": {"epochs": 1, "batch_size": 2, "chunk_len": 16, "tracker": "none", "calibration_every": 4,
+                   "tree_budgets": [3, 5]},
+         "eval": {"prompts": 2, "max_new_tokens": 8, "trees": ["chain", "built:5"]}, **extra}
     p = tmp_path / "r.yaml"
     p.write_text(yaml.safe_dump(r))
     return p
 
 
-def test_run_end_to_end_reports_and_counts_skips(tmp_path, tiny_dir, capsys):
-    assert main(["run", str(_recipe_file(tmp_path, tiny_dir))]) == 0
+@pytest.mark.parametrize("drafter", [{"kind": "medusa", "num_heads": 2},
+                                     {"kind": "hydra", "num_heads": 2, "num_layers": 2, "prefix_layer": True}],
+                         ids=["medusa", "hydra++"])
+def test_run_end_to_end_reports_and_counts_skips(tmp_path, tiny_dir, capsys, drafter):
+    assert main(["run", str(_recipe_file(tmp_path, tiny_dir, drafter=drafter))]) == 0
     out = capsys.readouterr().out
     assert "skipped 2 bad rows" in out and "predicted chain acceptance length" in out
+    assert "5 nodes -> expected tau" in out  # trees built from the held-out calibration split
+    assert "ours cli built:5" in out and "tokens/s" in out  # decoded with the built tree, timed
+    trees = json.loads((tmp_path / "run" / "final" / "trees.json").read_text())
+    assert len(trees["trees"]["5"]["paths"]) == 5 and trees["source"]["sequences"] > 0
+    bench = json.loads((tmp_path / "run" / "bench.json").read_text())
+    assert bench["methods"]["ours cli built:5"]["tau"] >= 1.0
     rep = json.loads((tmp_path / "run" / "report.json").read_text())
     assert len(rep["top1"]) == 2 and rep["positions"][0] > 0
     meta = json.loads((tmp_path / "run" / "data" / "meta.json").read_text())

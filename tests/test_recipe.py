@@ -44,3 +44,19 @@ def test_overrides_beat_yaml_and_are_validated():
 def test_unknown_drafter_kind():
     with pytest.raises(RecipeError, match="drafter"):
         parse_recipe({"name": "x", "drafter": {"kind": "eagle"}})
+
+
+def test_hydra_keys_and_fair_comparison_recipes():
+    with pytest.raises(RecipeError, match=r"'drafter\.prefix': unknown key"):
+        parse_recipe({"name": "x", "drafter": {"kind": "hydra", "prefix": True}})
+    with pytest.raises(RecipeError, match=r"'drafter\.num_layers'"):
+        parse_recipe({"name": "x", "drafter": {"kind": "hydra", "num_layers": 0}})
+    rs = {n: load_recipe(n) for n in ("compare-medusa", "compare-hydra", "compare-hydra-pp")}
+    # same data, same shared data directory, same optimizer steps and batches
+    for r in rs.values():
+        assert r.data == rs["compare-medusa"].data and r.shared_data == rs["compare-medusa"].shared_data
+        for k in ("max_steps", "batch_size", "chunk_len", "lr", "warmup_steps", "calibration_every"):
+            assert getattr(r.train, k) == getattr(rs["compare-medusa"].train, k), k
+    pp = rs["compare-hydra-pp"]
+    assert (pp.drafter.prefix_layer, pp.drafter.num_layers, pp.drafter.dropout) == (True, 4, 0.2)
+    assert pp.train.loss == "soft" and pp.train.head_decay == 1.0

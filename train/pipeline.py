@@ -198,3 +198,45 @@ def stage_report(recipe: Recipe, target: Target, ckpt: Path) -> dict:
                   f"**{acc['predicted_chain_tau']:.3f}**"]
     (recipe.out / "report.md").write_text("\n".join(lines) + "\n")
     return report
+
+
+def stage_trees(recipe: Recipe, target: Target, ckpt: Path) -> dict:
+    """Build static trees from acceptance measured on the calibration split (sequences held out of training)."""
+    from draftsmith.eval.head_accuracy import head_accuracy
+    from draftsmith.eval.tree_build import build_trees, save_trees
+    from draftsmith.heads.objective import calibration_split
+
+    model, _ = load_checkpoint(ckpt, target, device=next(target.model.parameters()).device)
+    cache = HiddenCache(recipe.out / "cache" / "train", target)
+    calib = calibration_split(len(cache), recipe.train.calibration_every)
+    if not calib:
+        raise EmptyDatasetError("train.calibration_every is 0: no held-out sequences to build trees from")
+    acc = head_accuracy(model, cache, model.num_heads, ranks=10, sequences=calib)
+    trees = build_trees(acc["rank_acc"], recipe.train.tree_budgets,
+                        {"split": f"every {recipe.train.calibration_every}-th training sequence, held out of training",
+                         "sequences": len(calib), "positions": acc["positions"],
+                         "conditional": getattr(model, "kind", "") == "hydra"})
+    save_trees(ckpt, trees)
+    return trees
+
+
+def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
+    """Decode MT-Bench first turns with the trained drafter: tau and speedup, measured interleaved."""
+    from draftsmith.eval.bench import default_methods, run_bench, table
+    from draftsmith.eval.cli import parse_tree
+    from draftsmith.eval.drafters import drafter_from_checkpoint
+    from draftsmith.eval.mtbench import mtbench_prompts
+    from draftsmith.eval.sampling import SamplingParams
+
+    e = recipe.eval
+    drafter = drafter_from_checkpoint(ckpt, target)
+    drafter.name = recipe.name
+    trees = [(t, parse_tree(t, ckpt)) for t in e.trees]
+    methods = default_methods(target, SamplingParams(0.0), drafter_layers=None, hf=e.hf_generate,
+                              hf_assisted_too=False, heads=drafter, trees=trees)
+    figures = run_bench(methods, mtbench_prompts(target.tokenizer, e.prompts, spread=True), e.max_new_tokens,
+                        log=None)
+    figures["table"] = table(figures)
+    figures["command"], figures["environment"] = command_line(), environment()
+    (recipe.out / "bench.json").write_text(json.dumps(figures, indent=2))
+    return figures

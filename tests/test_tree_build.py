@@ -1,0 +1,45 @@
+"""Trees built from measured acceptance: the greedy growth, its expected value, and its validity."""
+
+import itertools
+
+import pytest
+
+from draftsmith.eval.trees import StaticTree
+from draftsmith.eval.tree_build import build_trees, chain_value, grow_tree, tree_value
+
+ACC = [[0.6, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1, 0.05]]
+
+
+def test_hand_computed_tree():
+    paths, ev = grow_tree(ACC, 4)
+    # (0)=.6; then (0,0)=.24 beats (1)=.2; then (1)=.2; then (2)=.1 beats (0,1)=.09 and (1,0)=.08
+    assert paths == [(0,), (0, 0), (1,), (2,)]
+    assert ev == pytest.approx(1 + 0.6 + 0.24 + 0.2 + 0.1)
+    assert tree_value(ACC, paths) == pytest.approx(ev)
+
+
+def _valid(paths):
+    StaticTree(paths)  # raises on a missing parent or a gap in sibling ranks
+    return True
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 4, 5])
+def test_greedy_tree_is_optimal_among_all_small_trees(budget):
+    """Brute force over every valid tree of the same size (rank < 3, depth <= 3)."""
+    paths, ev = grow_tree(ACC, budget)
+    assert _valid(paths) and len(paths) == budget
+    nodes = [p for d in (1, 2, 3) for p in itertools.product(range(3), repeat=d)]
+    best = 0.0
+    for cand in itertools.combinations(nodes, budget):
+        s = set(cand)
+        ok = all((p[:-1] in s or len(p) == 1) and (p[-1] == 0 or p[:-1] + (p[-1] - 1,) in s) for p in cand)
+        if ok:
+            best = max(best, tree_value(ACC, list(cand)))
+    assert ev == pytest.approx(best)
+
+
+def test_built_tree_beats_chain_of_same_size_in_expectation():
+    t = build_trees(ACC, [3], {})
+    assert t["trees"]["3"]["expected_tau"] >= chain_value(ACC, 3)
+    with pytest.raises(ValueError):
+        grow_tree(ACC, 0)
