@@ -152,7 +152,7 @@ def table(figures: dict) -> str:
     """A plain-text table of the headline figures."""
     rows = [("method", "tokens/s", "tau", "speedup", "accept@1..3", "draft/verify")]
     for name, s in figures["methods"].items():
-        sp = next((f"{x['speedup']:.2f}x vs {x['baseline']}" for x in s["speedup"]), "-")
+        sp = "; ".join(f"{x['speedup']:.2f}x vs {x['baseline']}" for x in s["speedup"]) or "-"
         acc = ",".join("-" if a is None else f"{a:.2f}" for a in s["acceptance_by_position"][:3]) or "-"
         ts = s.get("time_shares")
         share = f"{ts['draft']:.0%}/{ts['verify']:.0%}" if ts else "-"
