@@ -56,7 +56,6 @@ def test_teacher_forced_embeddings_are_aligned(tiny_target, tmp_path):
     """Head i at t reads exactly tokens t+1..t+i, and its label is token t+i+1."""
     from draftsmith.train.cache import HiddenCache, build_cache
 
-    tok = tiny_target.tokenizer
     seqs = [{"ids": list(range(3, 23)), "mask": [0] * 5 + [1] * 15}]
     build_cache(tiny_target, seqs, ["final"], tmp_path / "c")
     cache = HiddenCache(tmp_path / "c", tiny_target)
@@ -75,7 +74,6 @@ def test_teacher_forced_embeddings_are_aligned(tiny_target, tmp_path):
     m = _ProbeHeads.for_target(tiny_target, num_heads=3)
     obj.logits(m, b)
     assert torch.equal(m.seen, b.next_tokens)
-    del tok
 
 
 def test_prefix_layer_sees_whole_sequence_and_is_causal(tiny_target):
