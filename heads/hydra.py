@@ -221,6 +221,3 @@ class HydraHeads(nn.Module):
         i = min(paths.shape[1], self.num_heads)
         emb = self.embed(paths[:, :i]).to(base.dtype)
         return self.heads[i - 1](base.expand(paths.shape[0], -1), emb)
-
-    def draft_logits(self, base: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.draft_states(base, paths))

@@ -28,6 +28,7 @@ class HeadBatch:
     next_tokens: torch.Tensor | None = None  # [P, K] tokens t+1..t+K (Hydra's teacher forcing)
     # Hydra++: per window (h_0..h_{hi-1} of its sequence, lo, kept rows), for the prefix layer
     seqs: list | None = None
+    rows: torch.Tensor | None = None  # [P] absolute positions of the kept rows (one window)
 
     @property
     def positions(self) -> int:
@@ -110,7 +111,8 @@ class HeadObjective:
                 idx = torch.clamp(torch.arange(k, k + hi - lo), max=n - 1)
                 rows.append(tl[idx][keep_t])
             tl = torch.stack(rows)
-        return HeadBatch(h[: hi - lo][keep_t], torch.from_numpy(lab[:, keep]), tl)
+        return HeadBatch(h[: hi - lo][keep_t], torch.from_numpy(lab[:, keep]), tl,
+                         rows=torch.arange(lo, hi)[keep_t])
 
     @staticmethod
     def collate(parts: list[HeadBatch]) -> HeadBatch:
@@ -173,12 +175,11 @@ class HydraObjective(HeadObjective):
         if b is None:
             return None
         tok = self.cache.tokens(i)
-        n = len(tok)
-        keep = torch.from_numpy((head_labels(tok, self.cache.mask(i), lo, hi, self.K) != -100).any(0))
-        t = torch.arange(lo, hi)[keep]
-        idx = torch.clamp(t[:, None] + torch.arange(1, self.K + 1)[None], max=n - 1)
+        idx = torch.clamp(b.rows[:, None] + torch.arange(1, self.K + 1)[None], max=len(tok) - 1)
         b.next_tokens = torch.from_numpy(tok.astype(np.int64))[idx]  # [P, K]
         if self.prefix_layer:
+            keep = torch.zeros(hi - lo, dtype=torch.bool)
+            keep[b.rows - lo] = True
             b.seqs = [(self.cache.states(i, "final", 0, hi), lo, keep)]
             b.hidden = None
         return b
