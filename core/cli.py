@@ -86,7 +86,8 @@ def _run_stages(args, stages) -> int:
                   f"{100 * timing['outside_math_share']:.1f}% of wall time outside model math")
         elif st == "trees":
             tr = pipeline.stage_trees(recipe, target, ckpt)
-            print(f"trees from {tr['source']['sequences']} held-out training sequences: " + ", ".join(
+            kind = "held-out" if tr["source"].get("held_out", True) else "(NOT held-out: trained on)"
+            print(f"trees from {tr['source']['sequences']} {kind} training sequences: " + ", ".join(
                 f"{b} nodes -> expected tau {t['expected_tau']:.2f}" for b, t in tr["trees"].items()) +
                 f" (chain K={len(tr['rank_acc'])}: {tr['chain_expected_tau'][str(len(tr['rank_acc']))]:.2f})")
         elif st == "report":

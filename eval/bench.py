@@ -162,8 +162,10 @@ def table(figures: dict) -> str:
 
 
 def default_methods(target, sampling: SamplingParams, *, drafter_layers: int | None = 8, draft_len: int = 4,
-                    hf: bool = True, hf_assisted_too: bool = True, heads=None, trees: list | None = None) -> list[Method]:
-    """The standard comparison set (see the module docstring)."""
+                    hf: bool = True, hf_assisted_too: bool = True, heads=None, trees: list | None = None,
+                    cpu_layout: bool = False) -> list[Method]:
+    """The standard comparison set (see the module docstring). ``cpu_layout``: give the standalone
+    drafter `draftsmith.eval.cpu_layout`'s layout (the caller does the target's and ``heads``')."""
     from draftsmith.eval.decoder import SpeculativeDecoder
     from draftsmith.eval.drafters import first_layers_drafter
     from draftsmith.eval.policies import FixedLength
@@ -173,6 +175,9 @@ def default_methods(target, sampling: SamplingParams, *, drafter_layers: int | N
         methods.append(hf_generate(target, sampling))
     if drafter_layers:
         dr = first_layers_drafter(target, drafter_layers)
+        if cpu_layout:
+            from draftsmith.eval.cpu_layout import apply_cpu_layout
+            apply_cpu_layout(target, dr)
         methods.append(ours(f"ours first-{drafter_layers}-layers K={draft_len}",
                             SpeculativeDecoder(target, dr, policy=FixedLength(draft_len), sampling=sampling)))
         if hf_assisted_too:

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tree for the checkpoint's drafter: chain | dynamic[:B,D,W] | JSON paths | JSON file; "
                          "repeatable (default: chain)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false",
+                    help="keep PyTorch's default weight layout on CPU (default: column-major linears and a "
+                         "transposed LM-head copy for every method, see draftsmith.eval.cpu_layout)")
     ap.add_argument("--out", required=True, help="output directory")
     return ap
 
@@ -94,19 +97,26 @@ def eval_main(argv: list[str] | None = None) -> dict:
         d = drafter_from_checkpoint(c, target)
         d.name = (read_manifest(c).get("recipe") or {}).get("name") or d.name
         drafters.append((d, [(t, parse_tree(t, c)) for t in (a.tree or ["chain"])]))
+    layout = None
+    if a.cpu_layout:
+        from draftsmith.eval.cpu_layout import apply_cpu_layout
+        layout = apply_cpu_layout(target, *[d for d, _ in drafters])
+        if layout["applied"]:
+            print(f"CPU decoding layout: {layout['linears']} linears column-major, {layout['heads']} head copies")
     prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
     runs = {}
     for temp in a.temperature:
         sampling = SamplingParams(temp, a.top_k if temp > 0 else 0, a.top_p if temp > 0 else 1.0)
         label = "greedy" if sampling.greedy else f"T={temp}"
         methods = default_methods(target, sampling, drafter_layers=a.drafter_layers, draft_len=a.draft_len,
-                                  hf=a.plain, hf_assisted_too=a.hf_assisted)
+                                  hf=a.plain, hf_assisted_too=a.hf_assisted, cpu_layout=a.cpu_layout)
         for d, trees in drafters:
             methods += default_methods(target, sampling, drafter_layers=None, hf=False, heads=d, trees=trees)[1:]
         print(f"== {label}: {', '.join(m.name for m in methods)}", flush=True)
         runs[label] = run_bench(methods, prompts, a.max_new_tokens, seed=a.seed)
         print(table(runs[label]), flush=True)
     config = {k: v for k, v in vars(a).items()}
+    config["cpu_layout"] = layout
     config["target"] = {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint}
     report = write_report(a.out, runs, config, command_line(), environment())
     print(f"wrote {Path(a.out) / 'report.json'}, report.md and {len(report['plots'])} plots")

@@ -42,22 +42,28 @@ from typing import Any, Protocol
 
 import torch
 
+from draftsmith.eval.cpu_layout import WEIGHT_T
 from draftsmith.eval.kvcache import SlotCache, prefix_block_mask
 from draftsmith.eval.trees import DraftTree
 from draftsmith.target import Target
 
 
 def project(head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``head(x)`` for [n, d] rows; on CPU a bias-free Linear is applied as ``(W @ x.T).T``.
+    """``head(x)`` for [n, d] rows, with the fastest CPU kernel for few rows (same math).
 
     Measured on this project's CPU (MKL, 1 thread, 49152 x 576 head): F.linear
     takes ~2x longer for 2-8 rows than the transposed product (19 vs 10 ms
-    for 4 rows); both are the same math.
+    for 4 rows). With `draftsmith.eval.cpu_layout` the head also carries a
+    contiguous transposed weight, and 1-3 rows use ``x @ W_t`` (7 vs 11.5 ms
+    for one row).
     """
     w = getattr(head, "weight", None)
-    if (x.device.type == "cpu" and isinstance(head, torch.nn.Linear) and head.bias is None and x.dim() == 2
-            and 1 < x.shape[0] <= 16):
-        return (w @ x.T).T
+    if x.device.type == "cpu" and isinstance(head, torch.nn.Linear) and head.bias is None and x.dim() == 2:
+        wt = getattr(head, WEIGHT_T, None)
+        if wt is not None and x.shape[0] <= 3 and wt.dtype == x.dtype:
+            return x @ wt
+        if 1 < x.shape[0] <= 16:
+            return (w @ x.T).T
     return head(x)
 
 

@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--methods", nargs="+", default=None,
                     help="subset of: chain static-tree dynamic-tree heads-chain heads-static-tree heads-dynamic-tree")
+    ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false",
+                    help="keep PyTorch's default weight layout (default on CPU: draftsmith.eval.cpu_layout, as eval)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     target = load_target(a.target)
@@ -104,10 +106,15 @@ def main(argv: list[str] | None = None) -> dict:
         if unknown:
             raise SystemExit(f"unknown or unavailable methods {unknown}; available: {sorted(methods)}")
         methods = {k: v for k, v in methods.items() if k in a.methods}
+    if a.cpu_layout:
+        from draftsmith.eval.cpu_layout import apply_cpu_layout
+        drafters = {id(d.drafter): d.drafter for d in methods.values() if d.drafter is not None}
+        print("CPU decoding layout:", apply_cpu_layout(target, *drafters.values()))
     report = greedy_equality(target, methods, mtbench_prompts(target.tokenizer, a.prompts), a.max_new_tokens)
     print(json.dumps({n: {k: v for k, v in m.items() if k != "divergences"} for n, m in report["methods"].items()}))
     print("PASS" if report["pass"] else "FAIL: divergences away from near-ties")
     if a.out:
+        report["cpu_layout"] = a.cpu_layout
         with open(a.out, "w") as f:
             json.dump(report, f, indent=2)
     return report

@@ -206,15 +206,19 @@ def stage_trees(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     from draftsmith.eval.tree_build import build_trees, save_trees
     from draftsmith.heads.objective import calibration_split
 
-    model, _ = load_checkpoint(ckpt, target, device=next(target.model.parameters()).device)
+    model, manifest = load_checkpoint(ckpt, target, device=next(target.model.parameters()).device)
+    # Checkpoints trained before the calibration split existed saw every sequence: say so, not "held out".
+    held_out = bool((manifest.get("recipe") or {}).get("train", {}).get("calibration_every"))
     cache = HiddenCache(recipe.out / "cache" / "train", target)
     calib = calibration_split(len(cache), recipe.train.calibration_every)
     if not calib:
         raise EmptyDatasetError("train.calibration_every is 0: no held-out sequences to build trees from")
     acc = head_accuracy(model, cache, model.num_heads, ranks=10, sequences=calib)
     trees = build_trees(acc["rank_acc"], recipe.train.tree_budgets,
-                        {"split": f"every {recipe.train.calibration_every}-th training sequence, held out of training",
-                         "sequences": len(calib), "positions": acc["positions"],
+                        {"split": f"every {recipe.train.calibration_every}-th training sequence, " + (
+                             "held out of training" if held_out else
+                             "NOT held out: this checkpoint was trained on every sequence"),
+                         "held_out": held_out, "sequences": len(calib), "positions": acc["positions"],
                          "conditional": getattr(model, "kind", "") == "hydra"})
     save_trees(ckpt, trees)
     return trees
@@ -231,6 +235,8 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     e = recipe.eval
     drafter = drafter_from_checkpoint(ckpt, target)
     drafter.name = recipe.name
+    from draftsmith.eval.cpu_layout import apply_cpu_layout
+    apply_cpu_layout(target, drafter)  # decoding only from here on (see draftsmith.eval.cpu_layout)
     trees = [(t, parse_tree(t, ckpt)) for t in e.trees]
     methods = default_methods(target, SamplingParams(0.0), drafter_layers=None, hf=e.hf_generate,
                               hf_assisted_too=False, heads=drafter, trees=trees)
