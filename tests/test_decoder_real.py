@@ -58,3 +58,22 @@ def test_monte_carlo_tree_sampling_matches_target(real_target):
     # both branches were exercised: accepted candidates (bonus tokens) and full rejections (residual draws)
     first = [s for s in steps if s.drafted > 0]
     assert 0.3 < sum(s.accepted for s in first) / len(first) < 0.99
+
+
+def test_cpu_layout_keeps_greedy_output(real_target):
+    """The CPU decoding layout (column-major linears, transposed head copy) on a copy of the real target:
+    plain and speculative greedy output equal plain decoding with PyTorch's default layout."""
+    import copy
+    import dataclasses
+
+    from draftsmith.eval.cpu_layout import apply_cpu_layout
+
+    prompt = _chat(real_target, "Explain what a prime number is.")
+    ref = SpeculativeDecoder(real_target).generate(prompt, 24).tokens
+    laid = dataclasses.replace(real_target, model=copy.deepcopy(real_target.model))
+    dr = first_layers_drafter(laid, 8)
+    done = apply_cpu_layout(laid, dr)
+    assert done["applied"] and done["linears"] == 7 * (30 + 8) and done["heads"] == 2
+    assert SpeculativeDecoder(laid).generate(prompt, 24).tokens == ref
+    res = SpeculativeDecoder(laid, dr, tree=[(0,), (1,), (0, 0), (0, 0, 0)]).generate(prompt, 24)
+    assert first_divergence(ref, res.tokens) is None
