@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "repeatable (default: chain)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false",
-                    help="keep PyTorch's default weight layout on CPU (default: column-major linears and a "
-                         "transposed LM-head copy for every method, see draftsmith.eval.cpu_layout)")
+                    help="keep PyTorch's default weight layout on CPU (default: column-major linears, oneDNN-packed "
+                         "copies for 2+ rows and a transposed LM-head copy for every method, see "
+                         "draftsmith.eval.cpu_layout)")
     ap.add_argument("--out", required=True, help="output directory")
     return ap
 
@@ -102,7 +103,8 @@ def eval_main(argv: list[str] | None = None) -> dict:
         from draftsmith.eval.cpu_layout import apply_cpu_layout
         layout = apply_cpu_layout(target, *[d for d, _ in drafters])
         if layout["applied"]:
-            print(f"CPU decoding layout: {layout['linears']} linears column-major, {layout['heads']} head copies")
+            print(f"CPU decoding layout: {layout['linears']} linears column-major, "
+                  f"{layout.get('packed', 0)} oneDNN-packed, {layout['heads']} head copies")
     prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
     runs = {}
     for temp in a.temperature:

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import torch
 
-from draftsmith.eval.cpu_layout import WEIGHT_T
+from draftsmith.eval.cpu_layout import WEIGHT_T, linear_rows, packed_weight
 from draftsmith.eval.kvcache import SlotCache, prefix_block_mask
 from draftsmith.eval.trees import DraftTree
 from draftsmith.target import Target
@@ -60,6 +60,10 @@ def project(head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     w = getattr(head, "weight", None)
     if x.device.type == "cpu" and isinstance(head, torch.nn.Linear) and head.bias is None and x.dim() == 2:
         wt = getattr(head, WEIGHT_T, None)
+        if wt is not None and x.shape[0] == 1 and wt.dtype == x.dtype:
+            return x @ wt
+        if x.shape[0] > 1 and packed_weight(head) is not None:
+            return linear_rows(head, x)
         if wt is not None and x.shape[0] <= 3 and wt.dtype == x.dtype:
             return x @ wt
         if 1 < x.shape[0] <= 16:

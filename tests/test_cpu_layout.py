@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 
-from draftsmith.eval.cpu_layout import WEIGHT_T, apply_cpu_layout, column_major_linears, cpu_decode_layout
+from draftsmith.eval.cpu_layout import (WEIGHT_T, apply_cpu_layout, column_major_linears, cpu_decode_layout,
+                                        onednn_available, pack_linears, packed_weight)
 from draftsmith.eval.decoder import SpeculativeDecoder
 from draftsmith.eval.drafters import first_layers_drafter, project
 from draftsmith.eval.trees import DynamicTree
@@ -63,3 +64,56 @@ def test_greedy_output_unchanged_by_the_layout(tree):
     assert done["applied"] and done["linears"] > 0 and done["heads"] == 2
     assert SpeculativeDecoder(laid).generate(prompt, 24).tokens == ref_plain
     assert SpeculativeDecoder(laid, dr, tree=tree).generate(prompt, 24).tokens == ref_plain
+
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN packed linear")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 16), (2, 16), (1, 5, 16), (9, 16)])
+def test_packed_linears_compute_the_same_product(shape, bias):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=bias), torch.nn.Linear(32, 8, bias=bias))
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        ref = m(x)
+        assert pack_linears(m) == 2
+        assert all(packed_weight(lin) is not None for lin in m)
+        torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packed_linear_falls_back_when_its_weight_changes_or_is_copied():
+    lin = torch.nn.Linear(16, 32)
+    pack_linears(lin)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # in place: the packed copy is stale and must not be used
+        assert packed_weight(lin) is None
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    lin2 = torch.nn.Linear(16, 32)
+    pack_linears(lin2)
+    dup = copy.deepcopy(lin2)  # opaque oneDNN tensors cannot be copied: the copy drops its packing
+    assert packed_weight(dup) is None and packed_weight(lin2) is not None
+    with torch.no_grad():
+        torch.testing.assert_close(dup(x), lin2(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packed_linear_keeps_gradients_when_training():
+    lin = torch.nn.Linear(16, 8)
+    pack_linears(lin)
+    lin(torch.randn(5, 16)).sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [2, 5, 9])
+def test_project_with_a_packed_head_is_the_same_product(rows):
+    head = torch.nn.Linear(16, 300, bias=False)
+    x = torch.randn(rows, 16)
+    ref = torch.nn.functional.linear(x, head.weight)
+    cpu_decode_layout(torch.nn.ModuleDict({"lm_head": head}))
+    assert packed_weight(head) is not None
+    torch.testing.assert_close(project(head, x), ref, rtol=1e-5, atol=1e-5)
