@@ -90,5 +90,7 @@ def load_tree(ckpt: str | Path, budget: int | str) -> list[tuple[int, ...]]:
         raise FileNotFoundError(f"{ckpt} has no built trees ({TREES}); run `draftsmith trees` on it first")
     trees = json.loads(p.read_text())["trees"]
     if str(budget) not in trees:
-        raise KeyError(f"{ckpt} has built trees for budgets {sorted(trees, key=int)}, not {budget}")
+        have = sorted(trees, key=int)
+        raise ValueError(f"{ckpt} has built trees for budgets {have}, not {budget}; build it with "
+                         f"`draftsmith trees RECIPE 'train.tree_budgets=[{', '.join(have + [str(budget)])}]'`")
     return [tuple(x) for x in trees[str(budget)]["paths"]]

@@ -43,3 +43,16 @@ def test_built_tree_beats_chain_of_same_size_in_expectation():
     assert t["trees"]["3"]["expected_tau"] >= chain_value(ACC, 3)
     with pytest.raises(ValueError):
         grow_tree(ACC, 0)
+
+
+def test_load_tree_missing_file_or_budget_names_the_fix(tmp_path):
+    import json
+
+    from draftsmith.eval.tree_build import TREES, load_tree
+
+    with pytest.raises(FileNotFoundError, match="draftsmith trees"):
+        load_tree(tmp_path, 8)
+    (tmp_path / TREES).write_text(json.dumps(build_trees(ACC, [3, 5], {})))
+    assert len(load_tree(tmp_path, 3)) == 3
+    with pytest.raises(ValueError, match=r"budgets \['3', '5'\], not 4.*tree_budgets=\[3, 5, 4\]"):
+        load_tree(tmp_path, 4)
