@@ -65,6 +65,9 @@ class DecodeState:
     fresh_hidden: torch.Tensor | None = None
     drafter_state: Any = None
     cached: int = 0  # tokens[:cached] are in the target's cache; the rest of the prefix rides with the next forward
+    # the deepest level this step's draft can reach (set by `draft`); nodes at this depth get no children,
+    # so a drafter may skip the work for them (Medusa: the heads past it are not projected)
+    draft_depth: int | None = None
     done: bool = False
     stop_reason: str | None = None
     steps: list[StepStats] = field(default_factory=list)
@@ -215,6 +218,12 @@ class SpeculativeDecoder:
             cap = min(cap, md)
         if self.drafter is None or cap <= 0:
             return tree
+        if self.tree is None:
+            state.draft_depth = min(cap, self.policy.max_len)
+        elif isinstance(self.tree, StaticTree):
+            state.draft_depth = min(cap, self.tree.depth)
+        else:
+            state.draft_depth = min(cap, self.tree.max_depth)
         ds = state.drafter_state
         ctx = GrowContext(
             propose=lambda t, s, e: self.drafter.propose(self, state, t, s, e),

@@ -119,16 +119,18 @@ class HeadDrafter:
         if state.hidden is None:  # one-token prompt: no hidden state yet
             return None
         ds: _HeadState = state.drafter_state
-        # Nodes at the deepest level may be in the range without needing children; clamp their rows.
-        depths = [min(d, self.max_depth - 1) for d in tree.depth[start:end]]
         if self.reads_path:
             return self._path_logits(state, ds, tree, start, end)
         if ds.logits is None:
+            # Only heads 1..D feed a draft of depth D: a 4-node tree of depth 2 projects 2 heads, not K.
+            n = min(self.max_depth, state.draft_depth or self.max_depth)
             shared = getattr(self.heads, "proj", "absent") is None and getattr(self.heads, "lm_head", None) is not None
-            if shared:  # Medusa with the target's LM head: one product for all K heads
-                ds.logits = project(self.heads.lm_head, self.heads.head_states(state.hidden)[:, 0])
+            if shared:  # Medusa with the target's LM head: one product for the heads the draft reads
+                ds.logits = project(self.heads.lm_head, self.heads.head_states(state.hidden)[:n, 0])
             else:
                 ds.logits = self.heads(state.hidden)[:, 0]  # [K, V]
+        # Nodes at the deepest level may be in the range without needing children; clamp their rows.
+        depths = [min(d, ds.logits.shape[0] - 1) for d in tree.depth[start:end]]
         if len(set(depths)) == 1:
             return ds.logits[depths[0]].expand(end - start, -1)
         return ds.logits[torch.tensor(depths, device=ds.logits.device)]

@@ -114,6 +114,21 @@ def test_greedy_equals_plain_medusa_small_vocab():
     assert res.tokens == plain and res.tau > 1.2
 
 
+@pytest.mark.parametrize("tree,policy,rows", [([(0,), (1,), (0, 0)], None, 2), (None, FixedLength(1), 1),
+                                               (DynamicTree(budget=6, max_depth=2, width=2), None, 2),
+                                               ([(0,), (0, 0), (0, 0, 0)], None, 3)])
+def test_medusa_projects_only_the_heads_the_draft_reads(tgt, plain_tokens, monkeypatch, tree, policy, rows):
+    """A draft of depth D reads heads 1..D: the LM-head product gets D rows, not K, and output is unchanged."""
+    import draftsmith.eval.drafters as drafters
+
+    seen = []
+    real = drafters.project
+    monkeypatch.setattr(drafters, "project", lambda head, x: seen.append(x.shape[0]) or real(head, x))
+    res = SpeculativeDecoder(tgt, random_medusa(tgt, num_heads=3), tree=tree, policy=policy).generate(PROMPT, 20)
+    assert res.tokens == plain_tokens[:20]
+    assert seen and max(seen) == rows and set(seen) <= set(range(1, rows + 1))
+
+
 def _fresh_prefill(model, tokens):
     cache = SlotCache.for_model(model, len(tokens) + 1)
     model.get_decoder()(input_ids=torch.tensor([tokens]), position_ids=torch.arange(len(tokens))[None],

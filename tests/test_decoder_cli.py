@@ -37,3 +37,17 @@ def test_eval_cli_writes_report(tmp_path):
         assert methods["ours medusa chain"]["speedup"][0]["baseline"] == "plain (ours)"
     assert (out / "report.md").exists() and len(report["plots"]) == 6
     assert all((out / p).stat().st_size > 1000 for p in report["plots"])
+
+
+def test_draftsmith_eval_exit_status(tmp_path, capsys):
+    """`draftsmith eval` exits 0 after writing its report, and 2 with a one-line error for bad input."""
+    from draftsmith.cli import main
+
+    target = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, save_to=tmp_path / "target")
+    heads = MedusaHeads(target.hidden_size, target.vocab_size, target.lm_head, num_heads=2)
+    save_checkpoint(tmp_path / "ck", heads, target)
+    args = ["eval", str(tmp_path / "ck"), "--prompts", "1", "--max-new-tokens", "3", "--temperature", "0"]
+    assert main(args + ["--tree", "chain", "--out", str(tmp_path / "r")]) == 0
+    assert (tmp_path / "r" / "report.json").exists()
+    assert main(args + ["--tree", "built:4", "--out", str(tmp_path / "r2")]) == 2
+    assert "no built trees" in capsys.readouterr().err
