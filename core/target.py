@@ -161,6 +161,16 @@ def resolve_target_path(name_or_path: str | Path) -> tuple[str, Path]:
     return p.name, p
 
 
+def default_device(requested: str | None = None) -> torch.device:
+    """``requested`` if given (an unavailable CUDA device is an error naming it), else cuda when present, else cpu."""
+    if requested is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(requested)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {requested!r} asked for, but torch {torch.__version__} sees no CUDA device")
+    return dev
+
+
 def load_target(name_or_path: str | Path = DEFAULT_TARGET, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> Target:
     """Load a target, frozen and in eval mode, with its fingerprint."""

@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tree for the checkpoint's drafter: chain | dynamic[:B,D,W] | JSON paths | JSON file; "
                          "repeatable (default: chain)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false",
                     help="keep PyTorch's default weight layout on CPU (default: column-major linears, oneDNN-packed "
                          "copies for 2+ rows and a transposed LM-head copy for every method, see "
@@ -82,7 +83,7 @@ def eval_main(argv: list[str] | None = None) -> dict:
     from draftsmith.eval.mtbench import mtbench_prompts
     from draftsmith.eval.report import write_report
     from draftsmith.eval.sampling import SamplingParams
-    from draftsmith.target import load_target
+    from draftsmith.target import default_device, load_target
 
     a = build_parser().parse_args(argv)
     if a.hf_assisted and not a.drafter_layers:
@@ -92,7 +93,7 @@ def eval_main(argv: list[str] | None = None) -> dict:
     if target_name is None and ckpts:
         t = read_manifest(ckpts[0])["target"]
         target_name = t["path"] if Path(t["path"]).exists() else t["name"]
-    target = load_target(target_name or "smollm2-135m-instruct")
+    target = load_target(target_name or "smollm2-135m-instruct", device=default_device(a.device))
     drafters = []
     for c in ckpts:
         d = drafter_from_checkpoint(c, target)

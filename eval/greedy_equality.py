@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     from draftsmith.eval.drafters import drafter_from_checkpoint, first_layers_drafter
     from draftsmith.eval.mtbench import mtbench_prompts
     from draftsmith.eval.trees import DynamicTree
-    from draftsmith.target import load_target
+    from draftsmith.target import default_device, load_target
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="merge shard reports into one (written to --out); runs nothing else")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     a = ap.parse_args(argv)
     if a.merge:
         reports = []
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
                 json.dump(report, f, indent=2)
         return report
     shard = parse_shard(a.shard) if a.shard else None
-    target = load_target(a.target)
+    target = load_target(a.target, device=default_device(a.device))
     layers = first_layers_drafter(target, a.drafter_layers)
     methods = {
         "chain": SpeculativeDecoder(target, layers),

@@ -46,8 +46,21 @@ def test_draftsmith_eval_exit_status(tmp_path, capsys):
     target = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, save_to=tmp_path / "target")
     heads = MedusaHeads(target.hidden_size, target.vocab_size, target.lm_head, num_heads=2)
     save_checkpoint(tmp_path / "ck", heads, target)
-    args = ["eval", str(tmp_path / "ck"), "--prompts", "1", "--max-new-tokens", "3", "--temperature", "0"]
+    args = ["eval", str(tmp_path / "ck"), "--prompts", "1", "--max-new-tokens", "3", "--temperature", "0",
+            "--device", "cpu"]
     assert main(args + ["--tree", "chain", "--out", str(tmp_path / "r")]) == 0
     assert (tmp_path / "r" / "report.json").exists()
     assert main(args + ["--tree", "built:4", "--out", str(tmp_path / "r2")]) == 2
     assert "no built trees" in capsys.readouterr().err
+
+
+def test_default_device():
+    import pytest
+
+    from draftsmith.target import default_device
+
+    assert default_device("cpu").type == "cpu"
+    assert default_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            default_device("cuda")
