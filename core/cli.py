@@ -142,16 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from draftsmith.recipe import RecipeError
     from draftsmith.target import TargetMismatchError
-    if argv[:1] == ["eval"]:  # the decoder CLI owns its own options (argparse REMAINDER drops leading flags)
-        from draftsmith.eval.cli import eval_main
-        try:
-            eval_main(argv[1:])  # returns the report (already written); the exit status is 0
-        except (TargetMismatchError, FileNotFoundError, ValueError) as e:
-            print(f"draftsmith: error: {e}", file=sys.stderr)
-            return 2
-        return 0
-    args = build_parser().parse_args(argv)
     try:
+        if argv[:1] == ["eval"]:  # the decoder CLI owns its own options (argparse REMAINDER drops leading flags)
+            from draftsmith.eval.cli import eval_main
+            eval_main(argv[1:])  # returns the report (already written); the exit status is 0
+            return 0
+        args = build_parser().parse_args(argv)
         if args.cmd == "info":
             return _info(args)
         if args.cmd == "quickstart":

@@ -123,7 +123,7 @@ class HeadDrafter:
             return self._path_logits(state, ds, tree, start, end)
         if ds.logits is None:
             # Only heads 1..D feed a draft of depth D: a 4-node tree of depth 2 projects 2 heads, not K.
-            n = min(self.max_depth, state.draft_depth or self.max_depth)
+            n = state.draft_depth or self.max_depth  # the decoder caps draft_depth at max_depth
             shared = getattr(self.heads, "proj", "absent") is None and getattr(self.heads, "lm_head", None) is not None
             if shared:  # Medusa with the target's LM head: one product for the heads the draft reads
                 ds.logits = project(self.heads.lm_head, self.heads.head_states(state.hidden)[:n, 0])

@@ -113,9 +113,8 @@ def merge_reports(reports: list[dict]) -> dict:
                                 "unexplained": sum(m["unexplained"] for m in ms)}
     out["seconds"] = max(r["seconds"] for r in reports)
     out["pass"] = all(m["unexplained"] == 0 for m in out["methods"].values())
-    for k in ("cpu_layout",):
-        if k in reports[0]:
-            out[k] = reports[0][k]
+    if "cpu_layout" in reports[0]:
+        out["cpu_layout"] = reports[0]["cpu_layout"]
     return out
 
 
