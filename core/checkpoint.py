@@ -7,7 +7,8 @@ A checkpoint directory holds
   * ``manifest.json``: kind, target name and fingerprint, recipe, data
     provenance, metrics, the exact command, versions, time.
 Loading against a target with another fingerprint raises
-``TargetMismatchError``.
+``TargetMismatchError``; a missing, truncated or malformed file raises
+``CheckpointError`` naming the file and what is wrong with it.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import json
 import os
 import platform
 import shlex
+import struct
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from draftsmith import __version__, registry
@@ -30,6 +33,82 @@ from draftsmith.target import Target, check_fingerprint
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or export file is missing, truncated or malformed (the message names the file)."""
+
+
+class MissingFileError(CheckpointError, FileNotFoundError):
+    """A file a checkpoint or export needs is not there."""
+
+
+def read_json(path: str | Path, what: str = "file", required: tuple[str, ...] = ()) -> dict:
+    """A JSON object from ``path``, or a `CheckpointError` naming the file and the problem.
+
+    ``required`` lists top-level keys that must be present (dotted for nested ones).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"{path}: missing ({what})")
+    try:
+        obj = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not a text file ({what}); the file is corrupt") from None
+    except json.JSONDecodeError as e:
+        hint = " (empty file)" if not path.read_bytes().strip() else ""
+        raise CheckpointError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}{hint} "
+                              f"({what})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(obj).__name__} ({what})")
+    for key in required:
+        node: Any = obj
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise CheckpointError(f"{path}: no {key!r} field ({what})")
+            node = node[part]
+    return obj
+
+
+def check_safetensors(path: str | Path, what: str = "weights") -> dict[str, dict]:
+    """Check that ``path`` is a complete safetensors file; returns its tensor index (name -> dtype, shape).
+
+    Reads only the header and the file size, so a truncated copy is named as such
+    (with the bytes expected and found) instead of failing inside the loader.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"{path}: missing ({what})")
+    size = path.stat().st_size
+    if size < 8:
+        raise CheckpointError(f"{path}: truncated or empty ({size} bytes; a safetensors file starts with an 8-byte "
+                              f"header length) ({what})")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > size - 8:
+            raise CheckpointError(f"{path}: truncated or not a safetensors file (header of {n} bytes announced, "
+                                  f"{size - 8} bytes in the file) ({what})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise CheckpointError(f"{path}: corrupt safetensors header ({what})") from None
+    have = size - 8 - n
+    if have < end:
+        raise CheckpointError(f"{path}: truncated: the header describes {end} bytes of tensor data, the file holds "
+                              f"{have} ({what}); copy or save it again")
+    return tensors
+
+
+def read_safetensors(path: str | Path, what: str = "weights", device: str = "cpu") -> dict[str, torch.Tensor]:
+    """``safetensors.torch.load_file`` with a `CheckpointError` naming the file when it is truncated or corrupt."""
+    check_safetensors(path, what)
+    try:
+        return load_file(str(path), device=device)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot be read as safetensors: {e} ({what})") from None
 
 
 def command_line() -> str:
@@ -90,10 +169,13 @@ def save_checkpoint(path: str | Path, module: torch.nn.Module, target: Target, *
 
 
 def read_manifest(path: str | Path) -> dict:
+    """A checkpoint's manifest; `CheckpointError` (a ValueError) naming the file when missing or malformed."""
     path = Path(path)
+    if not path.is_dir():
+        raise MissingFileError(f"{path}: no such checkpoint directory")
     if not (path / MANIFEST).exists():
-        raise FileNotFoundError(f"{path} is not a draftsmith checkpoint (no {MANIFEST})")
-    return json.loads((path / MANIFEST).read_text())
+        raise MissingFileError(f"{path} is not a draftsmith checkpoint (no {MANIFEST})")
+    return read_json(path / MANIFEST, "checkpoint manifest", required=("kind", "target.fingerprint"))
 
 
 def update_metrics(path: str | Path, metrics: dict) -> None:
@@ -109,15 +191,25 @@ def load_checkpoint(path: str | Path, target: Target, device: str | torch.device
     path = Path(path)
     manifest = read_manifest(path)
     check_fingerprint(manifest["target"]["fingerprint"], target, what=f"checkpoint {path}")
-    config = json.loads((path / CONFIG).read_text())
+    config = read_json(path / CONFIG, "drafter config", required=("kind",))
     kind = config.pop("kind")
-    cls = registry.get(kind)
-    module = cls.from_config(config, target)
-    sd = load_file(str(path / WEIGHTS))
-    missing, unexpected = module.load_state_dict(sd, strict=False)
+    try:
+        cls = registry.get(kind)
+    except KeyError as e:
+        raise CheckpointError(f"{path / CONFIG}: {e.args[0]}") from None
+    try:
+        module = cls.from_config(config, target)
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path / CONFIG}: does not describe a {kind!r} drafter for this target: {e}") from None
+    sd = read_safetensors(path / WEIGHTS, f"{kind} weights")
+    try:
+        missing, unexpected = module.load_state_dict(sd, strict=False)
+    except RuntimeError as e:  # shape mismatches raise even with strict=False
+        raise CheckpointError(f"{path / WEIGHTS}: tensors do not fit {path / CONFIG}: "
+                              f"{str(e).splitlines()[-1].strip()}") from None
     shared = set(getattr(module, "shared_with_target", ()))
     missing = [k for k in missing if not any(k == s or k.startswith(s + ".") for s in shared)]
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match kind {kind!r}: "
-                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise CheckpointError(f"{path / WEIGHTS} does not match kind {kind!r}: "
+                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     return module.to(device).eval(), manifest

@@ -8,6 +8,8 @@
   draftsmith quickstart [...]                `run quickstart` on the default target
   draftsmith info PATH                       describe a checkpoint, cache or recipe
   draftsmith eval CHECKPOINT [...]           decode MT-Bench with the lossless decoder
+  draftsmith export CKPT --to FMT --out DIR  vllm-medusa | hf | draftsmith, checked by reload
+  draftsmith import SRC --out CKPT           a vLLM-Medusa or original-Medusa dir -> checkpoint
 
 Under accelerate: ``accelerate launch --config_file recipes/launch/cpu_ddp2.yaml -m draftsmith.cli train RECIPE``.
 """
@@ -105,9 +107,11 @@ def _run_stages(args, stages) -> int:
 
 def _info(args) -> int:
     p = Path(args.path)
+    from draftsmith.checkpoint import read_json, read_manifest
     for name in ("manifest.json", "index.json", "meta.json"):
-        if (p / name).exists():
-            print(json.dumps(json.loads((p / name).read_text()), indent=2)[:20000])
+        if (p / name).exists():  # a malformed file is an error naming it (CheckpointError, exit 2)
+            obj = read_manifest(p) if name == "manifest.json" else read_json(p / name, name)
+            print(json.dumps(obj, indent=2)[:20000])
             return 0
     if p.suffix in (".yaml", ".yml") or not p.exists():
         from draftsmith.recipe import load_recipe
@@ -115,6 +119,21 @@ def _info(args) -> int:
         return 0
     print(f"{p}: not a draftsmith checkpoint, cache, data directory or recipe", file=sys.stderr)
     return 2
+
+
+def _export_import(args) -> int:
+    from draftsmith import export
+    from draftsmith.target import load_target
+    if args.cmd == "import":
+        target = load_target(export.import_target(args.source, args.target))
+        out = export.import_medusa(args.source, args.out, target)
+        print(f"imported {args.source} -> checkpoint {out} for target {target.name} ({target.fingerprint})")
+        return 0
+    target = load_target(export.source_target(args.source, args.target))
+    out = export.export(args.source, args.to, args.out, target, base_model=args.base_model)
+    print(f"exported {args.source} as {args.to} -> {out} ({', '.join(sorted(p.name for p in out.iterdir()))}); "
+          f"loaded back and checked")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("path")
     ev = sub.add_parser("eval", help="evaluate with the lossless decoder (see `draftsmith eval -h`)", add_help=False)
     ev.add_argument("rest", nargs=argparse.REMAINDER)
+    ex = sub.add_parser("export", help="export a drafter to a layout serving engines load (checked by reload)")
+    ex.add_argument("source", help="checkpoint directory, or first-layers:N (the untrained baseline, --to hf)")
+    ex.add_argument("--to", required=True, choices=("vllm-medusa", "hf", "draftsmith"), help="export format")
+    ex.add_argument("--out", required=True, help="new output directory")
+    ex.add_argument("--target", default=None, help="target name or directory (default: the checkpoint's)")
+    ex.add_argument("--base-model", default=None,
+                    help="what engines load as the target (default: the target's directory)")
+    im = sub.add_parser("import", help="a vLLM-Medusa or original-Medusa / TGI directory -> draftsmith checkpoint")
+    im.add_argument("source", help="directory with config.json and model.safetensors or medusa_lm_head.safetensors")
+    im.add_argument("--out", required=True, help="new checkpoint directory")
+    im.add_argument("--target", default=None,
+                    help="target name or directory (default: its base_model_name_or_path if local, else the default)")
     return ap
 
 
@@ -150,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.cmd == "info":
             return _info(args)
+        if args.cmd in ("export", "import"):
+            return _export_import(args)
         if args.cmd == "quickstart":
             args.recipe = "quickstart"
             return _run_stages(args, STAGES)
