@@ -62,7 +62,17 @@ class HydraConfig(_Strict):
     prefix_layer: bool = Field(False, description="Hydra++: one decoder layer over the base hidden states")
 
 
-DrafterConfig = Annotated[Union[MedusaConfig, HydraConfig], Field(discriminator="kind")]
+class KangarooConfig(_Strict):
+    kind: Literal["kangaroo"]
+    exit_layer: int = Field(2, ge=1, description="l: the adapter reads the output of the target's decoder layer l "
+                            "(1 <= l < L; checked against the target's L when the drafter is built)")
+    adapter_mlp: bool = Field(False, description="add a SwiGLU MLP to the adapter (the public adapter has none)")
+    threshold: float = Field(0.6, gt=0, lt=1, description="second early exit: stop drafting when the next "
+                             "draft's top-1 probability is below this (Kangaroo's README: 0.6)")
+    max_draft_len: int = Field(6, ge=1, le=32, description="gamma: at most this many drafts per step")
+
+
+DrafterConfig = Annotated[Union[MedusaConfig, HydraConfig, KangarooConfig], Field(discriminator="kind")]
 
 
 class TrainConfig(_Strict):
@@ -131,7 +141,7 @@ def _set_dotted(d: dict, dotted: str, value) -> None:
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"] if not (isinstance(x, str) and x in ("medusa", "hydra")))
+        loc = ".".join(str(x) for x in e["loc"] if not (isinstance(x, str) and x in ("medusa", "hydra", "kangaroo")))
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
         lines.append(f"recipe key {loc!r}: {msg}")
     return "invalid recipe:\n  " + "\n  ".join(lines)

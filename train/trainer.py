@@ -52,6 +52,9 @@ def build_drafter(recipe: Recipe, target) -> torch.nn.Module:
 def make_objective(recipe: Recipe, cache: HiddenCache, target):
     t = recipe.train
     exclude = calibration_split(len(cache), t.calibration_every)
+    make = getattr(registry.get(recipe.drafter.kind), "make_objective", None)
+    if make is not None:  # a kind that brings its own objective (Kangaroo)
+        return make(recipe, cache, target, exclude)
     common = dict(loss=t.loss, soft_weight=t.soft_weight, head_decay=t.head_decay, chunk_len=t.chunk_len,
                   exclude=exclude)
     if recipe.drafter.kind == "medusa":
