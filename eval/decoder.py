@@ -113,7 +113,8 @@ class SpeculativeDecoder:
       drafter: a `Drafter` (head, model or self drafter), or None for plain decoding.
       tree: None for chains (length from ``policy``), a `StaticTree` or a list of rank
         paths, or a `DynamicTree`.
-      policy: drafting-length policy for chains (default `FixedLength(4)`).
+      policy: drafting-length policy for chains (default: the drafter's ``default_policy`` if it has
+        one, e.g. Kangaroo's confidence stop, else `FixedLength(4)`).
       sampling: temperature / top-k / top-p, applied identically to draft and target.
       acceptance: "exact" (lossless, default) or "typical" (Medusa's, LOSSY at T > 0).
       sync_timing: on CUDA, synchronise at phase boundaries so time shares are exact.
@@ -126,7 +127,7 @@ class SpeculativeDecoder:
         self.target, self.drafter = target, drafter
         self.sampling = sampling or SamplingParams()
         self.acceptance = acceptance
-        self.policy = policy or FixedLength(4)
+        self.policy = policy or getattr(drafter, "default_policy", None) or FixedLength(4)
         if tree is not None and not isinstance(tree, (StaticTree, DynamicTree)):
             tree = StaticTree(tree)
         self.tree = tree
@@ -149,6 +150,9 @@ class SpeculativeDecoder:
         vocab = getattr(drafter, "vocab_size", None)
         if vocab is not None and vocab != self.target.vocab_size:
             raise ValueError(f"drafter vocabulary ({vocab}) differs from the target's ({self.target.vocab_size})")
+        if self.tree is not None and not getattr(drafter, "supports_trees", True):
+            raise ValueError(f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} drafts chains only: "
+                             f"trees are not supported with it (use tree=None, i.e. --tree chain)")
         if isinstance(self.tree, StaticTree):
             self.tree.check_depth(getattr(drafter, "max_depth", None))
 

@@ -32,6 +32,10 @@ Families:
     decoder (its ``cache``, ``body``) in ``propose``, and may define
     ``verify_forward(dec, state, tree) -> (logits, hidden)`` to replace the
     decoder's full target forward (e.g. to reuse the shallow states).
+Optional drafter attributes: ``default_policy`` (the chain length policy
+when the decoder is given none), ``supports_trees = False`` (the decoder
+then refuses a tree). A checkpoint's module that has
+``decoder_drafter(target, fingerprint, name)`` builds its own drafter.
 """
 
 from __future__ import annotations
@@ -293,6 +297,8 @@ def drafter_from_checkpoint(path, target: Target) -> "HeadDrafter | ModelDrafter
     p = next(target.model.parameters())
     module, manifest = load_checkpoint(path, target, device=p.device)
     fp = manifest["target"]["fingerprint"]
+    if callable(getattr(module, "decoder_drafter", None)):  # a kind that brings its decoding adapter (Kangaroo)
+        return module.to(dtype=p.dtype).decoder_drafter(target, fp, manifest.get("kind", "drafter"))
     if hasattr(module, "head_states") or callable(getattr(module, "draft_states", None)):
         return HeadDrafter(module.to(dtype=p.dtype), target_fingerprint=fp, name=manifest.get("kind", "heads"))
     inner = getattr(module, "model", None)
