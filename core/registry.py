@@ -6,6 +6,12 @@ A drafter kind is an ``nn.Module`` class with:
     (``"final"`` = last hidden state after the final norm, ``"layer:N"`` =
     output of decoder layer N), so one caching pass stores only those;
   * ``from_config(config: dict, target) -> module`` and ``.config`` (a dict).
+
+Optional hooks, so the trainer and the decoder never branch on a kind's name:
+  * ``for_target(target, **recipe_fields) -> module``: a fresh module initialised from the target;
+  * ``make_objective(recipe, cache, target, exclude) -> objective``: the kind's training objective
+    (``prepare``, ``loss``, ``stats``, ``chunks``; see heads/objective.py for the head kinds');
+  * ``module.decoder_drafter(target, fingerprint, name)``: the module as a decoder drafter.
 """
 
 from __future__ import annotations

@@ -78,6 +78,7 @@ class KangarooDrafter:
                  target_fingerprint: str | None = None, name: str = "kangaroo", threshold: float = 0.6,
                  max_draft_len: int = 6, policy: LengthPolicy | None = None, full_verify: bool = False):
         body = target.model.get_decoder()
+        self.target = target
         self.num_layers = len(body.layers)
         check_exit_layer(exit_layer, self.num_layers)
         check_threshold(threshold)
@@ -92,6 +93,13 @@ class KangarooDrafter:
         if full_verify:
             self.verify_forward = None  # the decoder then runs its own full-depth forward
         self._buffers: tuple | None = None
+
+    def variant(self, *, policy: LengthPolicy | None = None, full_verify: bool | None = None,
+                name: str | None = None) -> "KangarooDrafter":
+        """The same layers and adapter with another default policy or verification depth (benchmarks)."""
+        return KangarooDrafter(self.target, self.exit_layer, self.heads, target_fingerprint=self.target_fingerprint,
+                               name=name or self.name, policy=policy or self.default_policy,
+                               full_verify=self.full_verify if full_verify is None else full_verify)
 
     # ------------------------------------------------------------------ target layers, run in place
     @staticmethod

@@ -15,6 +15,10 @@ import argparse
 import json
 from pathlib import Path
 
+from draftsmith.drafters.kangaroo_decode import KangarooDrafter, check_threshold, early_exit_drafter
+from draftsmith.eval.bench import Method, _hf_run, ours
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.policies import ConfidenceStop, FixedLength
 from draftsmith.eval.trees import DynamicTree, StaticTree
 
 
@@ -43,6 +47,56 @@ def parse_tree(spec: str, checkpoint=None):
     return StaticTree([tuple(p) for p in paths])
 
 
+def self_drafter_methods(target, drafter, sampling, a) -> list:
+    """Kangaroo variants of a checkpoint's drafter (fixed lengths, full-depth verification), or with
+    ``drafter=None`` the early-exit peers (ours and Hugging Face's), as requested by the options."""
+    def dec(d, policy=None):
+        return SpeculativeDecoder(target, d, policy=policy, sampling=sampling)
+
+    if drafter is None:
+        out = []
+        if a.early_exit:
+            out.append(ours(f"ours early-exit-{a.early_exit} K={a.draft_len}",
+                            dec(early_exit_drafter(target, a.early_exit), FixedLength(a.draft_len))))
+        if a.hf_early_exit:
+            out.append(_hf_early_exit(target, a.hf_early_exit, a.draft_len, sampling))
+        return out
+    if not isinstance(drafter, KangarooDrafter):
+        return []
+    out = [ours(f"ours {drafter.name} K={k}", dec(drafter, FixedLength(k))) for k in a.fixed_len]
+    if a.full_verify:
+        out.append(ours(f"ours {drafter.name} full-verify", dec(drafter.variant(full_verify=True))))
+    return out
+
+
+def _hf_early_exit(target, exit_layer: int, k: int, sampling) -> Method:
+    """HF assisted generation drafting with the target's own first layers (constant k drafts).
+
+    HF drafts by calling the same model with ``config.num_hidden_layers`` lowered, so those calls
+    are subtracted from the forward count: tau counts full-depth forwards only, as for ours."""
+    model = target.model
+    full = int(model.config.num_hidden_layers)
+    inner = _hf_run(target, sampling, {"assistant_early_exit": exit_layer, "num_assistant_tokens": k,
+                                      "num_assistant_tokens_schedule": "constant",
+                                      "assistant_confidence_threshold": 0.0})
+
+    def run(ids, n, seed):
+        drafts = [0]
+
+        def hook(module, args):
+            drafts[0] += int(model.config.num_hidden_layers) != full
+
+        h = model.register_forward_pre_hook(hook)
+        try:
+            r = inner(ids, n, seed)
+        finally:
+            h.remove()
+        r.counted_forwards -= drafts[0]
+        return r
+
+    return Method(f"HF early-exit-{exit_layer} K={k}", run, "hf")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="draftsmith eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tree", action="append", default=None,
                     help="tree for the checkpoint's drafter: chain | dynamic[:B,D,W] | JSON paths | JSON file; "
                          "repeatable (default: chain)")
+    ap.add_argument("--confidence", type=float, default=None,
+                    help="Kangaroo checkpoints: threshold of the second early exit (default: the checkpoint's)")
+    ap.add_argument("--fixed-len", type=int, nargs="+", default=[],
+                    help="Kangaroo checkpoints: also draft at these fixed lengths (the same adapter, no early exit)")
+    ap.add_argument("--full-verify", action="store_true",
+                    help="Kangaroo checkpoints: also verify the same drafts through all L layers (vs l+1..L)")
+    ap.add_argument("--early-exit", type=int, default=None, metavar="L",
+                    help="also run the untrained early-exit self-drafter (first L layers + LM head, --draft-len)")
+    ap.add_argument("--hf-early-exit", type=int, default=None, metavar="L",
+                    help="also run Hugging Face assisted generation with assistant_early_exit=L (--draft-len)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false",
@@ -98,6 +162,9 @@ def eval_main(argv: list[str] | None = None) -> dict:
     for c in ckpts:
         d = drafter_from_checkpoint(c, target)
         d.name = (read_manifest(c).get("recipe") or {}).get("name") or d.name
+        if a.confidence is not None and isinstance(d, KangarooDrafter):  # another second-early-exit threshold
+            check_threshold(a.confidence)
+            d.default_policy = ConfidenceStop(a.confidence, d.default_policy.max_len)
         drafters.append((d, [(t, parse_tree(t, c)) for t in (a.tree or ["chain"])]))
     layout = None
     if a.cpu_layout:
@@ -115,6 +182,8 @@ def eval_main(argv: list[str] | None = None) -> dict:
                                   hf=a.plain, hf_assisted_too=a.hf_assisted, cpu_layout=a.cpu_layout)
         for d, trees in drafters:
             methods += default_methods(target, sampling, drafter_layers=None, hf=False, heads=d, trees=trees)[1:]
+            methods += self_drafter_methods(target, d, sampling, a)
+        methods += self_drafter_methods(target, None, sampling, a)
         print(f"== {label}: {', '.join(m.name for m in methods)}", flush=True)
         runs[label] = run_bench(methods, prompts, a.max_new_tokens, seed=a.seed)
         print(table(runs[label]), flush=True)

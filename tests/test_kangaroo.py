@@ -280,3 +280,24 @@ def test_exact_resume(tmp_path):
     assert timing["steps"] == 2
     a, b = load_file(str(full / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eval_cli_runs_kangaroo_side_by_side(tmp_path):
+    """`draftsmith eval` on a kangaroo checkpoint: double early exit, fixed lengths, full-depth verification,
+    the early-exit peers (ours and HF's); a tree is a clear error."""
+    from draftsmith.cli import main
+    from draftsmith.eval.cli import eval_main
+
+    t = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, layers=3, save_to=tmp_path / "target")
+    save_checkpoint(tmp_path / "ck", random_adapter(t, exit_layer=1), t)
+    report = eval_main([str(tmp_path / "ck"), "--plain", "--prompts", "1", "--max-new-tokens", "8",
+                        "--temperature", "0", "--fixed-len", "2", "3", "--full-verify", "--early-exit", "1",
+                        "--hf-early-exit", "1", "--draft-len", "2", "--confidence", "0.5", "--out",
+                        str(tmp_path / "r")])
+    methods = report["runs"]["greedy"]["methods"]
+    assert set(methods) == {"plain (ours)", "HF generate", "ours kangaroo chain", "ours kangaroo K=2",
+                            "ours kangaroo K=3", "ours kangaroo full-verify", "ours early-exit-1 K=2",
+                            "HF early-exit-1 K=2"}
+    assert methods["HF generate"]["tau"] == 1.0
+    assert main(["eval", str(tmp_path / "ck"), "--prompts", "1", "--max-new-tokens", "3", "--tree", "[[0],[1]]",
+                 "--out", str(tmp_path / "r2")]) == 2
