@@ -268,3 +268,27 @@ def expected_acceptance(draft_logits: torch.Tensor, target_logits: torch.Tensor)
     q = torch.softmax(draft_logits.float(), dim=-1)
     p = torch.softmax(target_logits.float(), dim=-1)
     return torch.minimum(p, q).sum(-1)
+
+
+@torch.no_grad()
+def heldout_metrics(model: KangarooAdapter, cache: HiddenCache, target, windows_per_batch: int = 16) -> dict:
+    """Figures of an adapter over every labelled position of a cache (e.g. the held-out MT-Bench answers).
+
+    ``expected_acceptance``: mean sum_x min(p, q) (acceptance of a sampled draft at T = 1);
+    ``greedy_acceptance``: how often the adapter's argmax is the target's (a greedy draft's acceptance);
+    ``top1``/``top5`` on the data's token t+1; ``predicted_chain_tau``: 1 + a + ... + a^gamma for the
+    greedy acceptance a at gamma = ``max_draft_len`` (positions treated as independent).
+    """
+    obj = KangarooObjective(cache, target, model.exit_layer, chunk_len=1 << 30)
+    acc, agree, hits1, hits5, n = 0.0, 0, 0, 0, 0
+    for s in range(0, len(obj.chunks), windows_per_batch):
+        b = obj.prepare(list(range(s, min(s + windows_per_batch, len(obj.chunks)))))
+        lg = model(b.seqs).float()
+        acc += float(expected_acceptance(lg, b.teacher).sum())
+        agree += topk_hits(lg, b.teacher.argmax(-1), ks=(1,))[1][0]
+        h = topk_hits(lg, b.labels)
+        hits1, hits5, n = hits1 + h[1][0], hits5 + h[5][0], n + b.positions
+    a = agree / max(n, 1)
+    return {"positions": n, "expected_acceptance": acc / max(n, 1), "greedy_acceptance": a,
+            "top1": hits1 / max(n, 1), "top5": hits5 / max(n, 1),
+            "predicted_chain_tau": sum(a ** k for k in range(model.max_draft_len + 1))}

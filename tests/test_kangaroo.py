@@ -301,3 +301,14 @@ def test_eval_cli_runs_kangaroo_side_by_side(tmp_path):
     assert methods["HF generate"]["tau"] == 1.0
     assert main(["eval", str(tmp_path / "ck"), "--prompts", "1", "--max-new-tokens", "3", "--tree", "[[0],[1]]",
                  "--out", str(tmp_path / "r2")]) == 2
+
+
+def test_heldout_metrics_of_the_known_answer(tmp_path):
+    from draftsmith.drafters.kangaroo import heldout_metrics
+
+    t = _identity_tail(make_tiny_target(init_std=0.3, layers=3), 1)
+    build_cache(t, _cycle_sequences(n=3, length=30), ["layer:1", "final"], tmp_path / "c", dtype="float32")
+    m = heldout_metrics(KangarooAdapter.for_target(t, exit_layer=1, max_draft_len=3), HiddenCache(tmp_path / "c", t), t)
+    assert m["positions"] == 3 * 22  # positions 7..28 predict the assistant tokens 8..29
+    assert m["expected_acceptance"] > 1 - 1e-4 and m["greedy_acceptance"] == 1.0
+    assert m["predicted_chain_tau"] == 4.0
