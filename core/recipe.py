@@ -33,7 +33,11 @@ class DataConfig(_Strict):
     max_turns: int = Field(1, ge=1, description="user turns kept per conversation")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy responses (match greedy serving)")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    batch_size: int = Field(16, ge=1, description="sequences generated together")
+    batch_size: int = Field(16, ge=1, description="engine hf: sequences generated together per padded batch")
+    engine: Literal["batched", "hf"] = Field("batched", description="batched: continuous batching on a "
+                                             "pre-allocated cache (fast); hf: Hugging Face generate (reference)")
+    max_rows: int = Field(96, ge=1, description="engine batched: sequences in flight at once (fewer if the KV "
+                                                "cache would exceed DRAFTSMITH_KV_BYTES, default 4 GiB)")
     max_seq_len: int = Field(2048, ge=16, description="longest training conversation in tokens")
     on_long_prompt: Literal["error", "truncate", "skip"] = Field("error", description="prompt + response longer than the context")
     heldout_mtbench: bool = Field(True, description="target answers to MT-Bench first turns form the held-out set")

@@ -3,6 +3,11 @@
     python -m draftsmith.eval.bench_pipeline [--prompts 16] [--new-tokens 64] [--train-steps 30]
 
 Prints and writes (``--out``, JSON):
+  * the self-distillation data path: response tokens/s of ``regenerate`` with the
+    continuous-batching engine over the reference engine (Hugging Face
+    ``generate`` on padded batches of ``--hf-batch``, the data stage before it),
+    same conversations, same budget, and how many responses are identical
+    (goal >= 2.5x, 4x);
   * batched generation tokens/s over single-sequence ``generate`` (goal >= 3x);
   * caching-pass tokens/s over a bare target forward on the same tokens and
     batches (goal >= 0.9x);
@@ -22,6 +27,30 @@ from pathlib import Path
 import torch
 
 from draftsmith.checkpoint import environment
+
+
+def _data_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeats: int) -> dict:
+    """regenerate() with each engine on the same conversations, alternating; best of each kept."""
+    from draftsmith.train.generate import regenerate
+    res: dict = {"conversations": len(convs), "max_new_tokens": new_tokens, "hf_batch": hf_batch, "rows": rows}
+    best = {"hf": 0.0, "batched": 0.0}
+    outs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):
+            for engine in ("hf", "batched"):
+                path = Path(tmp) / f"{engine}{r}.jsonl"
+                t0 = time.perf_counter()
+                st = regenerate(target, convs, path, max_new_tokens=new_tokens, max_turns=1, batch_size=hf_batch,
+                                max_seq_len=4096, on_long_prompt="skip", engine=engine, max_rows=rows)
+                dt = time.perf_counter() - t0
+                best[engine] = max(best[engine], st["response_tokens"] / dt)
+                res[f"{engine}_response_tokens"] = st["response_tokens"]
+                outs[engine] = {json.loads(x)["id"]: json.loads(x)["messages"] for x in path.read_text().splitlines()}
+    same = sum(outs["hf"].get(k) == v for k, v in outs["batched"].items())
+    res.update({"hf_tokens_per_s": best["hf"], "batched_tokens_per_s": best["batched"],
+                "ratio": best["batched"] / best["hf"], "identical_responses": same,
+                "responses": len(outs["batched"]), "goal": ">= 2.5 (4)"})
+    return res
 
 
 def _gen_tokens_per_s(target, prompts, new_tokens, batched: bool) -> tuple[float, list]:
@@ -53,6 +82,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--train-steps", type=int, default=30)
+    ap.add_argument("--data-prompts", type=int, default=128, help="conversations for the data-path comparison "
+                    "(ShareGPT sample, then MT-Bench first turns; timing only)")
+    ap.add_argument("--data-new-tokens", type=int, default=128)
+    ap.add_argument("--hf-batch", type=int, default=32, help="reference engine's batch (the recipes' data.batch_size)")
+    ap.add_argument("--rows", type=int, default=96, help="batched engine's rows in flight")
+    ap.add_argument("--only-data", action="store_true", help="run only the data-path comparison")
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats of each pair; best of each kept")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     ap.add_argument("--out", default=None)
@@ -71,7 +106,27 @@ def main(argv=None) -> dict:
     tok = target.tokenizer
     qs = mtbench_questions()[: args.prompts]
     prompts = [prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}]) for q in qs]
-    res: dict = {"environment": environment(), "prompts": len(prompts), "new_tokens": args.new_tokens}
+    res: dict = {"environment": environment(), "prompts": len(prompts), "new_tokens": args.new_tokens,
+                 "threads": torch.get_num_threads()}
+
+    # 0. the data stage's generation: reference engine vs continuous batching
+    from draftsmith.train.sources import Conversation, SkipLog, normalise, read_sharegpt, resolve_path
+    pool, seen = [], set()
+    for c in list(read_sharegpt(resolve_path("builtin:sharegpt-dummy"), "sharegpt", SkipLog())) + [
+            Conversation(f"mtbench:{q['question_id']}", "mtbench", [q["turns"][0]]) for q in mtbench_questions()]:
+        if normalise(c.user_turns[0]) not in seen:
+            seen.add(normalise(c.user_turns[0]))
+            pool.append(Conversation(c.id, c.source, c.user_turns[:1]))
+    d = res["data_path"] = _data_path(target, pool[: args.data_prompts], args.data_new_tokens, args.hf_batch,
+                                      args.rows, args.repeats)
+    print(f"data path:  continuous batching {d['batched_tokens_per_s']:.1f} response tok/s ({d['rows']} rows) vs "
+          f"HF generate batches of {d['hf_batch']} {d['hf_tokens_per_s']:.1f} tok/s -> {d['ratio']:.2f}x "
+          f"(goal >= 2.5x, 4x); {d['identical_responses']}/{d['responses']} responses identical; "
+          f"{d['conversations']} conversations x <= {d['max_new_tokens']} tokens, {res['threads']} threads", flush=True)
+    if args.only_data:
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+        return res
 
     # 1. generation: single vs batched, alternating, same prompts
     single, batched = [], []

@@ -1,8 +1,11 @@
 """Self-distillation: the target writes the training responses (and prompts).
 
-* ``generate_batch``: batched, left-padded generation with the target.
+* ``generate_batch``: batched, left-padded generation with the target through
+  Hugging Face ``generate`` (the reference path, ``data.engine: hf``).
 * ``regenerate``: every assistant turn of every conversation rewritten by the
-  target, batched, resumable (one JSONL line per finished conversation).
+  target, resumable (one JSONL line per finished conversation); by default
+  through continuous batching (`draftsmith.train.batchgen`, ``data.engine:
+  batched``), which keeps every row of the batch busy.
 * ``synthesize_prompts``: Magpie-style prompts: the instruct model is given only
   its chat template's user-turn prefix and writes the question itself.
 * ``render_example``: a conversation as token ids plus a loss mask over the
@@ -14,6 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Iterable
@@ -22,7 +27,12 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.target import Target
+from draftsmith.train.batchgen import BatchGenerator, Job, suggested_rows
 from draftsmith.train.sources import Conversation, normalise
+
+ENGINES = ("batched", "hf")
+# KV-cache memory the batched engine may take (rows are reduced to fit); override with DRAFTSMITH_KV_BYTES
+KV_BUDGET_BYTES = int(os.environ.get("DRAFTSMITH_KV_BYTES", 4 << 30))
 
 log = logging.getLogger(__name__)
 
@@ -91,30 +101,157 @@ def fit_prompt(ids: list[int], limit: int, policy: str, where: str) -> list[int]
     return None
 
 
+def _resume(out_path: Path, stats: Counter) -> set[str]:
+    """Ids of the conversations already written; a torn last line (a kill mid-write) is cut off.
+
+    Only whole conversations are ever written, so a restart neither loses nor repeats one.
+    """
+    done: set[str] = set()
+    if not out_path.exists():
+        return done
+    data = out_path.read_bytes()
+    good = 0  # byte offset after the last complete, valid line
+    pos = 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        line = data[pos:] if nl < 0 else data[pos:nl]
+        try:
+            if nl < 0:
+                raise ValueError("no newline: torn write")
+            done.add(json.loads(line)["id"])
+            good = nl + 1
+        except (ValueError, KeyError, TypeError):
+            if nl < 0 or data[nl + 1:].strip() == b"":
+                stats["torn_resume_lines"] += 1  # the last line: cut it, it is regenerated
+                break
+            stats["corrupt_resume_lines"] += 1  # a bad line in the middle: kept, skipped when read
+            good = nl + 1
+        pos = len(data) if nl < 0 else nl + 1
+    if good < len(data):
+        with out_path.open("r+b") as f:
+            f.truncate(good)
+    return done
+
+
+def _row(c: Conversation, replies: list[str], finished: list[bool]) -> dict:
+    return {"id": c.id, "source": c.source, "system": c.system,
+            "messages": _messages(c.system, c.user_turns[: len(replies)], replies)[1 if c.system else 0:],
+            "finished": finished}
+
+
+def job_seed(seed: int, key: str, turn: int) -> int:
+    """A job's sampling seed: a function of the run's seed, the conversation and the turn only."""
+    return zlib.crc32(f"{seed}:{key}:{turn}".encode()) + (seed << 32)
+
+
 def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max_new_tokens: int,
                max_turns: int, batch_size: int, max_seq_len: int, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int = 0, on_long_prompt: str = "error") -> Counter:
+               top_p: float = 1.0, seed: int = 0, on_long_prompt: str = "error", engine: str = "batched",
+               max_rows: int = 96) -> Counter:
     """Rewrite every assistant turn with the target; resumable.
 
     Finished conversations are appended to ``out_path`` (JSONL); on restart
-    conversations already there are skipped. Turns are generated in lock-step
-    across the batch (all first turns, then all second turns, ...).
+    conversations already there are skipped and a torn last line is cut off.
+    ``engine="batched"`` (default): continuous batching with up to ``max_rows``
+    sequences in flight, a conversation's next turn queued as soon as its
+    previous reply ends. ``engine="hf"``: the reference path, Hugging Face
+    ``generate`` on padded batches of ``batch_size`` in lock-step turns.
     """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown generation engine {engine!r}; choose one of {ENGINES}")
     stats: Counter = Counter()
-    done: set[str] = set()
-    if out_path.exists():
-        for line in out_path.read_text().splitlines():
-            try:
-                done.add(json.loads(line)["id"])
-            except (json.JSONDecodeError, KeyError):
-                stats["corrupt_resume_lines"] += 1
+    done = _resume(out_path, stats)
     todo = [c for c in convs if c.id not in done]
     stats["resumed"] = len(convs) - len(todo)
+    # Similar lengths in one batch waste less padding (and attention span in the batched engine).
+    todo.sort(key=lambda c: len(c.user_turns[0]))
+    kw = dict(max_new_tokens=max_new_tokens, max_turns=max_turns, max_seq_len=max_seq_len,
+              temperature=temperature, top_p=top_p, seed=seed, on_long_prompt=on_long_prompt)
+    if engine == "hf":
+        _regenerate_hf(target, todo, out_path, stats, batch_size=batch_size, **kw)
+    else:
+        _regenerate_batched(target, todo, out_path, stats, max_rows=max_rows, **kw)
+    return stats
+
+
+def _turn_prompt(tok, c: Conversation, turn: int, replies: list[str], budget: int, max_new_tokens: int,
+                 on_long_prompt: str, stats: Counter) -> list[int] | None:
+    """Token ids of turn ``turn``'s prompt, or None when the conversation cannot go on (counted)."""
+    ids = prompt_ids(tok, _messages(c.system, c.user_turns[: turn + 1], replies))
+    if turn == 0:
+        ids = fit_prompt(ids, budget - max_new_tokens, on_long_prompt, c.id)
+        if ids is None:
+            stats["skipped_long_prompt"] += 1
+        return ids
+    if len(ids) + max_new_tokens > budget:
+        stats["cut_at_context"] += 1
+        return None
+    return ids
+
+
+def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path, stats: Counter, *,
+                        max_new_tokens: int, max_turns: int, max_seq_len: int, temperature: float, top_p: float,
+                        seed: int, on_long_prompt: str, max_rows: int) -> None:
     tok = target.tokenizer
     budget = min(max_seq_len, target.context_length)
-    # Similar lengths in one batch waste less padding.
-    todo.sort(key=lambda c: len(c.user_turns[0]))
-    bar = tqdm(total=len(todo), desc="self-distill", unit="conv", disable=not todo)
+    replies: dict[int, list[str]] = {}
+    finished: dict[int, list[bool]] = {}
+    jobs: list[Job] = []
+    for i, c in enumerate(todo):
+        ids = _turn_prompt(tok, c, 0, [], budget, max_new_tokens, on_long_prompt, stats)
+        if ids is not None:
+            replies[i], finished[i] = [], []
+            jobs.append(Job((i, 0), ids, max_new_tokens, job_seed(seed, c.id, 0)))
+    if not jobs:
+        return
+    # A row holds at most `budget` entries; single-turn jobs need only their own length.
+    capacity = budget if max_turns > 1 else max(len(j.prompt) for j in jobs) + max_new_tokens
+    p = next(target.model.parameters())
+    rows = suggested_rows(target.model.config, capacity, p.dtype, KV_BUDGET_BYTES, max_rows)
+    gen = BatchGenerator(target.model, target.eos_token_ids, max_rows=rows, capacity=capacity,
+                         temperature=temperature, top_p=top_p)
+    bar = tqdm(total=len(jobs), desc="self-distill", unit="conv")
+    last_sync = [time.time()]
+    with out_path.open("a") as f:
+        def write(i: int) -> None:
+            if replies[i]:
+                f.write(json.dumps(_row(todo[i], replies[i], finished[i])) + "\n")
+                stats["conversations"] += 1
+            bar.update(1)
+            if time.time() - last_sync[0] > 10:  # a kill loses at most ~10 s of conversations
+                f.flush()
+                os.fsync(f.fileno())
+                last_sync[0] = time.time()
+
+        def on_done(job: Job, out: list[int], fin: bool):
+            i, turn = job.key
+            replies[i].append(tok.decode(out, skip_special_tokens=True))
+            finished[i].append(fin)
+            stats["responses"] += 1
+            stats["response_tokens"] += len(out)
+            stats["unfinished_responses"] += int(not fin)
+            c = todo[i]
+            if fin and turn + 1 < min(max_turns, len(c.user_turns)):
+                ids = _turn_prompt(tok, c, turn + 1, replies[i], budget, max_new_tokens, on_long_prompt, stats)
+                if ids is not None:
+                    return [Job((i, turn + 1), ids, max_new_tokens, job_seed(seed, c.id, turn + 1))]
+            write(i)
+            return None
+
+        gen.run(jobs, on_done)
+        f.flush()
+        os.fsync(f.fileno())
+    bar.close()
+    stats["batched_rows"] = rows
+    stats["forwards"] = gen.stats["forwards"] + gen.stats["prefill_forwards"]
+
+
+def _regenerate_hf(target: Target, todo: list[Conversation], out_path: Path, stats: Counter, *, batch_size: int,
+                   max_new_tokens: int, max_turns: int, max_seq_len: int, temperature: float, top_p: float,
+                   seed: int, on_long_prompt: str) -> None:
+    tok = target.tokenizer
+    budget = min(max_seq_len, target.context_length)
+    bar = tqdm(total=len(todo), desc="self-distill (hf)", unit="conv", disable=not todo)
     with out_path.open("a") as f:
         for b in range(0, len(todo), batch_size):
             batch = todo[b:b + batch_size]
@@ -125,18 +262,11 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
                 live = [i for i in live if turn < len(batch[i].user_turns) and (turn == 0 or finished[i][-1])]
                 prompts, keep = [], []
                 for i in live:
-                    msgs = _messages(batch[i].system, batch[i].user_turns[: turn + 1], replies[i])
-                    ids = prompt_ids(tok, msgs)
-                    if turn == 0:
-                        ids = fit_prompt(ids, budget - max_new_tokens, on_long_prompt, batch[i].id)
-                        if ids is None:
-                            stats["skipped_long_prompt"] += 1
-                            continue
-                    elif len(ids) + max_new_tokens > budget:
-                        stats["cut_at_context"] += 1
-                        continue
-                    prompts.append(ids)
-                    keep.append(i)
+                    ids = _turn_prompt(tok, batch[i], turn, replies[i], budget, max_new_tokens, on_long_prompt,
+                                       stats)
+                    if ids is not None:
+                        prompts.append(ids)
+                        keep.append(i)
                 live = keep
                 if not live:
                     break
@@ -149,18 +279,13 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
                     stats["response_tokens"] += len(resp)
                     stats["unfinished_responses"] += int(not fin)
             for c, rep, fin in zip(batch, replies, finished):
-                if not rep:
-                    continue
-                row = {"id": c.id, "source": c.source, "system": c.system,
-                       "messages": _messages(c.system, c.user_turns[: len(rep)], rep)[1 if c.system else 0:],
-                       "finished": fin}
-                f.write(json.dumps(row) + "\n")
-                stats["conversations"] += 1
+                if rep:
+                    f.write(json.dumps(_row(c, rep, fin)) + "\n")
+                    stats["conversations"] += 1
             f.flush()
             os.fsync(f.fileno())
             bar.update(len(batch))
     bar.close()
-    return stats
 
 
 def user_prefix_ids(tokenizer) -> list[int]:
@@ -172,31 +297,57 @@ def user_prefix_ids(tokenizer) -> list[int]:
 
 def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_new_tokens: int = 64,
                        temperature: float = 1.0, top_p: float = 0.99, seed: int = 0,
-                       exclude: set[str] = frozenset(), min_chars: int = 12) -> tuple[list[Conversation], Counter]:
-    """Magpie-style prompts written by the target from its user-turn prefix."""
+                       exclude: set[str] = frozenset(), min_chars: int = 12, engine: str = "batched",
+                       max_rows: int = 96) -> tuple[list[Conversation], Counter]:
+    """Magpie-style prompts written by the target from its user-turn prefix.
+
+    Draws are made in rounds; with the batched engine every draw has its own seed
+    (``job_seed(seed, "magpie", draw)``), so the prompts do not depend on the batch size.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown generation engine {engine!r}; choose one of {ENGINES}")
     prefix = user_prefix_ids(target.tokenizer)
     out: list[Conversation] = []
     seen: set[str] = set()
     stats: Counter = Counter()
-    attempt = 0
     bar = tqdm(total=count, desc="magpie prompts", unit="prompt")
-    while len(out) < count and attempt < 8 * (count // batch_size + 1):
-        res = generate_batch(target, [prefix] * batch_size, max_new_tokens, temperature, top_p,
-                             seed=seed * 7919 + attempt)
-        attempt += 1
-        for ids, fin in res:
-            text = target.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            key = normalise(text)
-            reason = ("unfinished" if not fin else "too_short" if len(text) < min_chars else
-                      "duplicate" if key in seen else "mtbench" if key in exclude else None)
-            if reason:
-                stats[f"rejected_{reason}"] += 1
-                continue
-            seen.add(key)
-            out.append(Conversation(id=f"magpie:{seed}:{len(out)}", source="magpie", user_turns=[text]))
-            bar.update(1)
-            if len(out) >= count:
-                break
+
+    def take(ids: list[int], fin: bool) -> None:
+        text = target.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        key = normalise(text)
+        reason = ("unfinished" if not fin else "too_short" if len(text) < min_chars else
+                  "duplicate" if key in seen else "mtbench" if key in exclude else None)
+        if reason:
+            stats[f"rejected_{reason}"] += 1
+            return
+        seen.add(key)
+        out.append(Conversation(id=f"magpie:{seed}:{len(out)}", source="magpie", user_turns=[text]))
+        bar.update(1)
+
+    if engine == "hf":
+        attempt = 0
+        while len(out) < count and attempt < 8 * (count // batch_size + 1):
+            res = generate_batch(target, [prefix] * batch_size, max_new_tokens, temperature, top_p,
+                                 seed=seed * 7919 + attempt)
+            attempt += 1
+            for ids, fin in res:
+                if len(out) < count:
+                    take(ids, fin)
+    else:
+        gen = BatchGenerator(target.model, target.eos_token_ids, max_rows=max_rows,
+                             capacity=len(prefix) + max_new_tokens, temperature=temperature, top_p=top_p)
+        draws, rounds = 0, 0
+        while len(out) < count and rounds < 8:
+            # ask for what is missing plus a margin for rejections; results taken in draw order
+            n = int((count - len(out)) * 1.3) + 8
+            got: dict[int, tuple[list[int], bool]] = {}
+            jobs = [Job(draws + k, prefix, max_new_tokens, job_seed(seed, "magpie", draws + k)) for k in range(n)]
+            gen.run(jobs, lambda j, ids, fin: got.__setitem__(j.key, (ids, fin)))
+            for k in sorted(got):
+                if len(out) < count:
+                    take(*got[k])
+            draws += n
+            rounds += 1
     bar.close()
     stats["accepted"] = len(out)
     return out, stats

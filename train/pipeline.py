@@ -70,7 +70,7 @@ def _magpie(recipe: Recipe, target: Target, n: int, count: int, holdout: set[str
             return [sources.Conversation(r["id"], "magpie", [r["prompt"]]) for r in rows[:count]]
     got, mstats = generate.synthesize_prompts(
         target, count, batch_size=recipe.data.batch_size, max_new_tokens=recipe.data.magpie_max_new_tokens,
-        seed=recipe.seed + n, exclude=holdout)
+        seed=recipe.seed + n, exclude=holdout, engine=recipe.data.engine, max_rows=recipe.data.max_rows)
     stats.update({f"magpie_{k}": v for k, v in mstats.items()})
     path.write_text("".join(json.dumps({"id": c.id, "prompt": c.user_turns[0]}) + "\n" for c in got))
     return got
@@ -93,8 +93,12 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
     d = recipe.data
     kw = dict(max_new_tokens=d.max_new_tokens, max_turns=d.max_turns, batch_size=d.batch_size,
               max_seq_len=d.max_seq_len, temperature=d.temperature, top_p=d.top_p, seed=recipe.seed,
-              on_long_prompt=d.on_long_prompt)
+              on_long_prompt=d.on_long_prompt, engine=d.engine, max_rows=d.max_rows)
+    t_gen = time.time()
     gstats = generate.regenerate(target, convs, out / "train.jsonl", **kw)
+    gen_s = time.time() - t_gen
+    gstats["generation_seconds"] = round(gen_s, 1)
+    gstats["response_tokens_per_s"] = round(gstats["response_tokens"] / max(gen_s, 1e-9), 1)
     hstats = Counter()
     if d.heldout_mtbench:
         qs = [sources.Conversation(id=f"mtbench:{q['question_id']}", source=f"mtbench:{q['category']}",

@@ -1,0 +1,174 @@
+"""The continuous-batching data path: same tokens as one-at-a-time greedy, exact resume, counted skips."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.train import generate
+from draftsmith.train.batchgen import BatchGenerator, Job, RaggedCache, _pick
+from draftsmith.train.sources import Conversation
+from tests.tiny import make_tiny_target
+
+
+def _reference(model, prompt, max_new, eos):
+    """Greedy one token at a time, no cache, no batch: the ground truth."""
+    ids = list(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            t = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(t)
+            ids.append(t)
+            if t in eos:
+                return out, True
+    return out, False
+
+
+@pytest.fixture(scope="module")
+def peaky():
+    # a larger init spreads the logits, so fp32 accumulation order cannot create ties
+    return make_tiny_target(init_std=0.5, seed=3)
+
+
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 90, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_greedy_rows_equal_one_at_a_time(peaky, rows):
+    model = peaky.model
+    eos = {2, 7, 11}  # frequent stops: rows end at very different steps, so refills and compaction happen
+    prompts = _prompts(9)
+    budgets = [1, 5, 12, 20, 3, 17, 8, 25, 2]
+    got = {}
+    gen = BatchGenerator(model, eos, max_rows=rows, capacity=64)
+    gen.run([Job(i, p, b) for i, (p, b) in enumerate(zip(prompts, budgets))],
+            lambda j, toks, fin: got.__setitem__(j.key, (toks, fin)))
+    for i, (p, b) in enumerate(zip(prompts, budgets)):
+        assert got[i] == _reference(model, p, b, eos), f"job {i}"
+    assert gen.stats["generated_tokens"] == sum(len(v[0]) for v in got.values())
+    if rows == 3:
+        assert gen.stats["compactions"] > 0  # the hole-filling path was exercised
+
+
+def test_follow_up_jobs_run_and_zero_budget_jobs_end_at_once(peaky):
+    seen = []
+
+    def on_done(job, toks, fin):
+        seen.append((job.key, len(toks)))
+        if job.key == "a":
+            return [Job("a2", job.prompt + toks, 4)]
+        return None
+
+    gen = BatchGenerator(peaky.model, {2}, max_rows=2, capacity=64)
+    gen.run([Job("a", [5, 6, 7], 3), Job("z", [5], 0), Job("b", [9, 9], 2)], on_done)
+    assert {k for k, _ in seen} == {"a", "a2", "z", "b"}
+    assert dict(seen)["z"] == 0
+
+
+def test_sampling_depends_on_the_job_seed_not_the_batch(peaky):
+    prompts = _prompts(6, seed=1)
+    res = []
+    for rows in (1, 4):
+        got = {}
+        gen = BatchGenerator(peaky.model, {2}, max_rows=rows, capacity=64, temperature=1.0, top_p=0.9)
+        gen.run([Job(i, p, 10, seed=100 + i) for i, p in enumerate(prompts)],
+                lambda j, toks, fin: got.__setitem__(j.key, toks))
+        res.append(got)
+    assert res[0] == res[1]
+    other = {}
+    BatchGenerator(peaky.model, {2}, max_rows=4, capacity=64, temperature=1.0).run(
+        [Job(i, p, 10, seed=999 + i) for i, p in enumerate(prompts)],
+        lambda j, toks, fin: other.__setitem__(j.key, toks))
+    assert other != res[0]  # the seed matters
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    logits = torch.log(torch.tensor([[0.05, 0.9, 0.05], [0.3, 0.3, 0.4]]))
+
+    class R:
+        gen = torch.Generator().manual_seed(0)
+
+    draws = [_pick(logits, [R(), R()], 1.0, 0.85) for _ in range(50)]
+    assert all(d[0] == 1 for d in draws)  # 0.9 alone reaches 0.85
+    assert {d[1] for d in draws} <= {0, 1, 2} and len({d[1] for d in draws}) > 1
+
+
+def test_job_longer_than_capacity_is_a_clear_error(peaky):
+    gen = BatchGenerator(peaky.model, {2}, max_rows=2, capacity=16)
+    with pytest.raises(ValueError, match="capacity 16"):
+        gen.run([Job("long", list(range(3, 15)), 8)], lambda *a: None)
+    with pytest.raises(ValueError, match="empty prompt"):
+        gen.run([Job("e", [], 8)], lambda *a: None)
+
+
+def test_kv_memory_estimate_matches_the_allocation(peaky):
+    cfg = peaky.model.config
+    cache = RaggedCache(cfg, 3, 40, torch.float32, "cpu")
+    allocated = sum(l.keys.numel() * 4 + l.values.numel() * 4 for l in cache.layers)
+    assert RaggedCache.bytes_needed(cfg, 3, 40, torch.float32) == allocated
+
+
+def _convs(n):
+    words = ["hello there", "tell me about cats", "why is the sky blue", "count to ten", "a poem please",
+             "what is two plus two", "name a color", "say hi", "explain rain to a child"]
+    return [Conversation(id=f"c{i}", source="t", user_turns=[words[i % len(words)] + f" {i}", "and more?"])
+            for i in range(n)]
+
+
+def test_batched_engine_writes_what_the_hf_engine_writes(peaky, tmp_path):
+    convs = _convs(7)
+    kw = dict(max_new_tokens=12, max_turns=2, batch_size=3, max_seq_len=256)
+    s_hf = generate.regenerate(peaky, convs, tmp_path / "hf.jsonl", engine="hf", **kw)
+    s_b = generate.regenerate(peaky, convs, tmp_path / "b.jsonl", engine="batched", max_rows=4, **kw)
+    hf = {json.loads(x)["id"]: json.loads(x) for x in (tmp_path / "hf.jsonl").read_text().splitlines()}
+    b = {json.loads(x)["id"]: json.loads(x) for x in (tmp_path / "b.jsonl").read_text().splitlines()}
+    assert hf == b
+    for k in ("conversations", "responses", "response_tokens", "unfinished_responses"):
+        assert s_hf[k] == s_b[k], k
+
+
+def test_resume_after_a_kill_mid_write_has_no_duplicates_and_loses_nothing(peaky, tmp_path):
+    convs = _convs(8)
+    kw = dict(max_new_tokens=10, max_turns=1, batch_size=4, max_seq_len=256, engine="batched", max_rows=3)
+    full = tmp_path / "full.jsonl"
+    generate.regenerate(peaky, convs, full, **kw)
+    lines = full.read_text().splitlines(keepends=True)
+    # the state a kill -9 leaves: some whole lines, then half of the next one
+    part = tmp_path / "part.jsonl"
+    part.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
+    stats = generate.regenerate(peaky, convs, part, **kw)
+    assert stats["torn_resume_lines"] == 1 and stats["resumed"] == 3
+    rows = [json.loads(x) for x in part.read_text().splitlines()]
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == len(convs)
+    assert {r["id"]: r for r in rows} == {json.loads(x)["id"]: json.loads(x) for x in lines}
+    # nothing left to do: a third run writes nothing
+    again = generate.regenerate(peaky, convs, part, **kw)
+    assert again["resumed"] == len(convs) and again["conversations"] == 0
+    assert len(part.read_text().splitlines()) == len(convs)
+
+
+def test_long_prompts_skipped_and_counted_or_a_clear_error(peaky, tmp_path):
+    convs = _convs(3) + [Conversation(id="huge", source="t", user_turns=["x" * 400])]
+    kw = dict(max_new_tokens=8, max_turns=1, batch_size=4, max_seq_len=128, engine="batched")
+    stats = generate.regenerate(peaky, convs, tmp_path / "a.jsonl", on_long_prompt="skip", **kw)
+    assert stats["skipped_long_prompt"] == 1 and stats["conversations"] == 3
+    with pytest.raises(generate.PromptTooLongError, match="huge"):
+        generate.regenerate(peaky, convs, tmp_path / "b.jsonl", on_long_prompt="error", **kw)
+
+
+def test_magpie_batched_prompts_do_not_depend_on_rows(peaky):
+    a, sa = generate.synthesize_prompts(peaky, 4, max_new_tokens=16, seed=5, min_chars=1, max_rows=2)
+    b, sb = generate.synthesize_prompts(peaky, 4, max_new_tokens=16, seed=5, min_chars=1, max_rows=7)
+    assert [c.user_turns for c in a] == [c.user_turns for c in b]
+    assert sa == sb
+
+
+def test_unknown_engine_is_a_clear_error(peaky, tmp_path):
+    with pytest.raises(ValueError, match="unknown generation engine 'vllm'"):
+        generate.regenerate(peaky, _convs(1), tmp_path / "x.jsonl", max_new_tokens=4, max_turns=1, batch_size=1,
+                            max_seq_len=64, engine="vllm")
