@@ -56,6 +56,9 @@ class MedusaConfig(_Strict):
     num_heads: int = Field(4, ge=1, le=16)
     num_layers: int = Field(1, ge=0, le=8, description="ResBlocks per head")
     share_lm_head: bool = Field(True, description="project through the target's frozen LM head (else a trainable copy)")
+    vocab_keep: Optional[Union[int, float]] = Field(
+        None, gt=0, description="draft over the N most frequent assistant-token ids of the training data (an int "
+        "N, or a float ratio of the vocabulary); training and drafting get N/V times cheaper (lossless)")
 
 
 class HydraConfig(_Strict):
@@ -64,6 +67,9 @@ class HydraConfig(_Strict):
     num_layers: int = Field(1, ge=1, le=8, description="layers per head (input layer included); Hydra++: 4")
     dropout: float = Field(0.0, ge=0, lt=1, description="Hydra++: 0.2")
     prefix_layer: bool = Field(False, description="Hydra++: one decoder layer over the base hidden states")
+    vocab_keep: Optional[Union[int, float]] = Field(
+        None, gt=0, description="draft over the N most frequent assistant-token ids of the training data (an int "
+        "N, or a float ratio of the vocabulary); training and drafting get N/V times cheaper (lossless)")
 
 
 class KangarooConfig(_Strict):

@@ -175,6 +175,8 @@ def cpu_decode_layout(*models: torch.nn.Module) -> dict:
         get = getattr(model, "get_output_embeddings", None)
         head = get() if callable(get) else getattr(model, "lm_head", None)
         heads = (head,) if isinstance(head, torch.nn.Module) else ()
+        dh = getattr(model, "draft_head", None)  # a pruned output head (heads/vocab.py) is laid out as a head
+        heads += (dh,) if isinstance(dh, torch.nn.Module) else ()
         done["linears"] += column_major_linears(model, skip=heads)
         done["packed"] += pack_linears(model, skip=heads)
         done["heads"] += sum(attach_transposed_head(h) for h in heads)

@@ -130,7 +130,7 @@ class HeadDrafter:
             n = state.draft_depth or self.max_depth  # the decoder caps draft_depth at max_depth
             shared = getattr(self.heads, "proj", "absent") is None and getattr(self.heads, "lm_head", None) is not None
             if shared:  # Medusa with the target's LM head: one product for the heads the draft reads
-                ds.logits = project(self.heads.lm_head, self.heads.head_states(state.hidden)[:n, 0])
+                ds.logits = self._project(self.heads.head_states(state.hidden)[:n, 0])
             else:
                 ds.logits = self.heads(state.hidden)[:, 0]  # [K, V]
         # Nodes at the deepest level may be in the range without needing children; clamp their rows.
@@ -157,6 +157,14 @@ class HeadDrafter:
     def _dtype(self):
         return next(self.heads.parameters()).dtype
 
+    def _project(self, states: torch.Tensor) -> torch.Tensor:
+        """Head states [n, d] -> draft logits [n, V] in target-id space. A pruned head projects onto its
+        kept rows only and puts the dtype's minimum at every other id: q is exactly 0 there (lossless)."""
+        dh = getattr(self.heads, "draft_head", None)
+        if dh is None:
+            return project(self.heads.lm_head, states)
+        return dh.to_target(project(dh, states))
+
     def _path_logits(self, state, ds: _HeadState, tree: DraftTree, start: int, end: int) -> torch.Tensor:
         """Hydra: node i's children come from head depth(i)+1 reading the root and the drafted tokens
         above it; nodes are batched by depth (one head, one LM-head product per depth)."""
@@ -168,7 +176,7 @@ class HeadDrafter:
         rows: list[torch.Tensor] = [None] * (end - start)  # type: ignore[list-item]
         for d, nodes in by_depth.items():
             paths = torch.stack([tree.tok[torch.tensor(tree.path(i), device=dev)] for i in nodes])
-            logits = project(self.heads.lm_head, self.heads.draft_states(base, paths))
+            logits = self._project(self.heads.draft_states(base, paths))
             for j, i in enumerate(nodes):
                 rows[i - start] = logits[j]
         return torch.stack(rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.heads.vocab import draft_head
 from draftsmith.train.cache import HiddenCache
 
 
@@ -42,6 +43,7 @@ def head_accuracy(model, cache: HiddenCache, num_heads: int, ks=(1, 5), batch_po
     model.eval()
     obj = objective_for(model, cache)
     dev = next(model.parameters()).device
+    dh = draft_head(model)  # pruned vocabulary: ranks are draft ids; a pruned label is always a miss
     count = torch.zeros(num_heads)
     kmax = max(max(ks), ranks)
     rank_hits = torch.zeros(num_heads, kmax)
@@ -53,9 +55,11 @@ def head_accuracy(model, cache: HiddenCache, num_heads: int, ks=(1, 5), batch_po
                 continue
             b = b.to(dev)
             logits = obj.logits(model, b)  # [K, P, V]
-            lab = b.labels
-            top = logits.topk(kmax, dim=-1).indices  # [K, P, kmax]
+            lab = b.labels if dh is None else dh.labels(b.labels)[1]
+            top = logits.topk(min(kmax, logits.shape[-1]), dim=-1).indices  # [K, P, kmax]
             eq = (top == lab.unsqueeze(-1)).cpu()
+            if eq.shape[-1] < kmax:  # fewer kept ids than ranks asked for: the rest never hit
+                eq = torch.cat([eq, eq.new_zeros(*eq.shape[:-1], kmax - eq.shape[-1])], -1)
             valid = (lab != -100).cpu()
             for k in range(num_heads):
                 v = valid[k]

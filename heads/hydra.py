@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.heads.common import ResBlock
+from draftsmith.heads.vocab import PrunedHead
 from draftsmith.registry import register
 
 
@@ -137,7 +138,7 @@ class HydraHeads(nn.Module):
 
     def __init__(self, hidden_size: int, vocab_size: int, lm_head: nn.Module, embed: nn.Module, num_heads: int = 4,
                  num_layers: int = 1, dropout: float = 0.0, prefix_layer: bool = False,
-                 prefix: dict | None = None):
+                 prefix: dict | None = None, vocab_keep: int | None = None):
         super().__init__()
         if num_heads < 1 or num_layers < 1:
             raise ValueError(f"num_heads and num_layers must be >= 1, got {num_heads}, {num_layers}")
@@ -145,13 +146,26 @@ class HydraHeads(nn.Module):
             raise ValueError("prefix_layer needs the layer's shape (prefix: heads, kv_heads, head_dim, ...)")
         self.config = {"hidden_size": hidden_size, "vocab_size": vocab_size, "num_heads": num_heads,
                        "num_layers": num_layers, "dropout": dropout, "prefix_layer": prefix_layer,
-                       "prefix": dict(prefix) if prefix_layer else None}
+                       "prefix": dict(prefix) if prefix_layer else None, "vocab_keep": vocab_keep}
         self.num_heads = num_heads
         self.heads = nn.ModuleList(HydraHead(hidden_size, i, num_layers, dropout) for i in range(1, num_heads + 1))
         self.prefix = PrefixLayer(hidden_size, **prefix) if prefix_layer else None
         self.lm_head = lm_head.requires_grad_(False)
         self.embed = embed.requires_grad_(False)
         self.shared_with_target = ("lm_head", "embed")
+        # the kept rows of the LM head (heads/vocab.py); ids are set from the training data before training
+        self.draft_head = PrunedHead(lm_head, torch.arange(int(vocab_keep))) if vocab_keep else None
+
+    def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
+        """Draft over these target ids only (needs ``vocab_keep`` = their count)."""
+        if self.draft_head is None:
+            raise ValueError("these heads draft over the full vocabulary (vocab_keep is not set)")
+        self.draft_head.set_kept(kept_ids, self.lm_head)
+
+    @property
+    def out_head(self) -> nn.Module:
+        """The projection drafts go through: the pruned head, or the target's LM head."""
+        return self.draft_head if self.draft_head is not None else self.lm_head
 
     @staticmethod
     def cache_needs(config: dict) -> list[str]:
@@ -170,10 +184,11 @@ class HydraHeads(nn.Module):
 
     @classmethod
     def for_target(cls, target, num_heads: int = 4, num_layers: int = 1, dropout: float = 0.0,
-                   prefix_layer: bool = False) -> "HydraHeads":
+                   prefix_layer: bool = False, vocab_keep: int | None = None) -> "HydraHeads":
         """New heads for ``target``; a prefix layer starts from the target's last decoder layer."""
         m = cls(target.hidden_size, target.vocab_size, target.lm_head, target.model.get_input_embeddings(),
-                num_heads, num_layers, dropout, prefix_layer, cls.prefix_shape(target) if prefix_layer else None)
+                num_heads, num_layers, dropout, prefix_layer, cls.prefix_shape(target) if prefix_layer else None,
+                vocab_keep)
         if prefix_layer:
             m.prefix.init_from(target.model.get_decoder().layers[-1])
         return m
@@ -204,7 +219,7 @@ class HydraHeads(nn.Module):
         return torch.stack([h(base, emb[:, : h.index]) for h in self.heads], dim=0)
 
     def forward(self, hidden: torch.Tensor | None, next_tokens: torch.Tensor, seqs: list | None = None) -> torch.Tensor:
-        """Teacher-forced logits [K, P, V]; head i predicts token t+i+1.
+        """Teacher-forced logits [K, P, V] ([K, P, N] with a pruned vocabulary); head i predicts token t+i+1.
 
         ``hidden`` [P, d] are the base states; with a prefix layer pass
         ``seqs`` instead: (h_0..h_{hi-1} of a sequence, lo, kept-rows mask)
@@ -214,7 +229,7 @@ class HydraHeads(nn.Module):
             hidden = torch.cat([self.base_states(h)[lo: lo + len(keep)][keep] for h, lo, keep in seqs])
         elif self.prefix is not None:
             raise ValueError("Hydra heads with a prefix layer need whole sequences (seqs), not bare states")
-        return self.lm_head(self.head_states(hidden, next_tokens))
+        return self.out_head(self.head_states(hidden, next_tokens))
 
     def draft_states(self, base: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
         """base [1, d]; paths [n, i] (root then drafted tokens, i <= K) -> head i's states [n, d]."""

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from draftsmith.heads.common import ResBlock, copy_of_linear
+from draftsmith.heads.vocab import PrunedHead
 from draftsmith.registry import register
 
 
@@ -24,12 +25,14 @@ class MedusaHeads(nn.Module):
     kind = "medusa"
 
     def __init__(self, hidden_size: int, vocab_size: int, lm_head: nn.Module, num_heads: int = 4,
-                 num_layers: int = 1, share_lm_head: bool = True):
+                 num_layers: int = 1, share_lm_head: bool = True, vocab_keep: int | None = None):
         super().__init__()
         if num_heads < 1 or num_layers < 0:
             raise ValueError(f"num_heads must be >= 1 and num_layers >= 0, got {num_heads}, {num_layers}")
+        if vocab_keep is not None and not share_lm_head:
+            raise ValueError("vocab_keep prunes the shared LM head; it needs share_lm_head: true")
         self.config = {"hidden_size": hidden_size, "vocab_size": vocab_size, "num_heads": num_heads,
-                       "num_layers": num_layers, "share_lm_head": share_lm_head}
+                       "num_layers": num_layers, "share_lm_head": share_lm_head, "vocab_keep": vocab_keep}
         self.num_heads = num_heads
         # A list comprehension builds distinct modules: [ResBlock(d)] * n would share one.
         self.blocks = nn.ModuleList(
@@ -43,6 +46,8 @@ class MedusaHeads(nn.Module):
             self.lm_head = None
             self.shared_with_target = ()
             self.proj = nn.ModuleList(copy_of_linear(lm_head) for _ in range(num_heads))
+        # the kept rows of the LM head (heads/vocab.py); ids are set from the training data before training
+        self.draft_head = PrunedHead(lm_head, torch.arange(int(vocab_keep))) if vocab_keep else None
 
     @staticmethod
     def cache_needs(config: dict) -> list[str]:
@@ -58,12 +63,20 @@ class MedusaHeads(nn.Module):
         """[..., d] -> [K, ..., d]: each head's state before its projection."""
         return torch.stack([blk(hidden) for blk in self.blocks], dim=0)
 
+    def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
+        """Draft over these target ids only (needs ``vocab_keep`` = their count)."""
+        if self.draft_head is None:
+            raise ValueError("these heads draft over the full vocabulary (vocab_keep is not set)")
+        self.draft_head.set_kept(kept_ids, self.lm_head)
+
     def project(self, states: torch.Tensor) -> torch.Tensor:
-        """[K, ..., d] -> [K, ..., V] logits."""
+        """[K, ..., d] -> [K, ..., V] logits ([K, ..., N] over the kept ids with a pruned vocabulary)."""
+        if self.draft_head is not None:
+            return self.draft_head(states)
         if self.proj is None:
             return self.lm_head(states)  # one matmul, one read of the weight
         return torch.stack([p(s) for p, s in zip(self.proj, states)], dim=0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of every head: [..., d] -> [K, ..., V]; head k predicts t+k+1."""
+        """Logits of every head: [..., d] -> [K, ..., V] (N when pruned); head k predicts t+k+1."""
         return self.project(self.head_states(hidden))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from draftsmith.heads.vocab import draft_head
 from draftsmith.train.cache import HiddenCache, teacher_logits
 from draftsmith.train.losses import hard_ce, soft_ce, topk_hits
 
@@ -130,28 +131,38 @@ class HeadObjective:
         return model(batch.hidden)
 
     def loss(self, model, batch: HeadBatch) -> tuple[torch.Tensor, dict]:
-        """Weighted head loss; returns (loss, aux) where aux feeds ``stats``."""
-        logits = self.logits(model, batch)  # [K, P, V]
+        """Weighted head loss; returns (loss, aux) where aux feeds ``stats``.
+
+        With a pruned draft vocabulary the logits cover the kept ids only: labels are mapped to
+        draft ids (a pruned label leaves the loss but counts as a miss), and the teacher is
+        renormalised over the kept ids.
+        """
+        logits = self.logits(model, batch)  # [K, P, V] (N when pruned)
+        dh = draft_head(model)
         total = logits.new_zeros(())
-        per_head = []
+        per_head, hit_labels = [], []
         for k, w in enumerate(self.weights()):
-            lab = batch.labels[k]
+            lab = hit = batch.labels[k]
+            if dh is not None:
+                lab, hit = dh.labels(lab)
+            hit_labels.append(hit)
             lk = logits.new_zeros(())
             if self.loss_kind in ("hard", "mix"):
                 lk = lk + (1 - self.soft_weight if self.loss_kind == "mix" else 1.0) * hard_ce(logits[k], lab)
             if self.loss_kind in ("soft", "mix"):
+                teacher = batch.teacher[k] if dh is None else batch.teacher[k][..., dh.kept_ids]
                 lk = lk + (self.soft_weight if self.loss_kind == "mix" else 1.0) * \
-                    soft_ce(logits[k], batch.teacher[k], lab != -100)
+                    soft_ce(logits[k], teacher, batch.labels[k] != -100)
             total = total + w * lk
             per_head.append(lk.detach())
-        return total, {"logits": logits.detach(), "per_head": per_head}
+        return total, {"logits": logits.detach(), "per_head": per_head, "hit_labels": hit_labels}
 
     @torch.no_grad()
     def stats(self, aux: dict, batch: HeadBatch) -> dict:
         """Per-head loss and top-1/top-5 (hits, count) of one micro-batch."""
         out = {}
         for k in range(self.K):
-            hits = topk_hits(aux["logits"][k], batch.labels[k])
+            hits = topk_hits(aux["logits"][k], aux["hit_labels"][k])
             out[f"head{k + 1}/loss"] = float(aux["per_head"][k])
             out[f"head{k + 1}/top1"] = hits[1]
             out[f"head{k + 1}/top5"] = hits[5]

@@ -30,6 +30,6 @@ def topk_hits(logits: torch.Tensor, labels: torch.Tensor, ks=(1, 5)) -> dict[int
     n = int(valid.sum())
     if n == 0:
         return {k: (0, 0) for k in ks}
-    top = logits[valid].topk(max(ks), dim=-1).indices
+    top = logits[valid].topk(min(max(ks), logits.shape[-1]), dim=-1).indices
     lab = labels[valid].unsqueeze(-1)
     return {k: (int((top[:, :k] == lab).any(-1).sum()), n) for k in ks}

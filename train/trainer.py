@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from draftsmith import registry
 from draftsmith.checkpoint import save_checkpoint
 from draftsmith.heads.objective import HeadObjective, HydraObjective, calibration_split
+from draftsmith.heads.vocab import draft_head, frequent_ids, kept_size
 from draftsmith.recipe import Recipe
 from draftsmith.train.cache import HiddenCache
 from draftsmith.train.state import latest_checkpoint, load_trainer_state, save_trainer_state
@@ -45,8 +46,32 @@ def build_drafter(recipe: Recipe, target) -> torch.nn.Module:
     if hasattr(cls, "for_target"):  # kinds that initialise from the target (Hydra's prefix layer)
         cfg = recipe.drafter.model_dump()
         cfg.pop("kind")
+        if cfg.get("vocab_keep") is not None:
+            cfg["vocab_keep"] = kept_size(cfg["vocab_keep"], target.vocab_size)
         return cls.for_target(target, **cfg)
-    return cls.from_config(drafter_config(recipe, target), target)
+    cfg = drafter_config(recipe, target)
+    if cfg.get("vocab_keep") is not None:
+        cfg["vocab_keep"] = kept_size(cfg["vocab_keep"], target.vocab_size)
+    return cls.from_config(cfg, target)
+
+
+def set_draft_vocab(model: torch.nn.Module, cache: HiddenCache, exclude: set[int]) -> dict | None:
+    """A drafter with a pruned head drafts over the most frequent assistant-token ids of its training
+    sequences (the calibration split left out); returns what was kept, for the log and the manifest."""
+    dh = draft_head(model)
+    if dh is None:
+        return None
+    seqs = [i for i in range(len(cache)) if i not in exclude]
+    ids = frequent_ids((cache.tokens(i) for i in seqs), (cache.mask(i) for i in seqs), dh.vocab_size,
+                       len(dh.kept_ids))
+    getattr(model, "module", model).set_draft_vocab(ids)
+    kept = set(ids.tolist())
+    total = hit = 0
+    for i in seqs:
+        t = cache.tokens(i)[cache.mask(i) > 0]
+        total += len(t)
+        hit += sum(1 for x in t.tolist() if x in kept)
+    return {"kept": len(ids), "vocab": dh.vocab_size, "assistant_token_coverage": hit / max(total, 1)}
 
 
 def make_objective(recipe: Recipe, cache: HiddenCache, target):
@@ -112,6 +137,10 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
     cache = HiddenCache(cache_dir, target)
     objective = make_objective(recipe, cache, target)
     model = build_drafter(recipe, target)
+    vocab = set_draft_vocab(model, cache, calibration_split(len(cache), t.calibration_every))
+    if vocab and acc.is_main_process:
+        print(f"draft vocabulary: {vocab['kept']} of {vocab['vocab']} ids, covering "
+              f"{100 * vocab['assistant_token_coverage']:.2f}% of the training assistant tokens")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     world, rank = acc.num_processes, acc.process_index

@@ -1,0 +1,101 @@
+"""A pruned draft vocabulary for drafters that end in the target's output head (methods.md section 8).
+
+Keep the N most frequent target ids of the training data's assistant tokens
+(FR-Spec / EAGLE-3 style). The drafter projects onto those N rows of the
+target's LM head only, which makes both training (the LM-head product and its
+softmax dominate a head's cost) and drafting N/V times cheaper.
+
+Lossless rule: the decoder gets the drafter's real proposal in target-id space,
+the kept logits at the kept ids and the dtype's minimum everywhere else, so a
+pruned id has probability exactly 0 under q, is never drafted, and
+verification uses the q the token was drawn from.
+
+Training is against the target distribution renormalised over the kept ids
+(soft loss) or the target's token when it is kept (hard loss); a label outside
+the kept set cannot be learned and is left out of the loss, but it counts as a
+miss in accuracy, so acceptance is never overstated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def kept_size(keep: int | float, vocab_size: int) -> int:
+    """``keep`` as an id count: an int N, or a float ratio in (0, 1] of the vocabulary."""
+    if isinstance(keep, bool):
+        raise ValueError("vocab_keep must be an id count or a ratio, not a bool")
+    n = int(round(keep * vocab_size)) if isinstance(keep, float) and keep <= 1.0 else int(keep)
+    if n < 1 or n > vocab_size:
+        raise ValueError(f"vocab_keep {keep!r} gives {n} kept ids; it must keep between 1 and the "
+                         f"vocabulary's {vocab_size} ids")
+    return n
+
+
+def frequent_ids(token_arrays, mask_arrays, vocab_size: int, n: int) -> torch.Tensor:
+    """The ``n`` most frequent ids among assistant tokens (mask > 0), sorted by id; ties by lower id."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for tok, m in zip(token_arrays, mask_arrays):
+        t = np.asarray(tok)[np.asarray(m) > 0]
+        if t.size:
+            counts += np.bincount(t, minlength=vocab_size)[:vocab_size]
+    order = np.lexsort((np.arange(vocab_size), -counts))  # most frequent first, then lower id
+    return torch.from_numpy(np.sort(order[:n])).long()
+
+
+class PrunedHead(nn.Linear):
+    """The target's LM head restricted to ``kept_ids``: [..., d] -> [..., N] logits (frozen).
+
+    The kept rows are stored (N x d), so a checkpoint is self-contained (vLLM's
+    Medusa loader takes the same pair: truncated head + token map).
+    """
+
+    def __init__(self, full: nn.Module, kept_ids: torch.Tensor):
+        w = full.weight
+        super().__init__(w.shape[1], len(kept_ids), bias=False, device=w.device, dtype=w.dtype)
+        self.register_buffer("kept_ids", kept_ids.to(w.device).long().clone())
+        self.vocab_size = int(w.shape[0])
+        self.set_kept(kept_ids, full)
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def set_kept(self, kept_ids: torch.Tensor, full: nn.Module) -> None:
+        """Take rows ``kept_ids`` (sorted, unique target ids) of ``full``'s weight."""
+        ids = kept_ids.to(self.weight.device).long()
+        if ids.numel() != self.weight.shape[0]:
+            raise ValueError(f"{ids.numel()} kept ids for a head of {self.weight.shape[0]} rows")
+        if ids.numel() and (bool((ids[1:] <= ids[:-1]).any()) or int(ids.min()) < 0
+                            or int(ids.max()) >= self.vocab_size):
+            raise ValueError("kept ids must be sorted, unique target ids")
+        self.kept_ids.copy_(ids)
+        self.weight.copy_(full.weight.detach()[ids])
+
+    def t2d(self) -> torch.Tensor:
+        """[V] target id -> draft id, -1 where pruned."""
+        m = torch.full((self.vocab_size,), -1, dtype=torch.long, device=self.kept_ids.device)
+        m[self.kept_ids] = torch.arange(len(self.kept_ids), device=m.device)
+        return m
+
+    def to_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., N] draft logits -> [..., V] in target-id space, the dtype's minimum at pruned ids."""
+        out = logits.new_full((*logits.shape[:-1], self.vocab_size), torch.finfo(logits.dtype).min)
+        out[..., self.kept_ids] = logits
+        return out
+
+    def labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target-id labels -> (loss labels: draft ids, -100 where pruned or absent;
+        hit labels: draft ids, N (never a hit) where pruned, -100 where absent)."""
+        t2d = self.t2d()
+        valid = labels != -100
+        d = torch.where(valid, t2d[labels.clamp(min=0)], torch.full_like(labels, -100))
+        loss_lab = torch.where(d < 0, torch.full_like(d, -100), d)
+        hit_lab = torch.where(valid & (d < 0), torch.full_like(d, len(self.kept_ids)), d)
+        return loss_lab, hit_lab
+
+
+def draft_head(module: nn.Module) -> PrunedHead | None:
+    """The pruned head of a (possibly DDP-wrapped) drafter, or None when it drafts over the full vocabulary."""
+    m = getattr(module, "module", module)
+    return getattr(m, "draft_head", None)
