@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also run HF assisted generation with the --drafter-layers model as assistant")
     ap.add_argument("--prompts", type=int, default=80,
                     help="number of MT-Bench first turns (fewer than 80: evenly spread over the categories)")
+    ap.add_argument("--prompts-file", default=None, metavar="JSONL",
+                    help="your own prompts instead of MT-Bench: one JSON object a line, {\"prompt\": ...}, "
+                         "{\"messages\": [...]} or {\"turns\": [...]}, optional \"category\" (--prompts caps the count)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several allowed")
     ap.add_argument("--top-k", type=int, default=0)
@@ -144,7 +147,7 @@ def eval_main(argv: list[str] | None = None) -> dict:
     from draftsmith.checkpoint import command_line, environment, read_manifest
     from draftsmith.eval.bench import default_methods, run_bench, table
     from draftsmith.eval.drafters import drafter_from_checkpoint
-    from draftsmith.eval.mtbench import mtbench_prompts
+    from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
     from draftsmith.eval.report import write_report
     from draftsmith.eval.sampling import SamplingParams
     from draftsmith.target import default_device, load_target
@@ -173,7 +176,21 @@ def eval_main(argv: list[str] | None = None) -> dict:
         if layout["applied"]:
             print(f"CPU decoding layout: {layout['linears']} linears column-major, "
                   f"{layout.get('packed', 0)} oneDNN-packed, {layout['heads']} head copies")
-    prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
+    if a.prompts_file:
+        prompts, bad = user_prompts(target.tokenizer, a.prompts_file, a.prompts)
+        if bad["skipped"]:
+            print(f"prompts file: skipped {sum(bad['skipped'].values())} lines {bad['skipped']} "
+                  f"(first at {bad['first_skipped_at']})")
+    else:
+        prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
+    room = target.context_length - a.max_new_tokens - 64  # 64: the largest draft block a method verifies
+    too_long = [p for p in prompts if len(p.ids) > room]
+    if too_long:
+        print(f"skipped {len(too_long)} prompts longer than {room} tokens (context {target.context_length} - "
+              f"{a.max_new_tokens} new tokens - a draft block of 64), first: #{too_long[0].question_id}")
+        prompts = [p for p in prompts if len(p.ids) <= room]
+        if not prompts:
+            raise ValueError("every prompt is too long for the target's context")
     runs = {}
     for temp in a.temperature:
         sampling = SamplingParams(temp, a.top_k if temp > 0 else 0, a.top_p if temp > 0 else 1.0)

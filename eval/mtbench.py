@@ -1,9 +1,11 @@
-"""MT-Bench first turns as chat-formatted prompts (evaluation only: never train on them)."""
+"""Evaluation prompts: MT-Bench first turns (never trained on), or a user's own JSONL file."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 from draftsmith.paths import mtbench_questions_path
 
@@ -41,3 +43,63 @@ def mtbench_prompts(tokenizer, n: int | None = None, spread: bool = False) -> li
             rows = rows[:n]
     return [Prompt(int(r["question_id"]), r["category"], r["turns"][0], chat_ids(tokenizer, r["turns"][0]))
             for r in rows]
+
+
+def user_prompts(tokenizer, path: str | Path, n: int | None = None) -> tuple[list[Prompt], dict]:
+    """Prompts from a user's JSONL file, for judging a drafter on their own traffic.
+
+    Each line: ``{"prompt": str}`` (one user turn), ``{"messages": [{"role", "content"}, ...]}``
+    (a chat; a trailing assistant message is dropped, the rest is the prompt) or ``{"turns": [str, ...]}``
+    (the first turn); optional ``"category"`` (default "user") and ``"id"``. Malformed lines are
+    skipped and counted by reason (returned with the prompts), never fatal; a file with no usable
+    line is an error.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"prompts file {str(path)!r} does not exist")
+    out: list[Prompt] = []
+    skipped: Counter = Counter()
+    first: dict[str, str] = {}
+    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        reason = None
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row, reason = None, "invalid JSON"
+        ids = text = None
+        if reason is None and not isinstance(row, dict):
+            reason = "not an object"
+        elif reason is None:
+            if isinstance(row.get("prompt"), str) and row["prompt"].strip():
+                text = row["prompt"]
+                ids = chat_ids(tokenizer, text)
+            elif isinstance(row.get("turns"), list) and row["turns"] and isinstance(row["turns"][0], str):
+                text = row["turns"][0]
+                ids = chat_ids(tokenizer, text)
+            elif isinstance(row.get("messages"), list) and row["messages"]:
+                msgs = row["messages"]
+                if isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant":
+                    msgs = msgs[:-1]
+                if not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                       and isinstance(m.get("content"), str) for m in msgs):
+                    reason = "messages need role and content strings"
+                else:
+                    text = msgs[-1]["content"]
+                    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)
+                    ids = [int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+            else:
+                reason = "no non-empty 'prompt', 'turns' or 'messages'"
+        if reason:
+            skipped[reason] += 1
+            first.setdefault(reason, f"{path.name}:{lineno}")
+            continue
+        cat = row.get("category") if isinstance(row.get("category"), str) else "user"
+        out.append(Prompt(len(out), cat, text, ids))
+    if not out:
+        raise ValueError(f"{path}: no usable prompt ({sum(skipped.values())} lines skipped: {dict(skipped)})")
+    if n is not None:
+        out = out[:n]
+    return out, {"skipped": dict(skipped), "first_skipped_at": first}

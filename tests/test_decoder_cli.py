@@ -64,3 +64,42 @@ def test_default_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             default_device("cuda")
+
+
+def test_eval_on_a_users_prompts_file(tmp_path, capsys):
+    import pytest
+
+    from draftsmith.eval.mtbench import user_prompts
+
+    target = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, save_to=tmp_path / "target")
+    heads = MedusaHeads(target.hidden_size, target.vocab_size, target.lm_head, num_heads=2)
+    save_checkpoint(tmp_path / "ck", heads, target)
+    f = tmp_path / "mine.jsonl"
+    f.write_text("\n".join([
+        json.dumps({"prompt": "sort a list", "category": "code"}),
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                                 {"role": "user", "content": "more"}, {"role": "assistant", "content": "x"}],
+                    "category": "chat"}),
+        json.dumps({"turns": ["first", "second"]}),
+        "{broken",
+        json.dumps({"prompt": ""}),
+        json.dumps({"messages": [{"role": "user"}]}),
+    ]) + "\n")
+    prompts, bad = user_prompts(target.tokenizer, f)
+    assert [(p.category, p.text) for p in prompts] == [("code", "sort a list"), ("chat", "more"), ("user", "first")]
+    assert bad["skipped"] == {"invalid JSON": 1, "no non-empty 'prompt', 'turns' or 'messages'": 1,
+                              "messages need role and content strings": 1}
+    # the chat prompt keeps its history and ends with the assistant header
+    assert target.tokenizer.decode(prompts[1].ids).count("<|im_start|>") == 5
+    out = tmp_path / "rep"
+    eval_main([str(tmp_path / "ck"), "--prompts-file", str(f), "--max-new-tokens", "4", "--temperature", "0",
+               "--out", str(out)])
+    saved = json.loads((out / "report.json").read_text())
+    run = saved["runs"]["greedy"]
+    assert run["prompts"] == 3
+    assert set(run["methods"]["ours medusa chain"]["tau_by_category"]) == {"code", "chat", "user"}
+    assert "skipped 3 lines" in capsys.readouterr().out
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("{bad\n")
+    with pytest.raises(ValueError, match="no usable prompt"):
+        user_prompts(target.tokenizer, empty)
