@@ -293,9 +293,13 @@ def export(spec: str | Path, fmt: str, out: str | Path, target: Target, *, base_
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    files = FORMATS[fmt].write(src, tmp, target, base_model, prov)
-    (tmp / CARD).write_text(model_card(src, target, fmt, base_model, files, prov))
-    _check_reload(src, tmp, fmt, target)
+    try:
+        files = FORMATS[fmt].write(src, tmp, target, base_model, prov)
+        (tmp / CARD).write_text(model_card(src, target, fmt, base_model, files, prov))
+        _check_reload(src, tmp, fmt, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written export behind
+        raise
     if out.exists():
         out.rmdir()  # checked empty above
     tmp.rename(out)
