@@ -31,6 +31,9 @@ class DataConfig(_Strict):
     sources: list[SourceConfig] = Field(default_factory=list)
     max_new_tokens: int = Field(256, ge=1, description="response budget per regenerated assistant turn")
     max_turns: int = Field(1, ge=1, description="user turns kept per conversation")
+    regenerate: bool = Field(True, description="true: the target rewrites every assistant turn (self-distillation); "
+                             "false: train on the sources' conversations as they are (teacher-forced; for logs the "
+                             "target already wrote, e.g. served traffic)")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy responses (match greedy serving)")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     batch_size: int = Field(16, ge=1, description="engine hf: sequences generated together per padded batch")

@@ -67,3 +67,26 @@ def test_empty_dataset_fails_clearly(tmp_path, tiny_dir, capsys):
     assert main(["data", str(tmp_path / "e.yaml")]) == 2
     err = capsys.readouterr().err
     assert "no usable conversations" in err and "1 rows skipped" in err
+
+
+def test_teacher_forced_data_uses_the_conversations_as_they_are(tmp_path, tiny_dir, capsys):
+    data = tmp_path / "logs.jsonl"
+    data.write_text("\n".join([
+        json.dumps({"prompt": "what is a cat", "response": "a small animal"}),
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                                 {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}]}),
+        json.dumps({"prompt": "no answer here"}),
+    ]) + "\n")
+    r = {"name": "tf", "target": str(tiny_dir), "output_dir": str(tmp_path / "run"),
+         "data": {"sources": [{"type": "jsonl", "path": str(data)}], "regenerate": False, "max_turns": 2,
+                  "heldout_mtbench": False},
+         "drafter": {"kind": "medusa", "num_heads": 2}, "train": {"tracker": "none"}}
+    (tmp_path / "tf.yaml").write_text(yaml.safe_dump(r))
+    assert main(["data", str(tmp_path / "tf.yaml")]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "data" / "train.jsonl").read_text().splitlines()]
+    assert [r["messages"] for r in rows] == [
+        [{"role": "user", "content": "what is a cat"}, {"role": "assistant", "content": "a small animal"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+         {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}]]
+    meta = json.loads((tmp_path / "run" / "data" / "meta.json").read_text())
+    assert meta["generation"]["skipped_no_assistant_turn"] == 1 and meta["generation"]["teacher_forced"] == 1

@@ -95,7 +95,10 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
               max_seq_len=d.max_seq_len, temperature=d.temperature, top_p=d.top_p, seed=recipe.seed,
               on_long_prompt=d.on_long_prompt, engine=d.engine, max_rows=d.max_rows)
     t_gen = time.time()
-    gstats = generate.regenerate(target, convs, out / "train.jsonl", **kw)
+    if d.regenerate:
+        gstats = generate.regenerate(target, convs, out / "train.jsonl", **kw)
+    else:
+        gstats = write_as_is(convs, out / "train.jsonl", d.max_turns)
     gen_s = time.time() - t_gen
     gstats["generation_seconds"] = round(gen_s, 1)
     gstats["response_tokens_per_s"] = round(gstats["response_tokens"] / max(gen_s, 1e-9), 1)
@@ -115,6 +118,30 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
             "target_fingerprint": target.fingerprint}
     meta_path.write_text(json.dumps(meta, indent=2))
     return out
+
+
+def write_as_is(convs: list[sources.Conversation], out_path: Path, max_turns: int) -> Counter:
+    """Teacher-forced data: each conversation with its own assistant turns, no generation.
+
+    A conversation without a reply to its first user turn is skipped and counted; replies are taken
+    as finished (their end-of-turn token is learned).
+    """
+    stats: Counter = Counter()
+    with out_path.open("w") as f:
+        for c in convs:
+            n = min(max_turns, len(c.user_turns), len(c.replies or []))
+            if n == 0:
+                stats["skipped_no_assistant_turn"] += 1
+                continue
+            msgs = ([{"role": "system", "content": c.system}] if c.system else [])
+            for u, r in zip(c.user_turns[:n], c.replies[:n]):
+                msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": r}]
+            f.write(json.dumps({"id": c.id, "source": c.source, "system": c.system,
+                                "messages": msgs[1 if c.system else 0:], "finished": [True] * n}) + "\n")
+            stats["conversations"] += 1
+            stats["responses"] += n
+    stats["teacher_forced"] = 1
+    return stats
 
 
 def load_sequences(path: Path, tokenizer, max_seq_len: int, stats: Counter | None = None) -> list[dict]:

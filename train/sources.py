@@ -28,6 +28,9 @@ class Conversation:
     source: str
     user_turns: list[str]
     system: str | None = None
+    # the source's assistant turns (reply i answers user turn i), kept for teacher-forced data
+    # (data.regenerate: false); self-distillation ignores them
+    replies: list[str] | None = None
 
 
 @dataclass
@@ -82,7 +85,7 @@ def _sharegpt_record(rec, source: str, where: str, skips: SkipLog) -> Conversati
     if not isinstance(conv, list) or not conv:
         skips.skip(source, "no 'conversations' list", where)
         return None
-    users, system = [], None
+    users, replies, system = [], [], None
     for i, turn in enumerate(conv):
         if not isinstance(turn, dict):
             skips.skip(source, "turn is not an object", where)
@@ -100,7 +103,10 @@ def _sharegpt_record(rec, source: str, where: str, skips: SkipLog) -> Conversati
                 skips.skip(source, "empty user turn", where)
                 return None
             users.append(text)
-        elif role not in _GPT:
+        elif role in _GPT:
+            if len(replies) < len(users):  # the first reply to the latest user turn
+                replies.append(text)
+        else:
             skips.skip(source, f"unknown role {role!r}", where)
             return None
     if not users:
@@ -108,7 +114,7 @@ def _sharegpt_record(rec, source: str, where: str, skips: SkipLog) -> Conversati
         return None
     rid = rec.get("id", rec.get("question_id"))
     return Conversation(id=f"{source}:{rid if rid is not None else where}", source=source,
-                        user_turns=users, system=system)
+                        user_turns=users, system=system, replies=replies)
 
 
 def _row_to_conversation(row, source: str, where: str, skips: SkipLog) -> Conversation | None:
@@ -118,8 +124,10 @@ def _row_to_conversation(row, source: str, where: str, skips: SkipLog) -> Conver
             skips.skip(source, "empty prompt", where)
             return None
         rid = row.get("id", where)
+        reply = row.get("response")
         return Conversation(id=f"{source}:{rid}", source=source, user_turns=[row["prompt"]],
-                            system=row.get("system") if isinstance(row.get("system"), str) else None)
+                            system=row.get("system") if isinstance(row.get("system"), str) else None,
+                            replies=[reply] if isinstance(reply, str) and reply.strip() else [])
     if isinstance(row, dict) and isinstance(row.get("turns"), list):
         turns = row["turns"]
         if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
