@@ -107,6 +107,9 @@ def load_source(spec: str | Path, target: Target) -> Source:
             n = int(s[len(FIRST_LAYERS):])
         except ValueError:
             raise ExportError(f"{s!r}: expected first-layers:N with N an integer") from None
+        total = int(target.config.num_hidden_layers)
+        if not 1 <= n <= total:
+            raise ExportError(f"{s!r}: N must be in [1, {total}] (the target's layers)")
         manifest = {"kind": FirstLayersBaseline.kind, "layers": n, "recipe": None, "data": None,
                     "target": {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint}}
         return Source(FirstLayersBaseline(target, n), manifest, None)

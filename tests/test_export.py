@@ -1,6 +1,7 @@
 """Exports: every format's names and fields (mirroring each consumer's loader), reload by transformers,
 the reverse import, identical decoding from export and checkpoint, wrong kinds, corrupt exports."""
 
+import dataclasses
 import json
 
 import pytest
@@ -246,6 +247,8 @@ def test_kind_a_format_cannot_hold_is_a_clear_error(target, tmp_path):
         export(tmp_path / "hy", "vllm-medusa", tmp_path / "ex", target)
     with pytest.raises(ExportError, match="formats that can hold 'hydra': draftsmith"):
         export(tmp_path / "hy", "hf", tmp_path / "ex", target)
+    with pytest.raises(ExportError, match=r"N must be in \[1, 3\]"):
+        export("first-layers:4", "hf", tmp_path / "ex", target)
     with pytest.raises(ExportError, match="formats that can hold 'first-layers': hf"):
         export("first-layers:1", "vllm-medusa", tmp_path / "ex", target)
     medusa_ckpt(target, tmp_path / "ck")
@@ -321,3 +324,23 @@ def test_truncated_hf_export_names_the_file(target, tmp_path):
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
     with pytest.raises(CheckpointError, match="model.safetensors: truncated"):
         load_drafter(out, target)
+
+
+def test_reload_check_catches_a_wrong_export_and_leaves_nothing(target, tmp_path, monkeypatch):
+    import draftsmith.export as ex
+
+    def swapped_heads(heads, out, base_model, prov):  # a writer bug: heads 0 and 1 trade their blocks
+        files = ex.write_medusa_dir(heads, out, base_model, prov)
+        w = load_file(str(out / "model.safetensors"))
+        for suffix in ("weight", "bias"):
+            a, b = f"blocks.0.layers.0.{suffix}", f"blocks.1.layers.0.{suffix}"
+            w[a], w[b] = w[b], w[a]
+        save_file(w, str(out / "model.safetensors"))
+        return files
+
+    medusa_ckpt(target, tmp_path / "ck")
+    monkeypatch.setitem(ex.FORMATS, "vllm-medusa", dataclasses.replace(
+        ex.FORMATS["vllm-medusa"], write=lambda src, out, t, base, prov: swapped_heads(src.module, out, base, prov)))
+    with pytest.raises(ExportError, match="loads back but computes other logits"):
+        export(tmp_path / "ck", "vllm-medusa", tmp_path / "ex", target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "tiny"]  # no export, no half-written .tmp
