@@ -27,10 +27,24 @@ class SourceConfig(_Strict):
     split: Optional[str] = Field(None, description="hf_dataset: split name")
 
 
+class ServerConfig(_Strict):
+    url: str = Field(description="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (vLLM, "
+                     "SGLang, draftsmith serve)")
+    model: str = Field(description="the model name the server serves the target under")
+    concurrency: int = Field(8, ge=1, le=1024, description="requests in flight")
+    api_key_env: Optional[str] = Field(None, description="environment variable holding the API key, if any")
+    check: Literal["probe", "models", "none"] = Field(
+        "probe", description="probe: greedy probe prompts must match the local target's tokens; models: "
+        "/v1/models must list `model`; none: no check")
+    timeout_s: float = Field(600.0, gt=0)
+
+
 class DataConfig(_Strict):
     sources: list[SourceConfig] = Field(default_factory=list)
     max_new_tokens: int = Field(256, ge=1, description="response budget per regenerated assistant turn")
     max_turns: int = Field(1, ge=1, description="user turns kept per conversation")
+    server: Optional[ServerConfig] = Field(None, description="regenerate through this OpenAI-compatible server "
+                                           "instead of the local target (the local target still caches states)")
     regenerate: bool = Field(True, description="true: the target rewrites every assistant turn (self-distillation); "
                              "false: train on the sources' conversations as they are (teacher-forced; for logs the "
                              "target already wrote, e.g. served traffic)")

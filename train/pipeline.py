@@ -21,7 +21,7 @@ from draftsmith import paths, registry
 from draftsmith.checkpoint import environment, load_checkpoint, update_metrics, command_line
 from draftsmith.recipe import Recipe
 from draftsmith.target import Target
-from draftsmith.train import generate, sources
+from draftsmith.train import generate, remote, sources
 from draftsmith.train.cache import HiddenCache, build_cache
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,13 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
               max_seq_len=d.max_seq_len, temperature=d.temperature, top_p=d.top_p, seed=recipe.seed,
               on_long_prompt=d.on_long_prompt, engine=d.engine, max_rows=d.max_rows)
     t_gen = time.time()
-    if d.regenerate:
+    if d.regenerate and d.server is not None:
+        srv = d.server
+        gstats = remote.regenerate_remote(
+            target, convs, out / "train.jsonl", url=srv.url, model=srv.model, concurrency=srv.concurrency,
+            api_key_env=srv.api_key_env, check=srv.check, timeout_s=srv.timeout_s,
+            **{k: v for k, v in kw.items() if k not in ("batch_size", "engine", "max_rows")})
+    elif d.regenerate:
         gstats = generate.regenerate(target, convs, out / "train.jsonl", **kw)
     else:
         gstats = write_as_is(convs, out / "train.jsonl", d.max_turns)
