@@ -57,6 +57,7 @@ class KangarooAdapter(nn.Module):
     """The trainable part of a Kangaroo drafter: the adapter, reading the target's layer-l states."""
 
     kind = "kangaroo"
+    supports_trees = False  # its decoder drafter drafts chains (no static trees to build for it)
 
     def __init__(self, hidden_size: int, vocab_size: int, lm_head: nn.Module, rotary: nn.Module, num_layers: int,
                  exit_layer: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
@@ -136,6 +137,10 @@ class KangarooAdapter(nn.Module):
         t = recipe.train
         return KangarooObjective(cache, target, recipe.drafter.exit_layer, loss=t.loss, soft_weight=t.soft_weight,
                                  chunk_len=t.chunk_len, exclude=exclude)
+
+    def heldout_metrics(self, cache: HiddenCache, target) -> dict:
+        """`heldout_metrics` of this adapter on a cache (for a report stage)."""
+        return heldout_metrics(self, cache, target)
 
     def decoder_drafter(self, target, target_fingerprint: str | None = None, name: str = "kangaroo") -> KangarooDrafter:
         """This adapter as a `draftsmith.eval.decoder` drafter (double early exit by default)."""
