@@ -189,6 +189,15 @@ def test_kangaroo_is_exact(enum_tgt, enum_refs, make, sampling):
     assert total_variation(got, enum_refs[sampling]) < 1e-9
 
 
+def test_monte_carlo_chi_square_passes_with_kangaroo(tgt):
+    """The Monte Carlo harness (prefilled prompt, cloned states: the drafter recomputes the shallow prefix)."""
+    from draftsmith.eval.mc_lossless import mc_lossless
+
+    dec = SpeculativeDecoder(tgt, kangaroo(tgt, threshold=0.3), sampling=SamplingParams(0.9))
+    r = mc_lossless(dec, PROMPT, n_new=3, n_samples=600, seed=0)
+    assert r["cells"] > 10 and r["p_value"] > 1e-3, r
+
+
 def test_verification_from_wrong_shallow_states_is_detected(enum_tgt, enum_refs):
     """The enumeration check has teeth here: verifying from stale layer-l states is caught."""
     class Stale(KangarooDrafter):
