@@ -92,6 +92,10 @@ def _run_stages(args, stages) -> int:
             print(f"trees from {tr['source']['sequences']} {kind} training sequences: " + ", ".join(
                 f"{b} nodes -> expected tau {t['expected_tau']:.2f}" for b, t in tr["trees"].items()) +
                 f" (chain K={len(tr['rank_acc'])}: {tr['chain_expected_tau'][str(len(tr['rank_acc']))]:.2f})")
+            if "best" in tr:
+                print("measured step cost on this machine (verification vs a 1-row forward): " + ", ".join(
+                    f"{b} nodes x{t['step_cost']:.2f} -> {t['relative_speed']:.2f}x plain" for b, t in
+                    tr["trees"].items()) + f"; best: built:{tr['best']} (--tree built:best)")
         elif st == "report":
             rep = pipeline.stage_report(recipe, target, ckpt)
             print((recipe.out / "report.md").read_text())

@@ -18,7 +18,13 @@ from __future__ import annotations
 
 import heapq
 import json
+import time
 from pathlib import Path
+
+import torch
+
+from draftsmith.eval.drafters import project
+from draftsmith.eval.kvcache import SlotCache, prefix_block_mask
 
 TREES = "trees.json"
 
@@ -67,13 +73,62 @@ def tree_value(acc: list[list[float]], paths: list[tuple[int, ...]]) -> float:
     return out
 
 
-def build_trees(rank_acc: list[list[float]], budgets: list[int], source: dict) -> dict:
-    """Trees for each budget, with the figures they were built from."""
+@torch.no_grad()
+def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int = 5) -> dict[str, float]:
+    """Wall time of a verification forward over n drafted nodes (n + 1 rows, logits included) after a
+    cached prefix, relative to plain decoding's 1-row forward, on this machine (best of ``repeats``).
+
+    What a node costs depends on the hardware: on a GPU 64 rows cost about what 1 costs, on a 2-core
+    CPU each row adds a share. Trees are then ranked by expected tokens per unit of step time.
+    """
+    model, dev = target.model, next(target.model.parameters()).device
+    body, head = model.get_decoder(), model.get_output_embeddings()
+    n_max = max(sizes) + 1
+    cache = SlotCache.for_model(model, prefix + n_max)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (1, prefix + n_max), generator=g).to(dev)
+    cache.set_write(0)
+    body(input_ids=ids[:, :prefix], position_ids=torch.arange(prefix, device=dev)[None], past_key_values=cache,
+         use_cache=True)
+
+    def once(n: int) -> float:
+        m = prefix_block_mask(prefix, torch.ones(n, n, dtype=torch.bool, device=dev).tril(),
+                              next(model.parameters()).dtype)
+        cache.set_write(prefix)
+        t0 = time.perf_counter()
+        h = body(input_ids=ids[:, prefix:prefix + n], position_ids=torch.arange(prefix, prefix + n, device=dev)[None],
+                 attention_mask=m, past_key_values=cache, use_cache=True).last_hidden_state[0]
+        project(head, h)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t0
+
+    best = {}
+    for n in [1] + [b + 1 for b in sizes]:
+        once(n)
+        best[n] = min(once(n) for _ in range(repeats))
+    return {str(b): best[b + 1] / best[1] for b in sizes}
+
+
+def build_trees(rank_acc: list[list[float]], budgets: list[int], source: dict,
+                step_cost: dict[str, float] | None = None) -> dict:
+    """Trees for each budget, with the figures they were built from.
+
+    With ``step_cost`` (budget -> verification time relative to a 1-row forward, `measure_step_cost`)
+    each tree also gets ``relative_speed`` = expected tau / step cost, the tokens/s it should give over
+    plain decoding (draft time left out), and ``best`` names the budget with the highest.
+    """
     out = {"rank_acc": rank_acc, "source": source, "trees": {}}
     for b in budgets:
         paths, ev = grow_tree(rank_acc, b)
         out["trees"][str(b)] = {"paths": [list(p) for p in paths], "expected_tau": ev}
+        if step_cost and str(b) in step_cost:
+            out["trees"][str(b)]["step_cost"] = step_cost[str(b)]
+            out["trees"][str(b)]["relative_speed"] = ev / step_cost[str(b)]
     out["chain_expected_tau"] = {str(k): chain_value(rank_acc, k) for k in range(1, len(rank_acc) + 1)}
+    ranked = [b for b in out["trees"] if "relative_speed" in out["trees"][b]]
+    if ranked:
+        out["best"] = max(ranked, key=lambda b: out["trees"][b]["relative_speed"])
     return out
 
 
@@ -88,7 +143,13 @@ def load_tree(ckpt: str | Path, budget: int | str) -> list[tuple[int, ...]]:
     p = Path(ckpt) / TREES
     if not p.exists():
         raise FileNotFoundError(f"{ckpt} has no built trees ({TREES}); run `draftsmith trees` on it first")
-    trees = json.loads(p.read_text())["trees"]
+    saved = json.loads(p.read_text())
+    trees = saved["trees"]
+    if str(budget) == "best":
+        if "best" not in saved:
+            raise ValueError(f"{ckpt}'s trees were built without measured step costs; rebuild them with "
+                             f"`draftsmith trees RECIPE` to use built:best")
+        budget = saved["best"]
     if str(budget) not in trees:
         have = sorted(trees, key=int)
         raise ValueError(f"{ckpt} has built trees for budgets {have}, not {budget}; build it with "

@@ -56,3 +56,31 @@ def test_load_tree_missing_file_or_budget_names_the_fix(tmp_path):
     assert len(load_tree(tmp_path, 3)) == 3
     with pytest.raises(ValueError, match=r"budgets \['3', '5'\], not 4.*tree_budgets=\[3, 5, 4\]"):
         load_tree(tmp_path, 4)
+
+
+def test_best_tree_is_chosen_by_measured_step_cost(tmp_path):
+    import json
+
+    import pytest
+
+    from draftsmith.eval.tree_build import build_trees, load_tree, measure_step_cost, save_trees
+    from tests.tiny import make_tiny_target
+
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1]]
+    # a machine where every extra node is expensive: the smallest tree wins
+    costly = build_trees(acc, [1, 3, 6], {"sequences": 1}, step_cost={"1": 1.1, "3": 2.0, "6": 4.0})
+    assert costly["best"] == "1"
+    # a GPU-like machine where nodes are nearly free: the largest tree wins
+    free = build_trees(acc, [1, 3, 6], {"sequences": 1}, step_cost={"1": 1.0, "3": 1.01, "6": 1.02})
+    assert free["best"] == "6"
+    assert free["trees"]["6"]["relative_speed"] == pytest.approx(free["trees"]["6"]["expected_tau"] / 1.02)
+    save_trees(tmp_path, free)
+    assert load_tree(tmp_path, "best") == load_tree(tmp_path, 6)
+    no_cost = build_trees(acc, [1, 3], {"sequences": 1})
+    save_trees(tmp_path, no_cost)
+    with pytest.raises(ValueError, match="without measured step costs"):
+        load_tree(tmp_path, "best")
+    t = make_tiny_target()
+    cost = measure_step_cost(t, [1, 4], prefix=16, repeats=2)
+    assert set(cost) == {"1", "4"} and all(v > 0 for v in cost.values())
+    json.dumps(cost)

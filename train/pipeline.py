@@ -240,7 +240,7 @@ def stage_report(recipe: Recipe, target: Target, ckpt: Path) -> dict:
 def stage_trees(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     """Build static trees from acceptance measured on the calibration split (sequences held out of training)."""
     from draftsmith.eval.head_accuracy import head_accuracy
-    from draftsmith.eval.tree_build import build_trees, save_trees
+    from draftsmith.eval.tree_build import build_trees, measure_step_cost, save_trees
     from draftsmith.heads.objective import calibration_split
 
     model, manifest = load_checkpoint(ckpt, target, device=next(target.model.parameters()).device)
@@ -256,7 +256,8 @@ def stage_trees(recipe: Recipe, target: Target, ckpt: Path) -> dict:
                              "held out of training" if held_out else
                              "NOT held out: this checkpoint was trained on every sequence"),
                          "held_out": held_out, "sequences": len(calib), "positions": acc["positions"],
-                         "conditional": getattr(model, "kind", "") == "hydra"})
+                         "conditional": getattr(model, "kind", "") == "hydra"},
+                        step_cost=measure_step_cost(target, recipe.train.tree_budgets))
     save_trees(ckpt, trees)
     return trees
 
