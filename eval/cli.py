@@ -168,7 +168,14 @@ def eval_main(argv: list[str] | None = None) -> dict:
         if a.confidence is not None and isinstance(d, KangarooDrafter):  # another second-early-exit threshold
             check_threshold(a.confidence)
             d.default_policy = ConfidenceStop(a.confidence, d.default_policy.max_len)
-        drafters.append((d, [(t, parse_tree(t, c)) for t in (a.tree or ["chain"])]))
+        specs = a.tree or ["chain"]
+        if not getattr(d, "supports_trees", True):  # Kangaroo drafts chains: the other specs are for other checkpoints
+            if "chain" not in specs:
+                raise ValueError(f"{c} holds a {d.name!r} drafter, which drafts chains only: add --tree chain")
+            if len(specs) > 1:
+                print(f"{d.name}: chains only, trees {[t for t in specs if t != 'chain']} skipped for it")
+            specs = ["chain"]
+        drafters.append((d, [(t, parse_tree(t, c)) for t in specs]))
     layout = None
     if a.cpu_layout:
         from draftsmith.eval.cpu_layout import apply_cpu_layout

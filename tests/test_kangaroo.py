@@ -308,8 +308,11 @@ def test_eval_cli_runs_kangaroo_side_by_side(tmp_path):
                             "ours kangaroo K=3", "ours kangaroo full-verify", "ours early-exit-1 K=2",
                             "HF early-exit-1 K=2"}
     assert methods["HF generate"]["tau"] == 1.0
-    assert main(["eval", str(tmp_path / "ck"), "--prompts", "1", "--max-new-tokens", "3", "--tree", "[[0],[1]]",
-                 "--out", str(tmp_path / "r2")]) == 2
+    args = ["eval", str(tmp_path / "ck"), "--prompts", "1", "--max-new-tokens", "3", "--tree", "[[0],[1]]"]
+    assert main(args + ["--out", str(tmp_path / "r2")]) == 2  # a tree alone is a clear error
+    assert main(args + ["--tree", "chain", "--out", str(tmp_path / "r3")]) == 0  # with chain: the tree is skipped
+    assert set(json.loads((tmp_path / "r3" / "report.json").read_text())["runs"]["greedy"]["methods"]) == {
+        "plain (ours)", "ours kangaroo chain"}
 
 
 def test_heldout_metrics_of_the_known_answer(tmp_path):
