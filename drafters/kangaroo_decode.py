@@ -9,7 +9,10 @@ Per step (chains only; the decoder refuses a tree with this drafter):
     through the target's LM head. The second early exit is a length policy
     (`ConfidenceStop(threshold, gamma)`: stop when the next draft's top-1
     probability is below the threshold, at most gamma drafts), the decoder's
-    default for this drafter;
+    default for this drafter. The low-confidence candidate itself is not
+    drafted: its layer-1..l pass already happened (it is the state of the
+    previous draft, which verification needs anyway), so stopping there
+    wastes no shallow work and adds no unlikely row to verification;
   * verify (`verify_forward`): only layers l+1..L run, over the rows from the
     first uncached position to the last draft, starting from the stored
     layer-l states (the last draft's shallow state, which drafting never
