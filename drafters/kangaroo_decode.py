@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.eval.drafters import project
+from draftsmith.eval import drafters as engine  # engine.project, looked up per call: step_breakdown's clock wraps it
 from draftsmith.eval.kvcache import prefix_block_mask
 from draftsmith.eval.policies import ConfidenceStop, LengthPolicy
 from draftsmith.eval.trees import DraftTree
@@ -171,7 +171,7 @@ class KangarooDrafter:
             out = self.heads.adapt(rows, torch.arange(a0, p + 1, device=rows.device), ds.kv, a0)[-1:]
             ds.a_fed = start + 1
         ds.hidden = out
-        return project(dec.lm_head, out)
+        return engine.project(dec.lm_head, out)
 
     @torch.no_grad()
     def verify_forward(self, dec, state, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +190,7 @@ class KangarooDrafter:
         ds.fed = m
         h = self._layers(dec, ds.shallow[c:L + m], self.exit_layer, self.num_layers, c)
         h = dec.body.norm(h)[L - c:]
-        return project(dec.lm_head, h), h
+        return engine.project(dec.lm_head, h), h
 
     def commit(self, dec, state, tree: DraftTree, path: list[int]) -> None:
         ds: _KangarooState = state.drafter_state
