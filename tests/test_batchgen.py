@@ -172,3 +172,25 @@ def test_unknown_engine_is_a_clear_error(peaky, tmp_path):
     with pytest.raises(ValueError, match="unknown generation engine 'vllm'"):
         generate.regenerate(peaky, _convs(1), tmp_path / "x.jsonl", max_new_tokens=4, max_turns=1, batch_size=1,
                             max_seq_len=64, engine="vllm")
+
+
+def test_magpie_resumes_from_saved_rounds(peaky):
+    kw = dict(max_new_tokens=16, seed=5, min_chars=1, max_rows=3, round_size=4)
+    full, _ = generate.synthesize_prompts(peaky, 9, **kw)
+    saved = {"prompts": [], "draws": 0}
+
+    class Killed(Exception):
+        pass
+
+    def save_then_die(new, draws):
+        saved["prompts"] += new
+        saved["draws"] = draws
+        if saved["prompts"]:
+            raise Killed  # a kill right after the first round that kept a prompt was saved
+
+    with pytest.raises(Killed):
+        generate.synthesize_prompts(peaky, 9, on_round=save_then_die, **kw)
+    assert 0 < len(saved["prompts"]) < 9 and saved["draws"] % 4 == 0
+    resumed, _ = generate.synthesize_prompts(peaky, 9, done=saved["prompts"], draws_done=saved["draws"], **kw)
+    assert [c.user_turns for c in resumed] == [c.user_turns for c in full]
+    assert [c.id for c in resumed] == [c.id for c in full]

@@ -298,19 +298,22 @@ def user_prefix_ids(tokenizer) -> list[int]:
 def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_new_tokens: int = 64,
                        temperature: float = 1.0, top_p: float = 0.99, seed: int = 0,
                        exclude: set[str] = frozenset(), min_chars: int = 12, engine: str = "batched",
-                       max_rows: int = 96) -> tuple[list[Conversation], Counter]:
+                       max_rows: int = 96, done: list[Conversation] | None = None, draws_done: int = 0,
+                       on_round=None, round_size: int = 512) -> tuple[list[Conversation], Counter]:
     """Magpie-style prompts written by the target from its user-turn prefix.
 
-    Draws are made in rounds; with the batched engine every draw has its own seed
-    (``job_seed(seed, "magpie", draw)``), so the prompts do not depend on the batch size.
+    With the batched engine every draw has its own seed (``job_seed(seed, "magpie", draw)``), so the
+    prompts do not depend on the batch size, and draws are made in rounds of at most ``round_size``:
+    after each, ``on_round(new_prompts, draws_so_far)`` lets the caller save progress, and a restart
+    passes back what was saved (``done``, ``draws_done``) to continue where it stopped.
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown generation engine {engine!r}; choose one of {ENGINES}")
     prefix = user_prefix_ids(target.tokenizer)
-    out: list[Conversation] = []
-    seen: set[str] = set()
+    out: list[Conversation] = list(done or [])
+    seen: set[str] = {normalise(c.user_turns[0]) for c in out}
     stats: Counter = Counter()
-    bar = tqdm(total=count, desc="magpie prompts", unit="prompt")
+    bar = tqdm(total=count, initial=min(len(out), count), desc="magpie prompts", unit="prompt")
 
     def take(ids: list[int], fin: bool) -> None:
         text = target.tokenizer.decode(ids, skip_special_tokens=True).strip()
@@ -336,18 +339,21 @@ def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_
     else:
         gen = BatchGenerator(target.model, target.eos_token_ids, max_rows=max_rows,
                              capacity=len(prefix) + max_new_tokens, temperature=temperature, top_p=top_p)
-        draws, rounds = 0, 0
-        while len(out) < count and rounds < 8:
+        draws = draws_done
+        limit = draws_done + 8 * (count - len(out)) + 64  # a target that cannot write prompts stops somewhere
+        while len(out) < count and draws < limit:
             # ask for what is missing plus a margin for rejections; results taken in draw order
-            n = int((count - len(out)) * 1.3) + 8
+            n = min(round_size, int((count - len(out)) * 1.3) + 8)
             got: dict[int, tuple[list[int], bool]] = {}
             jobs = [Job(draws + k, prefix, max_new_tokens, job_seed(seed, "magpie", draws + k)) for k in range(n)]
             gen.run(jobs, lambda j, ids, fin: got.__setitem__(j.key, (ids, fin)))
+            before = len(out)
             for k in sorted(got):
                 if len(out) < count:
                     take(*got[k])
             draws += n
-            rounds += 1
+            if on_round is not None:
+                on_round(out[before:], draws)
     bar.close()
     stats["accepted"] = len(out)
     return out, stats

@@ -62,17 +62,28 @@ def collect_prompts(recipe: Recipe, target: Target, skips: sources.SkipLog, stat
 
 def _magpie(recipe: Recipe, target: Target, n: int, count: int, holdout: set[str],
             stats: Counter) -> list[sources.Conversation]:
-    """Synthesised prompts, saved so a restarted data stage does not redo them."""
+    """Synthesised prompts, saved as they come (``data/magpie{n}.jsonl`` and its ``.state.json``), so a
+    restarted data stage continues the draws instead of redoing them."""
     path = recipe.out / "data" / f"magpie{n}.jsonl"
-    if path.exists():
-        rows = [json.loads(x) for x in path.read_text().splitlines()]
-        if len(rows) >= count:
-            return [sources.Conversation(r["id"], "magpie", [r["prompt"]]) for r in rows[:count]]
+    state = path.with_suffix(".state.json")
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    done = [sources.Conversation(r["id"], "magpie", [r["prompt"]]) for r in rows]
+    draws = json.loads(state.read_text())["draws"] if state.exists() else 0
+    if len(done) >= count or (rows and not state.exists()):  # complete (or written whole by an older version)
+        return done[:count]
+
+    def save(new: list[sources.Conversation], draws_so_far: int) -> None:
+        with path.open("a") as f:
+            f.write("".join(json.dumps({"id": c.id, "prompt": c.user_turns[0]}) + "\n" for c in new))
+        state.write_text(json.dumps({"draws": draws_so_far}))
+
     got, mstats = generate.synthesize_prompts(
         target, count, batch_size=recipe.data.batch_size, max_new_tokens=recipe.data.magpie_max_new_tokens,
-        seed=recipe.seed + n, exclude=holdout, engine=recipe.data.engine, max_rows=recipe.data.max_rows)
+        seed=recipe.seed + n, exclude=holdout, engine=recipe.data.engine, max_rows=recipe.data.max_rows,
+        done=done, draws_done=draws, on_round=save if recipe.data.engine == "batched" else None)
     stats.update({f"magpie_{k}": v for k, v in mstats.items()})
-    path.write_text("".join(json.dumps({"id": c.id, "prompt": c.user_turns[0]}) + "\n" for c in got))
+    if recipe.data.engine != "batched":
+        path.write_text("".join(json.dumps({"id": c.id, "prompt": c.user_turns[0]}) + "\n" for c in got))
     return got
 
 
