@@ -44,7 +44,7 @@ def _target(recipe):
 
 def _run_stages(args, stages) -> int:
     import os
-    from draftsmith.train import pipeline
+    from draftsmith import pipeline
     if int(os.environ.get("RANK", "0")) != 0:  # under a launcher only rank 0 talks
         sys.stdout = open(os.devnull, "w")
     recipe = _recipe(args)
@@ -88,10 +88,13 @@ def _run_stages(args, stages) -> int:
                   f"{100 * timing['outside_math_share']:.1f}% of wall time outside model math")
         elif st == "trees":
             tr = pipeline.stage_trees(recipe, target, ckpt)
-            kind = "held-out" if tr["source"].get("held_out", True) else "(NOT held-out: trained on)"
-            print(f"trees from {tr['source']['sequences']} {kind} training sequences: " + ", ".join(
-                f"{b} nodes -> expected tau {t['expected_tau']:.2f}" for b, t in tr["trees"].items()) +
-                f" (chain K={len(tr['rank_acc'])}: {tr['chain_expected_tau'][str(len(tr['rank_acc']))]:.2f})")
+            if "skipped" in tr:
+                print(f"trees: {tr['skipped']}")
+            else:
+                kind = "held-out" if tr["source"].get("held_out", True) else "(NOT held-out: trained on)"
+                print(f"trees from {tr['source']['sequences']} {kind} training sequences: " + ", ".join(
+                    f"{b} nodes -> expected tau {t['expected_tau']:.2f}" for b, t in tr["trees"].items()) +
+                    f" (chain K={len(tr['rank_acc'])}: {tr['chain_expected_tau'][str(len(tr['rank_acc']))]:.2f})")
             if "best" in tr:
                 print("measured step cost on this machine (verification vs a 1-row forward): " + ", ".join(
                     f"{b} nodes x{t['step_cost']:.2f} -> {t['relative_speed']:.2f}x plain" for b, t in

@@ -150,13 +150,14 @@ def run_bench(methods: list[Method], prompts: list, max_new_tokens: int, seed: i
 
 def table(figures: dict) -> str:
     """A plain-text table of the headline figures."""
-    rows = [("method", "tokens/s", "tau", "speedup", "accept@1..3", "draft/verify")]
+    rows = [("method", "tokens/s", "tau", "draft len", "speedup", "accept@1..3", "draft/verify")]
     for name, s in figures["methods"].items():
         sp = "; ".join(f"{x['speedup']:.2f}x vs {x['baseline']}" for x in s["speedup"]) or "-"
         acc = ",".join("-" if a is None else f"{a:.2f}" for a in s["acceptance_by_position"][:3]) or "-"
         ts = s.get("time_shares")
         share = f"{ts['draft']:.0%}/{ts['verify']:.0%}" if ts else "-"
-        rows.append((name, f"{s['tokens_per_s']:.2f}", f"{s['tau']:.2f}", sp, acc, share))
+        rows.append((name, f"{s['tokens_per_s']:.2f}", f"{s['tau']:.2f}", f"{s.get('mean_draft_len', 0.0):.2f}", sp,
+                     acc, share))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 

@@ -12,39 +12,13 @@ command, the config and the environment), DIR/report.md and PNG plots.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from draftsmith.drafters.kangaroo_decode import KangarooDrafter, check_threshold, early_exit_drafter
 from draftsmith.eval.bench import Method, _hf_run, ours
 from draftsmith.eval.decoder import SpeculativeDecoder
 from draftsmith.eval.policies import ConfidenceStop, FixedLength
-from draftsmith.eval.trees import DynamicTree, StaticTree
-
-
-def parse_tree(spec: str, checkpoint=None):
-    """``chain`` | ``built:BUDGET`` (the checkpoint's tree built from measured acceptance) |
-    ``dynamic[:BUDGET[,DEPTH[,WIDTH]]]`` | JSON list of rank paths | path to such a JSON file."""
-    s = spec.strip()
-    if s == "chain":
-        return None
-    if s.startswith("built:"):
-        from draftsmith.eval.tree_build import load_tree
-        if checkpoint is None:
-            raise ValueError(f"--tree {spec!r} needs a checkpoint with built trees")
-        return StaticTree(load_tree(checkpoint, s.split(":", 1)[1]))
-    if s.startswith("dynamic"):
-        nums = [int(x) for x in s.split(":", 1)[1].split(",")] if ":" in s else []
-        keys = ["budget", "max_depth", "width"]
-        return DynamicTree(**dict(zip(keys, nums)))
-    if Path(s).is_file():
-        s = Path(s).read_text()
-    try:
-        paths = json.loads(s)
-    except json.JSONDecodeError:
-        raise ValueError(f"--tree {spec!r}: expected 'chain', 'dynamic[:B,D,W]', a JSON list of paths or a "
-                         f"JSON file") from None
-    return StaticTree([tuple(p) for p in paths])
+from draftsmith.eval.tree_build import parse_tree  # noqa: F401  (re-exported: `draftsmith.eval.cli.parse_tree`)
 
 
 def self_drafter_methods(target, drafter, sampling, a) -> list:

@@ -113,8 +113,14 @@ def summarize(results: Sequence[DecodeResult]) -> dict:
     tokens = sum(len(r.tokens) for r in results)
     fwd = sum(r.target_forwards for r in results)
     wall = sum(r.wall_s for r in results)
+    steps = [st for r in results for st in r.steps]
+    drafted = sum(st.drafted for st in steps)
+    accepted = sum(st.accepted for st in steps)
     return {
         "prompts": len(results), "tokens": tokens, "target_forwards": fwd, "tau": tau(tokens, fwd),
+        # draft tokens per step, and drafted tokens that verification threw away per accepted one
+        "mean_draft_len": drafted / len(steps) if steps else 0.0,
+        "wasted_per_accepted": (drafted - accepted) / accepted if accepted else None,
         "acceptance_by_position": acceptance_by_position(results), "time_shares": time_shares(results),
         "wall_s": wall, "tokens_per_s": tokens_per_second(tokens, wall),
     }

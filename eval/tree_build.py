@@ -25,6 +25,7 @@ import torch
 
 from draftsmith.eval.drafters import project
 from draftsmith.eval.kvcache import SlotCache, prefix_block_mask
+from draftsmith.eval.trees import DynamicTree, StaticTree
 
 TREES = "trees.json"
 
@@ -155,3 +156,27 @@ def load_tree(ckpt: str | Path, budget: int | str) -> list[tuple[int, ...]]:
         raise ValueError(f"{ckpt} has built trees for budgets {have}, not {budget}; build it with "
                          f"`draftsmith trees RECIPE 'train.tree_budgets=[{', '.join(have + [str(budget)])}]'`")
     return [tuple(x) for x in trees[str(budget)]["paths"]]
+
+
+def parse_tree(spec: str, checkpoint=None):
+    """``chain`` | ``built:BUDGET`` (the checkpoint's tree built from measured acceptance) |
+    ``dynamic[:BUDGET[,DEPTH[,WIDTH]]]`` | JSON list of rank paths | path to such a JSON file."""
+    s = spec.strip()
+    if s == "chain":
+        return None
+    if s.startswith("built:"):
+        if checkpoint is None:
+            raise ValueError(f"--tree {spec!r} needs a checkpoint with built trees")
+        return StaticTree(load_tree(checkpoint, s.split(":", 1)[1]))
+    if s.startswith("dynamic"):
+        nums = [int(x) for x in s.split(":", 1)[1].split(",")] if ":" in s else []
+        keys = ["budget", "max_depth", "width"]
+        return DynamicTree(**dict(zip(keys, nums)))
+    if Path(s).is_file():
+        s = Path(s).read_text()
+    try:
+        paths = json.loads(s)
+    except json.JSONDecodeError:
+        raise ValueError(f"--tree {spec!r}: expected 'chain', 'dynamic[:B,D,W]', a JSON list of paths or a "
+                         f"JSON file") from None
+    return StaticTree([tuple(p) for p in paths])

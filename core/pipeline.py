@@ -1,4 +1,8 @@
-"""The stages of a recipe: data -> cache -> train -> report.
+"""The stages of a recipe: data -> cache -> train -> trees -> report -> bench.
+
+It orchestrates train/ (data, cache, training) and eval/ (trees from measured
+acceptance, held-out report, decoding benchmark), so it sits above both, next
+to the CLI; train/ never imports eval/.
 
 Everything lives under the recipe's output directory:
 ``data/{train,heldout}.jsonl`` and ``data/meta.json``, ``cache/{train,heldout}``,
@@ -18,11 +22,20 @@ from pathlib import Path
 import torch
 
 from draftsmith import paths, registry
-from draftsmith.checkpoint import environment, load_checkpoint, update_metrics, command_line
+from draftsmith.checkpoint import command_line, environment, load_checkpoint, update_metrics
+from draftsmith.eval.bench import default_methods, run_bench, table
+from draftsmith.eval.cpu_layout import apply_cpu_layout
+from draftsmith.eval.drafters import drafter_from_checkpoint
+from draftsmith.eval.head_accuracy import head_accuracy
+from draftsmith.eval.mtbench import mtbench_prompts
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.eval.tree_build import build_trees, measure_step_cost, parse_tree, save_trees
+from draftsmith.heads.objective import calibration_split
 from draftsmith.recipe import Recipe
 from draftsmith.target import Target
 from draftsmith.train import generate, remote, sources
 from draftsmith.train.cache import HiddenCache, build_cache
+from draftsmith.train.trainer import train
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +225,6 @@ def stage_cache(recipe: Recipe, target: Target) -> dict:
 
 
 def stage_train(recipe: Recipe, target: Target, resume: bool = True, stop_after: int | None = None) -> tuple[Path, dict]:
-    from draftsmith.train.trainer import train
     meta = json.loads((recipe.out / "data" / "meta.json").read_text()) if (recipe.out / "data" / "meta.json").exists() else {}
     ckpt, timing = train(recipe, target, recipe.out / "cache" / "train", recipe.out, resume=resume,
                          stop_after=stop_after, data_provenance={"data_dir": str(recipe.out / "data"), **meta})
@@ -225,11 +237,23 @@ def stage_train(recipe: Recipe, target: Target, resume: bool = True, stop_after:
 
 
 def stage_report(recipe: Recipe, target: Target, ckpt: Path) -> dict:
-    from draftsmith.eval.head_accuracy import head_accuracy
     model, manifest = load_checkpoint(ckpt, target)
     cache_dir = recipe.out / "cache" / "heldout"
     if not (cache_dir / "index.json").exists():
         raise EmptyDatasetError("no held-out cache; enable data.heldout_mtbench")
+    own = getattr(model, "heldout_metrics", None)
+    if own is not None:  # a kind with its own held-out figures (Kangaroo: expected acceptance at the same position)
+        figures = own(HiddenCache(cache_dir, target), target)
+        report = {"recipe": recipe.name, "kind": recipe.drafter.kind, "checkpoint": str(ckpt),
+                  "target": {"name": target.name, "fingerprint": target.fingerprint},
+                  "heldout": "MT-Bench first turns, target greedy answers", **figures,
+                  "command": command_line(), "environment": environment()}
+        update_metrics(ckpt, {"heldout": figures})
+        (recipe.out / "report.json").write_text(json.dumps(report, indent=2))
+        lines = [f"# {recipe.name}: {recipe.drafter.kind} on {target.name}", "", "| figure | value |", "|---|---|"]
+        lines += [f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in figures.items()]
+        (recipe.out / "report.md").write_text("\n".join(lines) + "\n")
+        return report
     acc = head_accuracy(model, HiddenCache(cache_dir, target), model.num_heads, ranks=10)
     report = {"recipe": recipe.name, "kind": recipe.drafter.kind, "checkpoint": str(ckpt),
               "target": {"name": target.name, "fingerprint": target.fingerprint},
@@ -250,11 +274,10 @@ def stage_report(recipe: Recipe, target: Target, ckpt: Path) -> dict:
 
 def stage_trees(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     """Build static trees from acceptance measured on the calibration split (sequences held out of training)."""
-    from draftsmith.eval.head_accuracy import head_accuracy
-    from draftsmith.eval.tree_build import build_trees, measure_step_cost, save_trees
-    from draftsmith.heads.objective import calibration_split
 
     model, manifest = load_checkpoint(ckpt, target, device=next(target.model.parameters()).device)
+    if not getattr(model, "supports_trees", True):
+        return {"skipped": f"a {recipe.drafter.kind} drafter drafts chains only: no trees to build"}
     # Checkpoints trained before the calibration split existed saw every sequence: say so, not "held out".
     held_out = bool((manifest.get("recipe") or {}).get("train", {}).get("calibration_every"))
     cache = HiddenCache(recipe.out / "cache" / "train", target)
@@ -275,16 +298,10 @@ def stage_trees(recipe: Recipe, target: Target, ckpt: Path) -> dict:
 
 def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     """Decode MT-Bench first turns with the trained drafter: tau and speedup, measured interleaved."""
-    from draftsmith.eval.bench import default_methods, run_bench, table
-    from draftsmith.eval.cli import parse_tree
-    from draftsmith.eval.drafters import drafter_from_checkpoint
-    from draftsmith.eval.mtbench import mtbench_prompts
-    from draftsmith.eval.sampling import SamplingParams
 
     e = recipe.eval
     drafter = drafter_from_checkpoint(ckpt, target)
     drafter.name = recipe.name
-    from draftsmith.eval.cpu_layout import apply_cpu_layout
     apply_cpu_layout(target, drafter)  # decoding only from here on (see draftsmith.eval.cpu_layout)
     trees = [(t, parse_tree(t, ckpt)) for t in e.trees]
     methods = default_methods(target, SamplingParams(0.0), drafter_layers=None, hf=e.hf_generate,
