@@ -178,7 +178,10 @@ class Format:
 
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
-    Format("vllm-medusa", lambda s: isinstance(s.module, MedusaHeads), "Medusa heads", _write_vllm_medusa,
+    # Medusa heads over a pruned draft vocabulary (vocab_keep) need vLLM's truncated head + token map, not
+    # written yet: they go to the draftsmith format rather than silently widening to the full vocabulary.
+    Format("vllm-medusa", lambda s: isinstance(s.module, MedusaHeads) and getattr(s.module, "draft_head", None)
+           is None, "Medusa heads over the full vocabulary", _write_vllm_medusa,
            "vLLM: `speculative_config={\"method\": \"medusa\", \"model\": \"<this dir>\", "
            "\"num_speculative_tokens\": K}`; TGI: `--model-id <this dir>` (reads medusa_lm_head.safetensors, "
            "loads the base model from base_model_name_or_path); draftsmith: `draftsmith import <this dir> --out CKPT`"),

@@ -285,6 +285,7 @@ def stage_trees(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     if not calib:
         raise EmptyDatasetError("train.calibration_every is 0: no held-out sequences to build trees from")
     acc = head_accuracy(model, cache, model.num_heads, ranks=10, sequences=calib)
+    apply_cpu_layout(target)  # step costs measured on the layout decoding uses (bench and eval apply it too)
     trees = build_trees(acc["rank_acc"], recipe.train.tree_budgets,
                         {"split": f"every {recipe.train.calibration_every}-th training sequence, " + (
                              "held out of training" if held_out else

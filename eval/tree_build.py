@@ -75,9 +75,10 @@ def tree_value(acc: list[list[float]], paths: list[tuple[int, ...]]) -> float:
 
 
 @torch.no_grad()
-def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int = 5) -> dict[str, float]:
+def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int = 9) -> dict[str, float]:
     """Wall time of a verification forward over n drafted nodes (n + 1 rows, logits included) after a
-    cached prefix, relative to plain decoding's 1-row forward, on this machine (best of ``repeats``).
+    cached prefix, relative to plain decoding's 1-row forward, on this machine (median of ``repeats``,
+    sizes interleaved). Measure with the layout decoding will use (`draftsmith.eval.cpu_layout`).
 
     What a node costs depends on the hardware: on a GPU 64 rows cost about what 1 costs, on a 2-core
     CPU each row adds a share. Trees are then ranked by expected tokens per unit of step time.
@@ -104,11 +105,15 @@ def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int 
             torch.cuda.synchronize(dev)
         return time.perf_counter() - t0
 
-    best = {}
-    for n in [1] + [b + 1 for b in sizes]:
+    ns = [1] + [b + 1 for b in sizes]
+    times: dict[int, list[float]] = {n: [] for n in ns}
+    for n in ns:
         once(n)
-        best[n] = min(once(n) for _ in range(repeats))
-    return {str(b): best[b + 1] / best[1] for b in sizes}
+    for _ in range(repeats):  # sizes interleaved, so a noisy moment hits them all; median of each
+        for n in ns:
+            times[n].append(once(n))
+    med = {n: sorted(v)[len(v) // 2] for n, v in times.items()}
+    return {str(b): med[b + 1] / med[1] for b in sizes}
 
 
 def build_trees(rank_acc: list[list[float]], budgets: list[int], source: dict,

@@ -194,3 +194,35 @@ def test_magpie_resumes_from_saved_rounds(peaky):
     resumed, _ = generate.synthesize_prompts(peaky, 9, done=saved["prompts"], draws_done=saved["draws"], **kw)
     assert [c.user_turns for c in resumed] == [c.user_turns for c in full]
     assert [c.id for c in resumed] == [c.id for c in full]
+
+
+@pytest.mark.parametrize("head", [2, 8], ids=["wide-nucleus-full-sort", "nucleus-in-head"])
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampler_draws_the_nucleus_distribution(head, top_p):
+    from scipy.stats import chisquare
+
+    p = torch.tensor([0.05, 0.3, 0.02, 0.25, 0.2, 0.1, 0.08])
+    order = p.argsort(descending=True)
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    cum = 0.0
+    for i in order.tolist():  # the smallest most-probable prefix whose mass reaches top_p
+        keep[i] = True
+        cum += float(p[i])
+        if cum >= top_p - 1e-9:
+            break
+    want = torch.where(keep, p, torch.zeros_like(p))
+    want = want / want.sum()
+
+    class R:
+        gen = torch.Generator().manual_seed(11)
+
+    rows = [R() for _ in range(50)]
+    logits = torch.log(p)[None].expand(50, -1)
+    counts = torch.zeros(7)
+    for _ in range(80):
+        for t in _pick(logits, rows, 1.0, top_p, head=head):
+            counts[t] += 1
+    assert counts[~keep].sum() == 0  # never outside the nucleus
+    n = counts.sum()
+    stat = chisquare(counts[keep].numpy(), (want[keep] * n).numpy())
+    assert stat.pvalue > 1e-3, (counts, want)

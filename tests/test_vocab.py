@@ -127,3 +127,14 @@ def test_training_with_a_pruned_vocabulary_learns_and_keeps_the_frequent_ids(tmp
     assert model.draft_head.kept_ids.tolist() == cycle  # exactly the assistant tokens' ids
     after = head_accuracy(model, cache, 2)
     assert after["top1"][0] > before["top1"][0] + 0.3, (before["top1"], after["top1"])
+
+
+def test_pruned_medusa_is_not_widened_silently_on_export(tmp_path):
+    from draftsmith.export import ExportError, export
+
+    t = tiny(vocab=40, layers=1)
+    heads = MedusaHeads(t.hidden_size, t.vocab_size, t.lm_head, num_heads=2, vocab_keep=8)
+    heads.set_draft_vocab(torch.arange(0, 40, 5))
+    save_checkpoint(tmp_path / "ck", heads, t)
+    with pytest.raises(ExportError, match="draftsmith"):
+        export(tmp_path / "ck", "vllm-medusa", tmp_path / "out", t)
