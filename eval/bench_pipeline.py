@@ -66,10 +66,10 @@ def _gen_tokens_per_s(target, prompts, new_tokens, batched: bool) -> tuple[float
 
 @torch.no_grad()
 def _bare_forward(target, seqs, batch_tokens) -> float:
-    from draftsmith.train.cache import _batches, pad_batch
+    from draftsmith.train.cache import pad_batch, token_batches
     lens = [len(s["ids"]) for s in seqs]
     t0 = time.perf_counter()
-    for b in _batches(lens, batch_tokens):
+    for b in token_batches(lens, batch_tokens):
         ids, attn = pad_batch([seqs[j]["ids"] for j in b])
         target.model(input_ids=ids, attention_mask=attn, use_cache=False)
     return sum(lens) / (time.perf_counter() - t0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draftsmith.train import generate
-from draftsmith.train.batchgen import BatchGenerator, Job, RaggedCache, _pick
+from draftsmith.train.batchgen import BatchGenerator, Job, RaggedCache, pick_tokens
 from draftsmith.train.sources import Conversation
 from tests.tiny import make_tiny_target
 
@@ -92,7 +92,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     class R:
         gen = torch.Generator().manual_seed(0)
 
-    draws = [_pick(logits, [R(), R()], 1.0, 0.85) for _ in range(50)]
+    draws = [pick_tokens(logits, [R(), R()], 1.0, 0.85) for _ in range(50)]
     assert all(d[0] == 1 for d in draws)  # 0.9 alone reaches 0.85
     assert {d[1] for d in draws} <= {0, 1, 2} and len({d[1] for d in draws}) > 1
 
@@ -220,7 +220,7 @@ def test_sampler_draws_the_nucleus_distribution(head, top_p):
     logits = torch.log(p)[None].expand(50, -1)
     counts = torch.zeros(7)
     for _ in range(80):
-        for t in _pick(logits, rows, 1.0, top_p, head=head):
+        for t in pick_tokens(logits, rows, 1.0, top_p, head=head):
             counts[t] += 1
     assert counts[~keep].sum() == 0  # never outside the nucleus
     n = counts.sum()

@@ -36,8 +36,6 @@ from typing import Callable, Iterable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-KV_BYTES_PER_TOKEN_NOTE = "2 (K, V) x layers x kv_heads x head_dim x bytes per value"
-
 
 @dataclass
 class Job:
@@ -145,7 +143,8 @@ class RaggedCache(Cache):
             layer.values[dst, :, :length] = layer.values[src, :, :length]
 
 
-def _pick(logits: torch.Tensor, rows: list[_Row], temperature: float, top_p: float, head: int = 1024) -> list[int]:
+def pick_tokens(logits: torch.Tensor, rows: list[_Row], temperature: float, top_p: float,
+                head: int = 1024) -> list[int]:
     """Next token per row: argmax (greedy) or a draw from the row's own generator.
 
     A draw is the inverse CDF at one float64 uniform from the row's generator. Top-p keeps the
@@ -233,7 +232,7 @@ class BatchGenerator:
         last = torch.tensor([len(r.job.prompt) - 1 for r in rows], device=self.device)
         self.stats["prefill_forwards"] += 1
         self.stats["prompt_tokens"] += sum(len(r.job.prompt) for r in rows)
-        return _pick(self._logits(h[torch.arange(k, device=self.device), last]), rows, self.temperature, self.top_p)
+        return pick_tokens(self._logits(h[torch.arange(k, device=self.device), last]), rows, self.temperature, self.top_p)
 
     @torch.no_grad()
     def _decode(self, rows: list[_Row], pending: list[int]) -> list[int]:
@@ -249,7 +248,7 @@ class BatchGenerator:
                       attention_mask=mask, past_key_values=cache, use_cache=True).last_hidden_state[:, 0]
         self.stats["forwards"] += 1
         self.stats["row_steps"] += n
-        return _pick(self._logits(h), rows, self.temperature, self.top_p)
+        return pick_tokens(self._logits(h), rows, self.temperature, self.top_p)
 
     def run(self, jobs: Iterable[Job], on_done: Callable[[Job, list[int], bool], Iterable[Job] | None]) -> None:
         """Generate every job; ``on_done(job, tokens, finished)`` is called as each ends and may return

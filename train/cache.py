@@ -61,7 +61,7 @@ def teacher_logits(target: Target, final_hidden: torch.Tensor) -> torch.Tensor:
     return head(final_hidden.to(head.weight.dtype)).float()
 
 
-def _batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+def token_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     out, cur, width = [], [], 0
     for i in order:
@@ -132,7 +132,7 @@ def build_cache(target: Target, sequences: list[dict], needs: list[str], out_dir
         np.save(tmp / "mask.npy", np.concatenate([np.asarray(sequences[i]["mask"], np.uint8) for i in members]))
         mms = {nd: np.lib.format.open_memmap(tmp / _field_file(nd), mode="w+", dtype=_NP_DTYPE[dtype], shape=(ntok, d))
                for nd in needs}
-        for batch in _batches(lens, batch_tokens):
+        for batch in token_batches(lens, batch_tokens):
             ids, attn = pad_batch([sequences[members[j]]["ids"] for j in batch])
             states = target_states(target, ids.to(dev), attn.to(dev), needs)
             for nd, st in states.items():
