@@ -168,9 +168,11 @@ def main(argv: list[str] | None = None) -> dict:
     if a.checkpoint:
         heads = drafter_from_checkpoint(a.checkpoint, target)
         methods["heads-chain"] = SpeculativeDecoder(target, heads)
-        methods["heads-static-tree"] = SpeculativeDecoder(
-            target, heads, tree=[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)])
-        methods["heads-dynamic-tree"] = SpeculativeDecoder(target, heads, tree=DynamicTree(16, heads.max_depth, 4))
+        if getattr(heads, "supports_trees", True):  # chain-only kinds (Kangaroo) are checked on their chain
+            methods["heads-static-tree"] = SpeculativeDecoder(
+                target, heads, tree=[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)])
+            methods["heads-dynamic-tree"] = SpeculativeDecoder(target, heads,
+                                                               tree=DynamicTree(16, heads.max_depth or 4, 4))
     if a.methods:
         unknown = sorted(set(a.methods) - set(methods))
         if unknown:

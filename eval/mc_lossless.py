@@ -130,7 +130,7 @@ def mc_lossless(dec, prompt: list[int], n_new: int, n_samples: int, seed: int = 
 
 def main(argv: list[str] | None = None) -> dict:
     from draftsmith.eval.decoder import SpeculativeDecoder
-    from draftsmith.eval.drafters import HeadDrafter, first_layers_drafter
+    from draftsmith.eval.drafters import drafter_from_checkpoint, HeadDrafter, first_layers_drafter
     from draftsmith.eval.policies import FixedLength
     from draftsmith.eval.trees import DynamicTree
     from draftsmith.heads.medusa import MedusaHeads
@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--prompt", default="Write a story.")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpoint", action="append", default=[],
+                    help="also test a trained drafter checkpoint (its chain; repeatable), e.g. Kangaroo or pruned heads")
+    ap.add_argument("--only-checkpoints", action="store_true", help="skip the built-in random drafters")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     target = load_target(a.target)
@@ -163,6 +166,11 @@ def main(argv: list[str] | None = None) -> dict:
                                                  sampling=sampling),
         "medusa-dynamic-tree": SpeculativeDecoder(target, medusa, tree=DynamicTree(8, 3, 3), sampling=sampling),
     }
+    if a.only_checkpoints:
+        methods = {}
+    for ck in a.checkpoint:
+        methods[f"checkpoint:{ck}"] = SpeculativeDecoder(target, drafter_from_checkpoint(ck, target),
+                                                         sampling=sampling)
     report = {"prompt": a.prompt, "new_tokens": a.new_tokens, "sampling": vars(sampling), "methods": {}}
     for name, dec in methods.items():
         r = mc_lossless(dec, prompt, a.new_tokens, a.samples, a.seed)
