@@ -55,6 +55,14 @@ class _Row:
     gen: torch.Generator | None = None
 
 
+def _kv_dims(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a causal LM's config."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    return int(cfg.num_hidden_layers), n_kv, head_dim
+
+
 class _RaggedLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
@@ -106,9 +114,7 @@ class RaggedCache(Cache):
     """
 
     def __init__(self, config, rows: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
-        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        layers_n, n_kv, head_dim = _kv_dims(config)
         shape = (int(rows), n_kv, int(capacity), head_dim)
         self.capacity, self.n_rows = int(capacity), int(rows)
         self.mode, self.row0, self.span = "decode", 0, 0
@@ -116,17 +122,15 @@ class RaggedCache(Cache):
         self.slots = torch.zeros(0, dtype=torch.long, device=device)
         layers = [_RaggedLayer(self, torch.zeros(shape, dtype=dtype, device=device),
                                torch.zeros(shape, dtype=dtype, device=device))
-                  for _ in range(int(cfg.num_hidden_layers))]
+                  for _ in range(layers_n)]
         super().__init__(layers=layers)
 
     @staticmethod
     def bytes_needed(config, rows: int, capacity: int, dtype: torch.dtype) -> int:
         """Memory of the cache: 2 (K, V) x layers x rows x kv_heads x capacity x head_dim x element size."""
-        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        layers_n, n_kv, head_dim = _kv_dims(config)
         el = torch.empty(0, dtype=dtype).element_size()
-        return 2 * int(cfg.num_hidden_layers) * rows * n_kv * capacity * head_dim * el
+        return 2 * layers_n * rows * n_kv * capacity * head_dim * el
 
     def set_prefill(self, row0: int) -> None:
         self.mode, self.row0 = "prefill", int(row0)

@@ -17,6 +17,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -65,12 +66,12 @@ def set_draft_vocab(model: torch.nn.Module, cache: HiddenCache, exclude: set[int
     ids = frequent_ids((cache.tokens(i) for i in seqs), (cache.mask(i) for i in seqs), dh.vocab_size,
                        len(dh.kept_ids))
     getattr(model, "module", model).set_draft_vocab(ids)
-    kept = set(ids.tolist())
+    kept = ids.numpy()
     total = hit = 0
     for i in seqs:
         t = cache.tokens(i)[cache.mask(i) > 0]
         total += len(t)
-        hit += sum(1 for x in t.tolist() if x in kept)
+        hit += int(np.isin(t, kept).sum())
     return {"kept": len(ids), "vocab": dh.vocab_size, "assistant_token_coverage": hit / max(total, 1)}
 
 
