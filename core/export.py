@@ -20,7 +20,7 @@ Every export carries provenance as top-level ``draftsmith_*`` config keys (the
 place engines keep unknown keys) and a README.md model card whose YAML front
 matter has ``base_model:``. Every export is loaded back before this returns
 and must compute what the source computes. Export sits next to the CLI: it
-uses the decoder's drafter adapters (``draftsmith.eval``), nothing imports it.
+uses the decoder's drafter adapters (``draftsmith.engine``), nothing imports it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from transformers import AutoModelForCausalLM
 from draftsmith import __version__
 from draftsmith.checkpoint import (CONFIG, MANIFEST, WEIGHTS, CheckpointError, MissingFileError, check_safetensors,
                                    load_checkpoint, read_json, read_manifest, save_checkpoint)
-from draftsmith.eval.drafters import HeadDrafter, ModelDrafter, drafter_from_checkpoint, first_layers_drafter
+from draftsmith.engine.drafters import HeadDrafter, ModelDrafter, drafter_from_checkpoint, first_layers_drafter
 from draftsmith.export_medusa import read_medusa_dir, write_medusa_dir
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.target import DEFAULT_TARGET, Target
@@ -190,7 +190,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            " vLLM: `speculative_config={\"method\": \"draft_model\", \"model\": \"<this dir>\"}`; "
            "SGLang: `--speculative-algorithm STANDALONE --speculative-draft-model-path <this dir>`"),
     Format("draftsmith", lambda s: s.path is not None, "every trained drafter checkpoint", _write_draftsmith,
-           "`draftsmith eval <this dir> ...` and `draftsmith.eval.drafters.drafter_from_checkpoint` (no serving "
+           "`draftsmith eval <this dir> ...` and `draftsmith.engine.drafters.drafter_from_checkpoint` (no serving "
            "engine loads this kind)"),
 )}
 

@@ -28,11 +28,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from draftsmith.checkpoint import command_line, environment
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.drafters import drafter_from_checkpoint, first_layers_drafter
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.drafters import drafter_from_checkpoint, first_layers_drafter
 from draftsmith.eval.mtbench import mtbench_prompts
-from draftsmith.eval.trees import StaticTree
-from draftsmith.eval.tree_build import load_tree
+from draftsmith.engine.trees import StaticTree
+from draftsmith.engine.tree_build import load_tree
 from draftsmith.export import export, formats_for, import_medusa, load_drafter, load_source, source_target
 from draftsmith.target import Target, load_target
 

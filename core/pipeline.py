@@ -24,12 +24,12 @@ import torch
 from draftsmith import paths, registry
 from draftsmith.checkpoint import command_line, environment, load_checkpoint, update_metrics
 from draftsmith.eval.bench import default_methods, run_bench, table
-from draftsmith.eval.cpu_layout import apply_cpu_layout
-from draftsmith.eval.drafters import drafter_from_checkpoint
+from draftsmith.engine.cpu_layout import apply_cpu_layout
+from draftsmith.engine.drafters import drafter_from_checkpoint
 from draftsmith.eval.head_accuracy import head_accuracy
 from draftsmith.eval.mtbench import mtbench_prompts
-from draftsmith.eval.sampling import SamplingParams
-from draftsmith.eval.tree_build import build_trees, measure_step_cost, parse_tree, save_trees
+from draftsmith.engine.sampling import SamplingParams
+from draftsmith.engine.tree_build import build_trees, measure_step_cost, parse_tree, save_trees
 from draftsmith.heads.objective import calibration_split
 from draftsmith.recipe import Recipe
 from draftsmith.target import Target
@@ -303,7 +303,7 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     e = recipe.eval
     drafter = drafter_from_checkpoint(ckpt, target)
     drafter.name = recipe.name
-    apply_cpu_layout(target, drafter)  # decoding only from here on (see draftsmith.eval.cpu_layout)
+    apply_cpu_layout(target, drafter)  # decoding only from here on (see draftsmith.engine.cpu_layout)
     trees = [(t, parse_tree(t, ckpt)) for t in e.trees]
     methods = default_methods(target, SamplingParams(0.0), drafter_layers=None, hf=e.hf_generate,
                               hf_assisted_too=False, heads=drafter, trees=trees)

@@ -143,7 +143,7 @@ class KangarooAdapter(nn.Module):
         return heldout_metrics(self, cache, target)
 
     def decoder_drafter(self, target, target_fingerprint: str | None = None, name: str = "kangaroo") -> KangarooDrafter:
-        """This adapter as a `draftsmith.eval.decoder` drafter (double early exit by default)."""
+        """This adapter as a `draftsmith.engine.decoder` drafter (double early exit by default)."""
         return KangarooDrafter(target, self.exit_layer, adapter=self, target_fingerprint=target_fingerprint,
                                name=name, threshold=self.threshold, max_draft_len=self.max_draft_len)
 

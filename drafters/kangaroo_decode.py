@@ -1,4 +1,4 @@
-"""Kangaroo decoding: a self-drafter for `draftsmith.eval.decoder.SpeculativeDecoder` (methods.md section 4).
+"""Kangaroo decoding: a self-drafter for `draftsmith.engine.decoder.SpeculativeDecoder` (methods.md section 4).
 
 Per step (chains only; the decoder refuses a tree with this drafter):
   * draft: each draft step runs the target's layers 1..l on the last token
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.eval import drafters as engine  # engine.project, looked up per call: step_breakdown's clock wraps it
-from draftsmith.eval.kvcache import prefix_block_mask
-from draftsmith.eval.policies import ConfidenceStop, LengthPolicy
-from draftsmith.eval.trees import DraftTree
+from draftsmith.engine import drafters as engine  # engine.project, looked up per call: step_breakdown's clock wraps it
+from draftsmith.engine.kvcache import prefix_block_mask
+from draftsmith.engine.policies import ConfidenceStop, LengthPolicy
+from draftsmith.engine.trees import DraftTree
 from draftsmith.target import Target
 
 

@@ -11,7 +11,7 @@ identically for every method.
 
 Every method is warmed up once, then for each prompt every method runs in
 turn (interleaved, so machine noise hits all methods alike). Figures come
-from eval/metrics.py; speedups always name their baseline.
+from engine/metrics.py; speedups always name their baseline.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from draftsmith.eval.metrics import DecodeResult, acceptance_by_position, speedup, summarize, tau
-from draftsmith.eval.sampling import SamplingParams
+from draftsmith.engine.metrics import DecodeResult, acceptance_by_position, speedup, summarize, tau
+from draftsmith.engine.sampling import SamplingParams
 
 BASELINE = "plain (ours)"
 
@@ -166,10 +166,10 @@ def default_methods(target, sampling: SamplingParams, *, drafter_layers: int | N
                     hf: bool = True, hf_assisted_too: bool = True, heads=None, trees: list | None = None,
                     cpu_layout: bool = False) -> list[Method]:
     """The standard comparison set (see the module docstring). ``cpu_layout``: give the standalone
-    drafter `draftsmith.eval.cpu_layout`'s layout (the caller does the target's and ``heads``')."""
-    from draftsmith.eval.decoder import SpeculativeDecoder
-    from draftsmith.eval.drafters import first_layers_drafter
-    from draftsmith.eval.policies import FixedLength
+    drafter `draftsmith.engine.cpu_layout`'s layout (the caller does the target's and ``heads``')."""
+    from draftsmith.engine.decoder import SpeculativeDecoder
+    from draftsmith.engine.drafters import first_layers_drafter
+    from draftsmith.engine.policies import FixedLength
 
     methods = [ours(BASELINE, SpeculativeDecoder(target, sampling=sampling))]
     if hf:
@@ -177,7 +177,7 @@ def default_methods(target, sampling: SamplingParams, *, drafter_layers: int | N
     if drafter_layers:
         dr = first_layers_drafter(target, drafter_layers)
         if cpu_layout:
-            from draftsmith.eval.cpu_layout import apply_cpu_layout
+            from draftsmith.engine.cpu_layout import apply_cpu_layout
             apply_cpu_layout(target, dr)
         methods.append(ours(f"ours first-{drafter_layers}-layers K={draft_len}",
                             SpeculativeDecoder(target, dr, policy=FixedLength(draft_len), sampling=sampling)))

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from draftsmith.drafters.kangaroo_decode import KangarooDrafter, check_threshold, early_exit_drafter
 from draftsmith.eval.bench import Method, _hf_run, ours
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.policies import ConfidenceStop, FixedLength
-from draftsmith.eval.tree_build import parse_tree  # noqa: F401  (re-exported: `draftsmith.eval.cli.parse_tree`)
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.policies import ConfidenceStop, FixedLength
+from draftsmith.engine.tree_build import parse_tree  # noqa: F401  (re-exported: `draftsmith.eval.cli.parse_tree`)
 
 
 def self_drafter_methods(target, drafter, sampling, a) -> list:
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false",
                     help="keep PyTorch's default weight layout on CPU (default: column-major linears, oneDNN-packed "
                          "copies for 2+ rows and a transposed LM-head copy for every method, see "
-                         "draftsmith.eval.cpu_layout)")
+                         "draftsmith.engine.cpu_layout)")
     ap.add_argument("--out", required=True, help="output directory")
     return ap
 
@@ -120,10 +120,10 @@ def eval_main(argv: list[str] | None = None) -> dict:
     """Entry point of ``draftsmith eval``; returns the report dict."""
     from draftsmith.checkpoint import command_line, environment, read_manifest
     from draftsmith.eval.bench import default_methods, run_bench, table
-    from draftsmith.eval.drafters import drafter_from_checkpoint
+    from draftsmith.engine.drafters import drafter_from_checkpoint
     from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
     from draftsmith.eval.report import write_report
-    from draftsmith.eval.sampling import SamplingParams
+    from draftsmith.engine.sampling import SamplingParams
     from draftsmith.target import default_device, load_target
 
     a = build_parser().parse_args(argv)
@@ -152,7 +152,7 @@ def eval_main(argv: list[str] | None = None) -> dict:
         drafters.append((d, [(t, parse_tree(t, c)) for t in specs]))
     layout = None
     if a.cpu_layout:
-        from draftsmith.eval.cpu_layout import apply_cpu_layout
+        from draftsmith.engine.cpu_layout import apply_cpu_layout
         layout = apply_cpu_layout(target, *[d for d, _ in drafters])
         if layout["applied"]:
             print(f"CPU decoding layout: {layout['linears']} linears column-major, "

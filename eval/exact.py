@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from draftsmith.eval.sampling import processed_probs
+from draftsmith.engine.sampling import processed_probs
 
 
 class BranchingSource:

@@ -44,7 +44,7 @@ def top2_gap(target, context: list[int]) -> float:
 def greedy_equality(target, methods: dict, prompts: list, max_new_tokens: int = 128,
                     tie_gap: float = 1e-3) -> dict:
     """Run plain greedy and every method on every prompt; count and explain divergences."""
-    from draftsmith.eval.decoder import SpeculativeDecoder
+    from draftsmith.engine.decoder import SpeculativeDecoder
 
     plain = SpeculativeDecoder(target)
     report = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "tie_gap": tie_gap, "methods": {}}
@@ -124,10 +124,10 @@ def _summary(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from draftsmith.eval.decoder import SpeculativeDecoder
-    from draftsmith.eval.drafters import drafter_from_checkpoint, first_layers_drafter
+    from draftsmith.engine.decoder import SpeculativeDecoder
+    from draftsmith.engine.drafters import drafter_from_checkpoint, first_layers_drafter
     from draftsmith.eval.mtbench import mtbench_prompts
-    from draftsmith.eval.trees import DynamicTree
+    from draftsmith.engine.trees import DynamicTree
     from draftsmith.target import default_device, load_target
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--methods", nargs="+", default=None,
                     help="subset of: chain static-tree dynamic-tree heads-chain heads-static-tree heads-dynamic-tree")
     ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false",
-                    help="keep PyTorch's default weight layout (default on CPU: draftsmith.eval.cpu_layout, as eval)")
+                    help="keep PyTorch's default weight layout (default on CPU: draftsmith.engine.cpu_layout, as eval)")
     ap.add_argument("--shard", default=None, help="i/n: only prompts i, i+n, i+2n, ... (run n of these, then --merge)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="merge shard reports into one (written to --out); runs nothing else")
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"unknown or unavailable methods {unknown}; available: {sorted(methods)}")
         methods = {k: v for k, v in methods.items() if k in a.methods}
     if a.cpu_layout:
-        from draftsmith.eval.cpu_layout import apply_cpu_layout
+        from draftsmith.engine.cpu_layout import apply_cpu_layout
         drafters = {id(d.drafter): d.drafter for d in methods.values() if d.drafter is not None}
         print("CPU decoding layout:", apply_cpu_layout(target, *drafters.values()))
     prompts = mtbench_prompts(target.tokenizer, a.prompts)

@@ -3,11 +3,11 @@
     python -m draftsmith.eval.layout_bench [--rows 1 2 3 5 9] [--prefix 300] [--repeats 20]
 
 Two copies of the target, one with PyTorch's default layout and one with
-`draftsmith.eval.cpu_layout`; for each block size (rows: 1 for plain
+`draftsmith.engine.cpu_layout`; for each block size (rows: 1 for plain
 decoding, K+1 for verifying K drafted tokens) the copies alternate, each
 forward running over a pre-allocated cache of ``--prefix`` committed
 positions and projecting every row through the LM head the way the decoder
-does (`draftsmith.eval.drafters.project`). Prints the median milliseconds
+does (`draftsmith.engine.drafters.project`). Prints the median milliseconds
 of each and their ratio, and the largest logit difference between the
 copies. Timings are for this machine only; nothing here is a test.
 """
@@ -26,9 +26,9 @@ import torch
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
     from draftsmith.checkpoint import environment
-    from draftsmith.eval.cpu_layout import cpu_decode_layout
-    from draftsmith.eval.drafters import project
-    from draftsmith.eval.kvcache import SlotCache, prefix_block_mask
+    from draftsmith.engine.cpu_layout import cpu_decode_layout
+    from draftsmith.engine.drafters import project
+    from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
     from draftsmith.target import load_target
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -21,7 +21,7 @@ from collections import Counter
 
 import torch
 
-from draftsmith.eval.sampling import SamplingParams, TorchRandom, processed_probs
+from draftsmith.engine.sampling import SamplingParams, TorchRandom, processed_probs
 
 REST = ("rest",)
 OTHER = "*"
@@ -129,10 +129,10 @@ def mc_lossless(dec, prompt: list[int], n_new: int, n_samples: int, seed: int = 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from draftsmith.eval.decoder import SpeculativeDecoder
-    from draftsmith.eval.drafters import drafter_from_checkpoint, HeadDrafter, first_layers_drafter
-    from draftsmith.eval.policies import FixedLength
-    from draftsmith.eval.trees import DynamicTree
+    from draftsmith.engine.decoder import SpeculativeDecoder
+    from draftsmith.engine.drafters import drafter_from_checkpoint, HeadDrafter, first_layers_drafter
+    from draftsmith.engine.policies import FixedLength
+    from draftsmith.engine.trees import DynamicTree
     from draftsmith.heads.medusa import MedusaHeads
     from draftsmith.target import load_target
 

@@ -66,7 +66,7 @@ def _markdown(report: dict) -> str:
     cfg = report["config"]
     lines += [f"MT-Bench first turns: {cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, "
               f"methods interleaved per prompt. tau = tokens / target forwards that emit tokens (final token "
-              f"included; plain decoding = 1.00; see draftsmith.eval.metrics). Speedups name their baseline.", ""]
+              f"included; plain decoding = 1.00; see draftsmith.engine.metrics). Speedups name their baseline.", ""]
     for label, figs in report["runs"].items():
         lines += [f"## {label}", "", "```", table(figs), "```", ""]
         lines += ["| method | tokens/s | tau | speedup | time shares (draft/verify/other) |",

@@ -7,7 +7,7 @@ The report's draft/verify/other shares time the decoder's phases; the
 acceptance walk and tree growth sit inside the draft and verify phases. This
 script times the forwards themselves: every outermost ``nn.Module`` call
 (target body, drafter model, heads) and every LM-head product
-(`draftsmith.eval.drafters.project`), and reports what is left of the
+(`draftsmith.engine.drafters.project`), and reports what is left of the
 steps' wall time: sampling, acceptance, tree growth, cache compaction and
 Python. Methods: our decoder with the checkpoint's drafter (one row per
 ``--tree``) and with the target's first ``--drafter-layers`` layers.
@@ -44,8 +44,8 @@ class ForwardClock:
         return timed
 
     def __enter__(self):
-        import draftsmith.eval.decoder as dec_mod
-        import draftsmith.eval.drafters as dr_mod
+        import draftsmith.engine.decoder as dec_mod
+        import draftsmith.engine.drafters as dr_mod
 
         self._saved = (torch.nn.Module.__call__, dec_mod.project, dr_mod.project)
         torch.nn.Module.__call__ = self._wrap(torch.nn.Module.__call__)
@@ -54,8 +54,8 @@ class ForwardClock:
         return self
 
     def __exit__(self, *exc):
-        import draftsmith.eval.decoder as dec_mod
-        import draftsmith.eval.drafters as dr_mod
+        import draftsmith.engine.decoder as dec_mod
+        import draftsmith.engine.drafters as dr_mod
 
         torch.nn.Module.__call__, dec_mod.project, dr_mod.project = self._saved
 
@@ -63,12 +63,12 @@ class ForwardClock:
 def main(argv: list[str] | None = None) -> dict:
     from draftsmith.checkpoint import environment, read_manifest
     from draftsmith.eval.cli import parse_tree
-    from draftsmith.eval.cpu_layout import apply_cpu_layout
-    from draftsmith.eval.decoder import SpeculativeDecoder
-    from draftsmith.eval.drafters import drafter_from_checkpoint, first_layers_drafter
+    from draftsmith.engine.cpu_layout import apply_cpu_layout
+    from draftsmith.engine.decoder import SpeculativeDecoder
+    from draftsmith.engine.drafters import drafter_from_checkpoint, first_layers_drafter
     from draftsmith.eval.mtbench import mtbench_prompts
-    from draftsmith.eval.policies import FixedLength
-    from draftsmith.eval.sampling import SamplingParams, TorchRandom
+    from draftsmith.engine.policies import FixedLength
+    from draftsmith.engine.sampling import SamplingParams, TorchRandom
     from draftsmith.target import load_target
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -5,11 +5,11 @@ import copy
 import pytest
 import torch
 
-from draftsmith.eval.cpu_layout import (WEIGHT_T, apply_cpu_layout, column_major_linears, cpu_decode_layout,
+from draftsmith.engine.cpu_layout import (WEIGHT_T, apply_cpu_layout, column_major_linears, cpu_decode_layout,
                                         onednn_available, pack_linears, packed_weight)
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.drafters import first_layers_drafter, project
-from draftsmith.eval.trees import DynamicTree
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.drafters import first_layers_drafter, project
+from draftsmith.engine.trees import DynamicTree
 from tests.tiny import make_tiny_target
 
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]

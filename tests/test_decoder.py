@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.drafters import HeadDrafter, ModelDrafter, drafter_from_checkpoint, first_layers_drafter
-from draftsmith.eval.kvcache import SlotCache
-from draftsmith.eval.policies import ConfidenceStop, FixedLength
-from draftsmith.eval.sampling import SamplingParams
-from draftsmith.eval.trees import DynamicTree
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.drafters import HeadDrafter, ModelDrafter, drafter_from_checkpoint, first_layers_drafter
+from draftsmith.engine.kvcache import SlotCache
+from draftsmith.engine.policies import ConfidenceStop, FixedLength
+from draftsmith.engine.sampling import SamplingParams
+from draftsmith.engine.trees import DynamicTree
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.target import TargetMismatchError
 from tests.tiny import make_tiny_model, make_tiny_target
@@ -119,7 +119,7 @@ def test_greedy_equals_plain_medusa_small_vocab():
                                                ([(0,), (0, 0), (0, 0, 0)], None, 3)])
 def test_medusa_projects_only_the_heads_the_draft_reads(tgt, plain_tokens, monkeypatch, tree, policy, rows):
     """A draft of depth D reads heads 1..D: the LM-head product gets D rows, not K, and output is unchanged."""
-    import draftsmith.eval.drafters as drafters
+    import draftsmith.engine.drafters as drafters
 
     seen = []
     real = drafters.project

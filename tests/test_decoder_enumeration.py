@@ -12,12 +12,12 @@ rule (Medusa's typical acceptance) shows the check has teeth.
 import pytest
 import torch
 
-from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
-from draftsmith.eval.policies import ConfidenceStop, FixedLength
-from draftsmith.eval.sampling import SamplingParams
-from draftsmith.eval.trees import DynamicTree
-from draftsmith.eval.drafters import HeadDrafter
+from draftsmith.engine.policies import ConfidenceStop, FixedLength
+from draftsmith.engine.sampling import SamplingParams
+from draftsmith.engine.trees import DynamicTree
+from draftsmith.engine.drafters import HeadDrafter
 from tests.test_decoder import PathHeads, other_model_drafter, random_medusa, tiny
 
 PROMPT = [1, 3, 4, 3]

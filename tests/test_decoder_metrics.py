@@ -1,8 +1,8 @@
-"""The metric definitions (eval/metrics.py) on hand-made step records."""
+"""The metric definitions (engine/metrics.py) on hand-made step records."""
 
 import pytest
 
-from draftsmith.eval.metrics import (DecodeResult, StepStats, acceptance_by_position, speedup, summarize, tau,
+from draftsmith.engine.metrics import (DecodeResult, StepStats, acceptance_by_position, speedup, summarize, tau,
                                      time_shares, tokens_per_second)
 
 

@@ -8,11 +8,11 @@ The full versions are scripts: ``python -m draftsmith.eval.mc_lossless``
 import pytest
 import torch
 
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.drafters import first_layers_drafter
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.drafters import first_layers_drafter
 from draftsmith.eval.greedy_equality import first_divergence
 from draftsmith.eval.mc_lossless import mc_lossless
-from draftsmith.eval.sampling import SamplingParams
+from draftsmith.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.real
 
@@ -66,7 +66,7 @@ def test_cpu_layout_keeps_greedy_output(real_target):
     import copy
     import dataclasses
 
-    from draftsmith.eval.cpu_layout import apply_cpu_layout
+    from draftsmith.engine.cpu_layout import apply_cpu_layout
 
     prompt = _chat(real_target, "Explain what a prime number is.")
     ref = SpeculativeDecoder(real_target).generate(prompt, 24).tokens

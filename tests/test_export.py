@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.checkpoint import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
 from draftsmith.cli import main
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.drafters import drafter_from_checkpoint, first_layers_drafter
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.drafters import drafter_from_checkpoint, first_layers_drafter
 from draftsmith.export import ExportError, export, import_medusa, load_drafter
 from draftsmith.heads.hydra import HydraHeads
 from draftsmith.heads.medusa import MedusaHeads

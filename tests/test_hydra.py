@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.drafters import HeadDrafter
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.drafters import HeadDrafter
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
-from draftsmith.eval.sampling import SamplingParams
-from draftsmith.eval.trees import DynamicTree
+from draftsmith.engine.sampling import SamplingParams
+from draftsmith.engine.trees import DynamicTree
 from draftsmith.heads.hydra import HydraHeads
 from draftsmith.heads.objective import HydraObjective
 from tests.test_decoder import tiny

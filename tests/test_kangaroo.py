@@ -11,11 +11,11 @@ from draftsmith import registry
 from draftsmith.checkpoint import load_checkpoint, save_checkpoint, trainable_state_dict
 from draftsmith.drafters.kangaroo import KangarooAdapter, KangarooObjective, expected_acceptance
 from draftsmith.drafters.kangaroo_decode import KangarooDrafter, early_exit_drafter
-from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.drafters import drafter_from_checkpoint
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.drafters import drafter_from_checkpoint
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
-from draftsmith.eval.policies import ConfidenceStop, FixedLength
-from draftsmith.eval.sampling import SamplingParams, TorchRandom
+from draftsmith.engine.policies import ConfidenceStop, FixedLength
+from draftsmith.engine.sampling import SamplingParams, TorchRandom
 from draftsmith.recipe import RecipeError, parse_recipe
 from draftsmith.target import TargetMismatchError
 from draftsmith.train.cache import HiddenCache, build_cache

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from draftsmith.eval.exact import BranchingSource, enumerate_branches
-from draftsmith.eval.sampling import (SamplingParams, TorchRandom, UniformSource, WithoutReplacement, inverse_cdf,
+from draftsmith.engine.sampling import (SamplingParams, TorchRandom, UniformSource, WithoutReplacement, inverse_cdf,
                                       processed_probs, verify_chain, verify_node, verify_node_greedy,
                                       verify_node_typical)
 

@@ -4,9 +4,9 @@ import torch
 
 
 def test_forward_clock_times_outermost_forwards_and_restores_the_patch():
-    from draftsmith.eval.decoder import SpeculativeDecoder
-    from draftsmith.eval.drafters import first_layers_drafter
-    from draftsmith.eval.sampling import TorchRandom
+    from draftsmith.engine.decoder import SpeculativeDecoder
+    from draftsmith.engine.drafters import first_layers_drafter
+    from draftsmith.engine.sampling import TorchRandom
     from draftsmith.eval.step_breakdown import ForwardClock
     from tests.tiny import make_tiny_target
 

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from draftsmith.eval.trees import StaticTree
-from draftsmith.eval.tree_build import build_trees, chain_value, grow_tree, tree_value
+from draftsmith.engine.trees import StaticTree
+from draftsmith.engine.tree_build import build_trees, chain_value, grow_tree, tree_value
 
 ACC = [[0.6, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1, 0.05]]
 
@@ -48,7 +48,7 @@ def test_built_tree_beats_chain_of_same_size_in_expectation():
 def test_load_tree_missing_file_or_budget_names_the_fix(tmp_path):
     import json
 
-    from draftsmith.eval.tree_build import TREES, load_tree
+    from draftsmith.engine.tree_build import TREES, load_tree
 
     with pytest.raises(FileNotFoundError, match="draftsmith trees"):
         load_tree(tmp_path, 8)
@@ -63,7 +63,7 @@ def test_best_tree_is_chosen_by_measured_step_cost(tmp_path):
 
     import pytest
 
-    from draftsmith.eval.tree_build import build_trees, load_tree, measure_step_cost, save_trees
+    from draftsmith.engine.tree_build import build_trees, load_tree, measure_step_cost, save_trees
     from tests.tiny import make_tiny_target
 
     acc = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1]]

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from draftsmith.eval.drafting import GrowContext, grow_dynamic, grow_static
-from draftsmith.eval.kvcache import SlotCache, prefix_block_mask
-from draftsmith.eval.sampling import SamplingParams, TorchRandom
-from draftsmith.eval.trees import DraftTree, DynamicTree, StaticTree, chain_paths, validate_paths
+from draftsmith.engine.drafting import GrowContext, grow_dynamic, grow_static
+from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+from draftsmith.engine.sampling import SamplingParams, TorchRandom
+from draftsmith.engine.trees import DraftTree, DynamicTree, StaticTree, chain_paths, validate_paths
 from tests.tiny import make_tiny_model
 
 

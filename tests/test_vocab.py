@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from draftsmith.checkpoint import load_checkpoint, save_checkpoint
-from draftsmith.eval.decoder import SpeculativeDecoder, plain_decoder
-from draftsmith.eval.drafters import HeadDrafter
+from draftsmith.engine.decoder import SpeculativeDecoder, plain_decoder
+from draftsmith.engine.drafters import HeadDrafter
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
-from draftsmith.eval.sampling import SamplingParams
+from draftsmith.engine.sampling import SamplingParams
 from draftsmith.heads.hydra import HydraHeads
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.heads.objective import HeadBatch, HeadObjective
@@ -96,7 +96,7 @@ def test_pruned_drafts_only_kept_ids_and_greedy_equals_plain():
     drafter = _pruned_medusa(t, keep)
     dec = SpeculativeDecoder(t, drafter, tree=[(0,), (1,), (0, 0), (0, 1)])
     state = dec.start([1, 5, 7, 9], 6)
-    tree = dec.draft(state, __import__("draftsmith.eval.sampling", fromlist=["TorchRandom"]).TorchRandom(0))
+    tree = dec.draft(state, __import__("draftsmith.engine.sampling", fromlist=["TorchRandom"]).TorchRandom(0))
     assert all(int(x) in keep for x in tree.tok[1:tree.n + 1].tolist())
     for p in ([1, 5, 7, 9], [1, 2, 3], [1, 30, 31, 32, 33]):
         a = plain_decoder(t).generate(p, 20).tokens

@@ -39,13 +39,13 @@ from typing import Any, Sequence
 
 import torch
 
-from draftsmith.eval.drafters import project
-from draftsmith.eval.drafting import GrowContext, grow_chain, grow_dynamic, grow_static
-from draftsmith.eval.kvcache import SlotCache, prefix_block_mask
-from draftsmith.eval.metrics import DecodeResult, StepStats
-from draftsmith.eval.policies import FixedLength, LengthPolicy
-from draftsmith.eval.sampling import RandomSource, SamplingParams, TorchRandom
-from draftsmith.eval.trees import DraftTree, DynamicTree, StaticTree, Verdict, verify_tree
+from draftsmith.engine.drafters import project
+from draftsmith.engine.drafting import GrowContext, grow_chain, grow_dynamic, grow_static
+from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+from draftsmith.engine.metrics import DecodeResult, StepStats
+from draftsmith.engine.policies import FixedLength, LengthPolicy
+from draftsmith.engine.sampling import RandomSource, SamplingParams, TorchRandom
+from draftsmith.engine.trees import DraftTree, DynamicTree, StaticTree, Verdict, verify_tree
 from draftsmith.target import Target, check_fingerprint
 
 ACCEPTANCE = ("exact", "typical")

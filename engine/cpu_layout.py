@@ -13,7 +13,7 @@ project's 2-core AMD EPYC (torch 2.13 CPU, MKL, 1 thread, SmolLM2-135M):
   * the 49152 x 576 LM head: 11.5 ms per row as ``F.linear``, 7 ms as
     ``x @ W_t`` with a contiguous transposed copy (1 to 3 rows); from 4
     rows on, ``(W @ x.T).T`` on the row-major weight is fastest (see
-    `draftsmith.eval.drafters.project`). A column-major LM head is
+    `draftsmith.engine.drafters.project`). A column-major LM head is
     catastrophic for 2+ rows, so the head keeps its row-major weight (it
     is tied to the input embeddings) and gets a transposed copy.
 

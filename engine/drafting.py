@@ -27,9 +27,9 @@ from typing import Callable
 
 import torch
 
-from draftsmith.eval.policies import DraftSignal, LengthPolicy
-from draftsmith.eval.sampling import RandomSource, SamplingParams, WithoutReplacement, processed_probs
-from draftsmith.eval.trees import DraftTree, DynamicTree, StaticTree
+from draftsmith.engine.policies import DraftSignal, LengthPolicy
+from draftsmith.engine.sampling import RandomSource, SamplingParams, WithoutReplacement, processed_probs
+from draftsmith.engine.trees import DraftTree, DynamicTree, StaticTree
 
 Propose = Callable[[DraftTree, int, int], "torch.Tensor | None"]
 

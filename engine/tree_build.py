@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.eval.drafters import project
-from draftsmith.eval.kvcache import SlotCache, prefix_block_mask
-from draftsmith.eval.trees import DynamicTree, StaticTree
+from draftsmith.engine.drafters import project
+from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+from draftsmith.engine.trees import DynamicTree, StaticTree
 
 TREES = "trees.json"
 
@@ -78,7 +78,7 @@ def tree_value(acc: list[list[float]], paths: list[tuple[int, ...]]) -> float:
 def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int = 9) -> dict[str, float]:
     """Wall time of a verification forward over n drafted nodes (n + 1 rows, logits included) after a
     cached prefix, relative to plain decoding's 1-row forward, on this machine (median of ``repeats``,
-    sizes interleaved). Measure with the layout decoding will use (`draftsmith.eval.cpu_layout`).
+    sizes interleaved). Measure with the layout decoding will use (`draftsmith.engine.cpu_layout`).
 
     What a node costs depends on the hardware: on a GPU 64 rows cost about what 1 costs, on a 2-core
     CPU each row adds a share. Trees are then ranked by expected tokens per unit of step time.

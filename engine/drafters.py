@@ -46,9 +46,9 @@ from typing import Any, Protocol
 
 import torch
 
-from draftsmith.eval.cpu_layout import WEIGHT_T, linear_rows, packed_weight
-from draftsmith.eval.kvcache import SlotCache, prefix_block_mask
-from draftsmith.eval.trees import DraftTree
+from draftsmith.engine.cpu_layout import WEIGHT_T, linear_rows, packed_weight
+from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+from draftsmith.engine.trees import DraftTree
 from draftsmith.target import Target
 
 
@@ -57,7 +57,7 @@ def project(head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
     Measured on this project's CPU (MKL, 1 thread, 49152 x 576 head): F.linear
     takes ~2x longer for 2-8 rows than the transposed product (19 vs 10 ms
-    for 4 rows). With `draftsmith.eval.cpu_layout` the head also carries a
+    for 4 rows). With `draftsmith.engine.cpu_layout` the head also carries a
     contiguous transposed weight, and 1-3 rows use ``x @ W_t`` (7 vs 11.5 ms
     for one row).
     """

@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from draftsmith.eval.sampling import (SamplingParams, RandomSource, processed_probs, verify_node,
+from draftsmith.engine.sampling import (SamplingParams, RandomSource, processed_probs, verify_node,
                                       verify_node_greedy, verify_node_typical)
 
 
