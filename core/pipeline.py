@@ -198,7 +198,8 @@ def load_sequences(path: Path, tokenizer, max_seq_len: int, stats: Counter | Non
 
 
 def cache_needs(recipe: Recipe) -> list[str]:
-    return registry.get(recipe.drafter.kind).cache_needs(recipe.drafter.model_dump())
+    needs = registry.get(recipe.drafter.kind).cache_needs(recipe.drafter.model_dump())
+    return needs + [s for s in recipe.cache.extra_states if s not in needs]
 
 
 def stage_cache(recipe: Recipe, target: Target) -> dict:
@@ -218,7 +219,13 @@ def stage_cache(recipe: Recipe, target: Target) -> dict:
         seqs = load_sequences(src, target.tokenizer, recipe.data.max_seq_len, stats)
         if not seqs:
             raise EmptyDatasetError(f"{src} holds no usable sequence ({dict(stats)})")
-        res[split] = build_cache(target, seqs, cache_needs(recipe), out, dtype=recipe.cache.dtype,
+        needs = cache_needs(recipe)
+        n_layers = target.model.config.num_hidden_layers
+        bad = [n for n in needs if n.startswith("layer:") and int(n[6:]) >= n_layers]
+        if bad:
+            raise ValueError(f"cache states {bad}: the target has {n_layers} layers, so layer:N needs N < {n_layers} "
+                             "(the last layer's output is 'final')")
+        res[split] = build_cache(target, seqs, needs, out, dtype=recipe.cache.dtype,
                                  batch_tokens=recipe.cache.batch_tokens, shard_tokens=recipe.cache.shard_tokens,
                                  provenance={"source": str(src), **stats})
     return res

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class _Strict(BaseModel):
@@ -66,6 +66,17 @@ class CacheConfig(_Strict):
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     batch_tokens: int = Field(8192, ge=64, description="padded tokens per target forward")
     shard_tokens: int = Field(200_000, ge=1000)
+    extra_states: list[str] = Field(
+        default_factory=list, description="states cached beyond what the drafter kind needs ('layer:N' or "
+        "'final'), so one cache serves several recipes, e.g. a Kangaroo sweep over exit layers")
+
+    @field_validator("extra_states")
+    @classmethod
+    def _states(cls, v: list[str]) -> list[str]:
+        for s in v:
+            if s != "final" and not (s.startswith("layer:") and s[6:].isdigit() and int(s[6:]) >= 1):
+                raise ValueError(f"cache.extra_states: {s!r} is not 'final' or 'layer:N' (N >= 1)")
+        return v
 
 
 class MedusaConfig(_Strict):
