@@ -153,6 +153,8 @@ def save_checkpoint(path: str | Path, module: torch.nn.Module, target: Target, *
     save_file(sd, str(tmp), metadata={"format": "pt", "kind": module.kind,
                                       "target_fingerprint": target.fingerprint})
     os.replace(tmp, path / WEIGHTS)
+    if callable(getattr(module, "save_extra", None)):  # files a kind keeps beside its weights (a tokenizer)
+        module.save_extra(path)
     _atomic_write_json(path / CONFIG, {"kind": module.kind, **module.config})
     manifest = {
         "kind": module.kind,
@@ -198,7 +200,10 @@ def load_checkpoint(path: str | Path, target: Target, device: str | torch.device
     except KeyError as e:
         raise CheckpointError(f"{path / CONFIG}: {e.args[0]}") from None
     try:
-        module = cls.from_config(config, target)
+        build = getattr(cls, "from_config_dir", None)  # a kind with files beside its weights (its own tokenizer)
+        module = build(config, target, path) if build is not None else cls.from_config(config, target)
+    except CheckpointError:
+        raise
     except (TypeError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path / CONFIG}: does not describe a {kind!r} drafter for this target: {e}") from None
     sd = read_safetensors(path / WEIGHTS, f"{kind} weights")

@@ -35,6 +35,7 @@ from draftsmith.recipe import Recipe
 from draftsmith.target import Target
 from draftsmith.train import generate, remote, sources
 from draftsmith.train.cache import HiddenCache, build_cache
+from draftsmith.train.text_lm import heldout_report, train_text_drafter
 from draftsmith.train.trainer import train
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,14 @@ def cache_needs(recipe: Recipe) -> list[str]:
     return needs + [s for s in recipe.cache.extra_states if s not in needs]
 
 
+def _trains_on_text(recipe: Recipe) -> bool:
+    """A kind that trains on re-tokenised text (its own tokenizer) needs no cached target states."""
+    return bool(getattr(registry.get(recipe.drafter.kind), "trains_on_text", False))
+
+
 def stage_cache(recipe: Recipe, target: Target) -> dict:
+    if _trains_on_text(recipe):
+        return {}
     data = recipe.out / "data"
     res = {}
     for split in ("train", "heldout"):
@@ -232,6 +240,8 @@ def stage_cache(recipe: Recipe, target: Target) -> dict:
 
 
 def stage_train(recipe: Recipe, target: Target, resume: bool = True, stop_after: int | None = None) -> tuple[Path, dict]:
+    if _trains_on_text(recipe):
+        return train_text_drafter(recipe, target)
     meta = json.loads((recipe.out / "data" / "meta.json").read_text()) if (recipe.out / "data" / "meta.json").exists() else {}
     ckpt, timing = train(recipe, target, recipe.out / "cache" / "train", recipe.out, resume=resume,
                          stop_after=stop_after, data_provenance={"data_dir": str(recipe.out / "data"), **meta})
@@ -244,6 +254,8 @@ def stage_train(recipe: Recipe, target: Target, resume: bool = True, stop_after:
 
 
 def stage_report(recipe: Recipe, target: Target, ckpt: Path) -> dict:
+    if _trains_on_text(recipe):
+        return heldout_report(recipe, target, ckpt)
     model, manifest = load_checkpoint(ckpt, target)
     cache_dir = recipe.out / "cache" / "heldout"
     if not (cache_dir / "index.json").exists():

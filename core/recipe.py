@@ -108,9 +108,60 @@ class KangarooConfig(_Strict):
     threshold: float = Field(0.6, gt=0, lt=1, description="second early exit: stop drafting when the next "
                              "draft's top-1 probability is below this (Kangaroo's README: 0.6)")
     max_draft_len: int = Field(6, ge=1, le=32, description="gamma: at most this many drafts per step")
+    vocab_keep: Optional[Union[int, float]] = Field(
+        None, gt=0, description="draft over the N most frequent assistant-token ids of the training data (an int "
+        "N, or a float ratio of the vocabulary), trained against the target renormalised over them (lossless)")
 
 
-DrafterConfig = Annotated[Union[MedusaConfig, HydraConfig, KangarooConfig], Field(discriminator="kind")]
+class LoraSettings(_Strict):
+    rank: int = Field(8, ge=1, description="LoRA rank r")
+    alpha: float = Field(16.0, gt=0, description="LoRA scale alpha (the update is alpha / r * B A)")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"], description="module names given adapters")
+
+
+class StandaloneConfig(_Strict):
+    kind: Literal["standalone"]
+    init: str = Field("target", description="target: the target's first num_layers layers, embeddings and head; "
+                      "scratch: a fresh Llama of the sizes below; or a local HF model directory with the target's "
+                      "tokenizer (checked)")
+    num_layers: int = Field(2, ge=1, description="decoder layers (init: target or scratch)")
+    hidden_size: Optional[int] = Field(None, ge=8, description="init: scratch only (default: the target's)")
+    num_heads: Optional[int] = Field(None, ge=1, description="init: scratch only (default: the target's)")
+    num_kv_heads: Optional[int] = Field(None, ge=1, description="init: scratch only (default: the target's)")
+    intermediate_size: Optional[int] = Field(None, ge=8, description="init: scratch only (default: the target's)")
+    divergence: Literal["fkl", "rkl", "tvd", "jsd"] = Field(
+        "fkl", description="fkl: KL(p||q); rkl: KL(q||p); tvd: total variation; jsd: DistillSpec's JSD[beta]")
+    jsd_beta: float = Field(0.5, gt=0, lt=1, description="jsd: beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q")
+    train_embeddings: Optional[bool] = Field(None, description="also train the embeddings and output head "
+                                             "(default: only for init: scratch)")
+    lora: Optional[LoraSettings] = Field(None, description="train peft LoRA adapters instead of the layers' weights "
+                                         "(merged into the checkpoint)")
+    vocab_keep: Optional[Union[int, float]] = Field(
+        None, gt=0, description="draft over the N most frequent assistant-token ids of the training data (an int "
+        "N, or a float ratio of the vocabulary), trained against the target renormalised over them (lossless)")
+    rdk: bool = Field(False, description="with vocab_keep: build the sparse RDK affinity map (docs/rdk.md) and "
+                      "draft from q_RDK = M^T q' (lossless)")
+    rdk_positions: int = Field(20000, ge=1, description="training positions the RDK map is estimated from")
+    rdk_topk: int = Field(16, ge=1, description="RDK: pairs among the top-k kept and top-k pruned ids per position")
+    draft_len: int = Field(4, ge=1, le=32, description="default chain length when decoding")
+
+
+class OwnTokenizerConfig(_Strict):
+    kind: Literal["own-tokenizer"]
+    tokenizer_vocab_size: int = Field(8192, ge=300, description="byte-level BPE trained on the self-distilled text "
+                                      "(the target's special tokens included)")
+    tokenizer_min_frequency: int = Field(2, ge=1, description="BPE: a merge needs this many occurrences")
+    hidden_size: int = Field(256, ge=8)
+    intermediate_size: int = Field(768, ge=8)
+    num_hidden_layers: int = Field(4, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+
+
+DrafterConfig = Annotated[Union[MedusaConfig, HydraConfig, KangarooConfig, OwnTokenizerConfig,
+                                StandaloneConfig],
+                          Field(discriminator="kind")]
 
 
 class TrainConfig(_Strict):
@@ -179,7 +230,7 @@ def _set_dotted(d: dict, dotted: str, value) -> None:
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"] if not (isinstance(x, str) and x in ("medusa", "hydra", "kangaroo")))
+        loc = ".".join(str(x) for x in e["loc"] if not (isinstance(x, str) and x in ("medusa", "hydra", "kangaroo", "own-tokenizer", "standalone")))
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
         lines.append(f"recipe key {loc!r}: {msg}")
     return "invalid recipe:\n  " + "\n  ".join(lines)

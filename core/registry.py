@@ -46,5 +46,7 @@ def kinds() -> list[str]:
 def _load_builtin() -> None:
     # Importing the modules registers their kinds (function-local: the kinds import this module, a real cycle).
     import draftsmith.drafters.kangaroo  # noqa: F401
+    import draftsmith.drafters.own_tokenizer  # noqa: F401
+    import draftsmith.drafters.standalone  # noqa: F401
     import draftsmith.heads.hydra  # noqa: F401
     import draftsmith.heads.medusa  # noqa: F401
