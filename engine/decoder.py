@@ -193,6 +193,9 @@ class SpeculativeDecoder:
             self.prefill(state)  # head drafters read the target's hidden state at L-1 before their first draft
         if self.drafter is not None:
             state.drafter_state = self.drafter.start(self, state)
+        reset = getattr(self.policy, "reset", None)  # optional policy hook (policies.py): online state per generation
+        if reset is not None:
+            reset()
         return state
 
     @torch.no_grad()
@@ -310,6 +313,9 @@ class SpeculativeDecoder:
         t1 = self._now()
         logits, hidden = self.verify_forward(state, tree)
         verdict = self.verify(state, tree, logits, rng)
+        observe = getattr(self.policy, "observe", None)  # optional policy hook (policies.py): traces, online refits
+        if observe is not None and self.tree is None and self.drafter is not None:
+            observe(state, tree, verdict, logits)
         t2 = self._now()
         out = self.commit(state, tree, verdict, hidden)
         t3 = self._now()

@@ -95,6 +95,7 @@ class _HeadState:
     base: torch.Tensor | None = None  # [1, d] Hydra's base state at length-1 (after the prefix layer)
     fed: int = 0  # Hydra++: positions [0, fed) went through the prefix layer
     past: tuple | None = None  # Hydra++: the prefix layer's keys and values (replaced, never mutated)
+    hidden: torch.Tensor | None = None  # Hydra: the last head states computed (features for length policies)
 
 
 class HeadDrafter:
@@ -176,7 +177,9 @@ class HeadDrafter:
         rows: list[torch.Tensor] = [None] * (end - start)  # type: ignore[list-item]
         for d, nodes in by_depth.items():
             paths = torch.stack([tree.tok[torch.tensor(tree.path(i), device=dev)] for i in nodes])
-            logits = self._project(self.heads.draft_states(base, paths))
+            states = self.heads.draft_states(base, paths)
+            ds.hidden = states
+            logits = self._project(states)
             for j, i in enumerate(nodes):
                 rows[i - start] = logits[j]
         return torch.stack(rows)

@@ -52,6 +52,7 @@ class GrowContext:
 def grow_chain(tree: DraftTree, ctx: GrowContext, policy: LengthPolicy) -> None:
     """Draft one token at a time while the policy agrees (at most ``policy.max_len``)."""
     node = 0
+    stop_after = getattr(policy, "stop_after", None)  # optional (policies.py): draft this token, then stop
     for depth in range(min(ctx.depth_cap, policy.max_len)):
         lg = ctx.propose(tree, node, node + 1)
         if lg is None:
@@ -59,14 +60,20 @@ def grow_chain(tree: DraftTree, ctx: GrowContext, policy: LengthPolicy) -> None:
         row = lg[0]
         q = None if ctx.ranked else ctx.q(row)
         feats = ctx.features() if ctx.features is not None else None
-        if not policy.should_continue(DraftSignal(depth, row, q, feats)):
+        signal = DraftSignal(depth, row, q, feats)
+        if not policy.should_continue(signal):
             return
         if ctx.ranked:
-            node = tree.add(node, row.argmax())  # stays on the device: no host sync
+            tok = row.argmax()  # stays on the device: no host sync
+            node = tree.add(node, tok)
+            if stop_after is not None and stop_after(signal, tok):
+                return
             continue
         tok = ctx.rng.categorical(q)
         tree.q[node] = q
         node = tree.add(node, tok)
+        if stop_after is not None and stop_after(signal, tok):
+            return
         if tok in ctx.eos:
             return
 

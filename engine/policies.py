@@ -5,6 +5,16 @@ distribution for the candidate next token, how many tokens are already
 drafted, optional drafter features), so any policy keeps the decoder
 lossless (methods.md section 6). Learned predictors (SpecDec++, DISCO) plug in
 by implementing `LengthPolicy`.
+
+Optional policy methods (looked up once; a policy without them costs nothing):
+  * ``reset()``: called by the decoder at the start of every generation (online
+    policies such as Hugging Face's ROC refit start over, as HF does per ``generate``);
+  * ``stop_after(signal, token) -> bool``: called after the token drawn from
+    ``signal`` joined the chain; True ends the chain there (the token is still
+    verified). This is "submit the candidate whose logits are already paid for,
+    then stop" (SpecDec++'s one-token lag, HF's confidence criterion);
+  * ``observe(state, tree, verdict, logits)``: called after verification with the
+    target's logits at the root and every drafted node (acceptance traces, online refits).
 """
 
 from __future__ import annotations
