@@ -142,6 +142,11 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
     if vocab and acc.is_main_process:
         print(f"draft vocabulary: {vocab['kept']} of {vocab['vocab']} ids, covering "
               f"{100 * vocab['assistant_token_coverage']:.2f}% of the training assistant tokens")
+    fit = getattr(model, "fit_to_cache", None)  # a kind's own statistics of the training data (RDK's affinity map)
+    if callable(fit):
+        fitted = fit(cache, target, calibration_split(len(cache), t.calibration_every))
+        if fitted and acc.is_main_process:
+            print(f"fitted to the training data: {fitted}")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     world, rank = acc.num_processes, acc.process_index
