@@ -10,6 +10,8 @@
   draftsmith eval CHECKPOINT [...]           decode MT-Bench with the lossless decoder
   draftsmith export CKPT --to FMT --out DIR  vllm-medusa | hf | draftsmith, checked by reload
   draftsmith import SRC --out CKPT           a vLLM-Medusa or original-Medusa dir -> checkpoint
+  draftsmith traces RECIPE [--checkpoint C]  acceptance traces of a chain drafter on training prompts
+  draftsmith predictors TRACES               DISCO and SpecDec++ trained and tuned on those traces
 
 Under accelerate: ``accelerate launch --config_file recipes/launch/cpu_ddp2.yaml -m draftsmith.cli train RECIPE``.
 """
@@ -143,6 +145,29 @@ def _export_import(args) -> int:
     return 0
 
 
+def _predictors(args) -> int:
+    """`draftsmith traces` and `draftsmith predictors` (acceptance predictors, classifiers/)."""
+    from draftsmith import pipeline
+    from draftsmith.classifiers.stage import format_summary, train_predictors
+    from draftsmith.checkpoint import read_json
+    from draftsmith.target import load_target
+    if args.cmd == "traces":
+        recipe = _recipe(args)
+        res = pipeline.stage_traces(recipe, _target(recipe), checkpoint=args.checkpoint, prompts=args.prompts,
+                                    max_new_tokens=args.max_new_tokens, draft_len=args.draft_len,
+                                    temperatures=args.temperature, out=args.out,
+                                    calibration_every=args.calibration_every)
+        print(f"traces of {res['drafter']['name']} on {res['prompts']} training prompts: {res['summary']} "
+              f"-> {res['out']}")
+        return 0
+    meta = read_json(Path(args.traces) / "meta.json", "acceptance-trace meta", required=("target.name",))
+    target = load_target(meta["target"]["name"])
+    res = train_predictors(args.traces, target, kinds=args.kinds, out=args.out, max_len=args.max_len,
+                           epochs=args.epochs)
+    print(format_summary(res))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="draftsmith", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -165,6 +190,23 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--target", default=None, help="target name or directory (default: the checkpoint's)")
     ex.add_argument("--base-model", default=None,
                     help="what engines load as the target (default: the target's directory)")
+    tr = sub.add_parser("traces", help="record acceptance traces of a chain drafter on the recipe's training prompts")
+    tr.add_argument("recipe", help="recipe YAML path or built-in name")
+    tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. threads=1")
+    tr.add_argument("--checkpoint", default=None,
+                    help="drafter checkpoint (default: the recipe's final), or first-layers:N / early-exit:L")
+    tr.add_argument("--prompts", type=int, default=100, help="training prompts to decode (first user turns)")
+    tr.add_argument("--max-new-tokens", type=int, default=128)
+    tr.add_argument("--draft-len", type=int, default=8, help="fixed chain length while recording")
+    tr.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7])
+    tr.add_argument("--calibration-every", type=int, default=5, help="every N-th prompt goes to the calibration split")
+    tr.add_argument("--out", default=None, help="output directory (default: RUN/traces)")
+    pr = sub.add_parser("predictors", help="train DISCO and SpecDec++ on acceptance traces (per temperature)")
+    pr.add_argument("traces", help="a directory written by `draftsmith traces`")
+    pr.add_argument("--kinds", nargs="+", choices=("disco", "specdec"), default=["disco", "specdec"])
+    pr.add_argument("--out", default=None, help="output directory (default: next to the traces, predictors/)")
+    pr.add_argument("--max-len", type=int, default=8, help="the longest round the policies may draft")
+    pr.add_argument("--epochs", type=int, default=20, help="SpecDec++ head epochs")
     im = sub.add_parser("import", help="a vLLM-Medusa or original-Medusa / TGI directory -> draftsmith checkpoint")
     im.add_argument("source", help="directory with config.json and model.safetensors or medusa_lm_head.safetensors")
     im.add_argument("--out", required=True, help="new checkpoint directory")
@@ -190,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             return _info(args)
         if args.cmd in ("export", "import"):
             return _export_import(args)
+        if args.cmd in ("traces", "predictors"):
+            return _predictors(args)
         if args.cmd == "quickstart":
             args.recipe = "quickstart"
             return _run_stages(args, STAGES)

@@ -23,6 +23,7 @@ import torch
 
 from draftsmith import paths, registry
 from draftsmith.checkpoint import command_line, environment, load_checkpoint, update_metrics
+from draftsmith.classifiers import stage as classifier_stage
 from draftsmith.eval.bench import default_methods, run_bench, table
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.drafters import drafter_from_checkpoint
@@ -314,6 +315,12 @@ def stage_trees(recipe: Recipe, target: Target, ckpt: Path) -> dict:
                         step_cost=measure_step_cost(target, recipe.train.tree_budgets))
     save_trees(ckpt, trees)
     return trees
+
+
+def stage_traces(recipe: Recipe, target: Target, **options) -> dict:
+    """Acceptance traces of the recipe's drafter on its training prompts (classifiers/traces.py), for the
+    acceptance predictors (DISCO, SpecDec++); see `draftsmith.classifiers.stage.stage_traces` for options."""
+    return classifier_stage.stage_traces(recipe, target, **options)
 
 
 def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
