@@ -1,0 +1,93 @@
+"""RDK (issue 13 part 3): the sparse affinity map against a dense reference on a tiny vocabulary, q_RDK is a
+distribution, rows stay stochastic, bad maps are refused. Exact losslessness of RDK drafting is in
+tests/test_standalone.py (enumeration with drafted pruned ids)."""
+
+import pytest
+import torch
+
+from draftsmith.drafters.rdk import RDKMap, build_rdk, dense_affinity_reference
+from draftsmith.train.cache import HiddenCache, build_cache, teacher_logits
+from tests.test_train import _cycle_sequences
+from tests.tiny import make_tiny_target
+
+KEEP = torch.tensor([3, 5, 8, 13, 21, 34, 40, 47])
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rdk")
+    t = make_tiny_target(vocab_size=50, init_std=0.5, layers=2)
+    build_cache(t, _cycle_sequences(n=4, length=30), ["final"], tmp / "c", dtype="float32")
+    cache = HiddenCache(tmp / "c", t)
+    parent, weight, info = build_rdk(cache, t, KEEP, topk=64)  # top-k >= V: every pair counted
+    rows = []
+    for i in range(len(cache)):
+        m = cache.mask(i)
+        r = torch.from_numpy((m[1:] > 0).nonzero()[0])
+        rows.append(torch.softmax(teacher_logits(t, cache.states(i, "final")[r]).double(), -1))
+    return t, parent, weight, info, torch.cat(rows)
+
+
+def test_sparse_map_matches_the_dense_reference(fitted):
+    t, parent, weight, info, p = fitted
+    dense = dense_affinity_reference(p, KEEP)  # M*[i, j] = E[p(j) | i drawn from q']
+    torch.testing.assert_close(dense.sum(-1), torch.ones(len(KEEP), dtype=torch.float64))
+    # the reference reproduces the target's average distribution exactly (docs/rdk.md)
+    q = p[:, KEEP] / p[:, KEEP].sum(-1, keepdim=True)
+    torch.testing.assert_close((q @ dense).mean(0), p.mean(0))
+    pruned = [j for j in range(t.vocab_size) if j not in set(KEEP.tolist())]
+    c = (q.T @ p)  # C[i, j]
+    assert info["attached"] == len(pruned) == info["pruned"]
+    for j in pruned:  # each pruned column keeps its largest contributor, with the reference's entry
+        i = int(c[:, j].argmax())
+        assert int(parent[j]) == int(KEEP[i])
+        assert float(weight[j]) == pytest.approx(float(dense[i, j]), rel=1e-5, abs=1e-7)
+    assert (parent[KEEP] == -1).all()
+
+
+def test_q_rdk_is_a_distribution_and_equals_the_dense_product(fitted):
+    t, parent, weight, _, _ = fitted
+    m = RDKMap(KEEP, t.vocab_size)
+    m.set(KEEP, parent, weight)
+    M = m.dense()
+    torch.testing.assert_close(M.sum(-1), torch.ones(len(KEEP), dtype=torch.float64))
+    assert (M >= 0).all() and int((M != 0).sum()) <= t.vocab_size  # sparse: at most V non-zeros, not N x V
+    qk = torch.softmax(torch.randn(5, len(KEEP), dtype=torch.float64), -1)
+    r = m.redistribute(qk)
+    torch.testing.assert_close(r, qk @ M)
+    torch.testing.assert_close(r.sum(-1), torch.ones(5, dtype=torch.float64))
+    lg = torch.randn(4, len(KEEP))
+    torch.testing.assert_close(torch.softmax(m.logits(lg), -1), m.redistribute(torch.softmax(lg, -1)),
+                               atol=1e-6, rtol=1e-5)
+
+
+def test_bad_maps_are_refused():
+    m = RDKMap(KEEP, 50)
+    parent, weight = torch.full((50,), -1), torch.zeros(50)
+    bad = parent.clone()
+    bad[KEEP[0]] = int(KEEP[1])
+    with pytest.raises(ValueError, match="only pruned ids may be attached"):
+        m.set(KEEP, bad, weight)
+    bad = parent.clone()
+    bad[0] = 1  # 1 is not kept
+    w = weight.clone()
+    w[0] = 0.1
+    with pytest.raises(ValueError, match="only to kept ids"):
+        m.set(KEEP, bad, w)
+    over = parent.clone()
+    over[0], over[1] = int(KEEP[0]), int(KEEP[0])
+    w = weight.clone()
+    w[0], w[1] = 0.7, 0.6
+    with pytest.raises(ValueError, match="rows must be stochastic"):
+        m.set(KEEP, over, w)
+    with pytest.raises(ValueError, match="q' has 3 entries"):
+        m.redistribute(torch.ones(3) / 3)
+
+
+def test_row_mass_stays_below_one_with_truncated_pairs(fitted, tmp_path):
+    t = fitted[0]
+    build_cache(t, _cycle_sequences(n=4, length=30), ["final"], tmp_path / "c", dtype="float32")
+    parent, weight, _ = build_rdk(HiddenCache(tmp_path / "c", t), t, KEEP, topk=2)
+    m = RDKMap(KEEP, t.vocab_size)
+    m.set(KEEP, parent, weight)  # validates stochastic rows
+    assert float(RDKMap.row_mass(KEEP, parent, weight).max()) <= 1.0
