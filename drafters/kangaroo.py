@@ -33,6 +33,7 @@ from torch import nn
 
 from draftsmith.drafters.kangaroo_decode import KangarooDrafter, check_exit_layer, check_threshold
 from draftsmith.heads.objective import make_chunks
+from draftsmith.heads.vocab import PrunedHead, draft_head
 from draftsmith.registry import register
 from draftsmith.train.cache import HiddenCache, decoder_of, teacher_logits
 from draftsmith.train.losses import hard_ce, soft_ce, topk_hits
@@ -61,7 +62,8 @@ class KangarooAdapter(nn.Module):
 
     def __init__(self, hidden_size: int, vocab_size: int, lm_head: nn.Module, rotary: nn.Module, num_layers: int,
                  exit_layer: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
-                 eps: float = 1e-6, adapter_mlp: bool = False, threshold: float = 0.6, max_draft_len: int = 6):
+                 eps: float = 1e-6, adapter_mlp: bool = False, threshold: float = 0.6, max_draft_len: int = 6,
+                 vocab_keep: int | None = None):
         super().__init__()
         check_exit_layer(exit_layer, num_layers)
         check_threshold(threshold)
@@ -72,7 +74,8 @@ class KangarooAdapter(nn.Module):
         self.config = {"hidden_size": hidden_size, "vocab_size": vocab_size, "num_layers": num_layers,
                        "exit_layer": exit_layer, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
                        "head_dim": head_dim, "intermediate_size": intermediate_size, "eps": eps,
-                       "adapter_mlp": adapter_mlp, "threshold": threshold, "max_draft_len": max_draft_len}
+                       "adapter_mlp": adapter_mlp, "threshold": threshold, "max_draft_len": max_draft_len,
+                       "vocab_keep": vocab_keep}
         self.exit_layer, self.threshold, self.max_draft_len = exit_layer, threshold, max_draft_len
         self.nh, self.nkv, self.hd = num_heads, num_kv_heads, head_dim
         self.norm1 = nn.RMSNorm(hidden_size, eps=eps)
@@ -91,6 +94,10 @@ class KangarooAdapter(nn.Module):
         self.norm_out = nn.RMSNorm(hidden_size, eps=eps)
         self.lm_head = lm_head.requires_grad_(False)
         self.shared_with_target = ("lm_head",)
+        if vocab_keep is not None and not 1 <= int(vocab_keep) <= vocab_size:
+            raise ValueError(f"vocab_keep {vocab_keep} must keep between 1 and the vocabulary's {vocab_size} ids")
+        # A pruned vocabulary (heads/vocab.py): the kept rows of the frozen head, the id map saved with them.
+        self.draft_head = PrunedHead(lm_head, torch.arange(int(vocab_keep))) if vocab_keep else None
         # The target's RoPE (frequencies and scaling), copied: not a submodule, so casting the adapter
         # never touches the target's own rotary buffers.
         self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
@@ -103,13 +110,14 @@ class KangarooAdapter(nn.Module):
 
     @classmethod
     def for_target(cls, target, exit_layer: int = 2, adapter_mlp: bool = False, threshold: float = 0.6,
-                   max_draft_len: int = 6) -> "KangarooAdapter":
+                   max_draft_len: int = 6, vocab_keep: int | None = None) -> "KangarooAdapter":
         """A fresh adapter for ``target``, initialised from its layer l+1 and final norm (see the module doc)."""
         body = decoder_of(target.model)
         L = len(body.layers)
         check_exit_layer(exit_layer, L)
         m = cls(target.hidden_size, target.vocab_size, target.lm_head, body.rotary_emb, L, exit_layer,
-                adapter_mlp=adapter_mlp, threshold=threshold, max_draft_len=max_draft_len, **attention_shape(target))
+                adapter_mlp=adapter_mlp, threshold=threshold, max_draft_len=max_draft_len, vocab_keep=vocab_keep,
+                **attention_shape(target))
         nxt = body.layers[exit_layer]  # decoder layer l+1 (0-based index l) reads h^l in the target
         pairs = [(m.norm1, "input_layernorm"), (m.q, "self_attn.q_proj"), (m.k, "self_attn.k_proj"),
                  (m.v, "self_attn.v_proj")]
@@ -146,6 +154,16 @@ class KangarooAdapter(nn.Module):
         """This adapter as a `draftsmith.engine.decoder` drafter (double early exit by default)."""
         return KangarooDrafter(target, self.exit_layer, adapter=self, target_fingerprint=target_fingerprint,
                                name=name, threshold=self.threshold, max_draft_len=self.max_draft_len)
+
+    def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
+        """Draft over ``kept_ids`` (sorted target ids); called by the trainer from the training data."""
+        if self.draft_head is None:
+            raise ValueError("this adapter drafts over the full vocabulary (no vocab_keep)")
+        self.draft_head.set_kept(kept_ids, self.lm_head)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """Adapter states -> logits over the kept ids (pruned) or the full vocabulary."""
+        return self.lm_head(h) if self.draft_head is None else self.draft_head(h)
 
     # ------------------------------------------------------------------ math
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -187,7 +205,7 @@ class KangarooAdapter(nn.Module):
         """Logits [P, V] at the kept rows: per window (h^l_0..h^l_{hi-1} of a sequence, lo, kept-rows mask)."""
         out = [self.adapt(h, torch.arange(h.shape[0], device=h.device))[lo: lo + len(keep)][keep]
                for h, lo, keep in seqs]
-        return self.lm_head(torch.cat(out))
+        return self.project(torch.cat(out))
 
 
 # ---------------------------------------------------------------------- training objective
@@ -249,19 +267,25 @@ class KangarooObjective:
     def loss(self, model, batch: KangarooBatch) -> tuple[torch.Tensor, dict]:
         logits = model(batch.seqs)  # one call through the (possibly DDP-wrapped) module
         valid = torch.ones(batch.positions, dtype=torch.bool, device=logits.device)
+        dh = draft_head(model)  # pruned: the teacher renormalised over the kept ids, pruned labels left out
+        teacher = batch.teacher if dh is None else batch.teacher[:, dh.kept_ids]
+        labels = batch.labels if dh is None else dh.labels(batch.labels)[0]
         if self.loss_kind == "soft":
-            total = soft_ce(logits, batch.teacher, valid)
+            total = soft_ce(logits, teacher, valid)
         elif self.loss_kind == "hard":
-            total = hard_ce(logits, batch.labels)
+            total = hard_ce(logits, labels)
         else:
-            total = (1 - self.soft_weight) * hard_ce(logits, batch.labels) + \
-                self.soft_weight * soft_ce(logits, batch.teacher, valid)
-        return total, {"logits": logits.detach()}
+            total = (1 - self.soft_weight) * hard_ce(logits, labels) + \
+                self.soft_weight * soft_ce(logits, teacher, valid)
+        return total, {"logits": logits.detach(), "draft_head": dh}
 
     @torch.no_grad()
     def stats(self, aux: dict, batch: KangarooBatch) -> dict:
         """Top-1/top-5 on token t+1, agreement with the teacher's argmax, expected acceptance sum_x min(p, q)."""
         lg = aux["logits"].float()
+        dh = aux.get("draft_head")
+        if dh is not None:  # in target-id space: q is 0 off the kept ids, a pruned label is a miss
+            lg = dh.to_target(lg)
         hits = topk_hits(lg, batch.labels)
         agree = topk_hits(lg, batch.teacher.argmax(-1), ks=(1,))
         return {"head1/top1": hits[1], "head1/top5": hits[5], "teacher/top1": agree[1],
@@ -289,6 +313,8 @@ def heldout_metrics(model: KangarooAdapter, cache: HiddenCache, target, windows_
     for s in range(0, len(obj.chunks), windows_per_batch):
         b = obj.prepare(list(range(s, min(s + windows_per_batch, len(obj.chunks)))))
         lg = model(b.seqs).float()
+        if model.draft_head is not None:  # target-id space, the dtype's minimum (q = 0) off the kept ids
+            lg = model.draft_head.to_target(lg)
         acc += float(expected_acceptance(lg, b.teacher).sum())
         agree += topk_hits(lg, b.teacher.argmax(-1), ks=(1,))[1][0]
         h = topk_hits(lg, b.labels)

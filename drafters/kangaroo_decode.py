@@ -171,6 +171,9 @@ class KangarooDrafter:
             out = self.heads.adapt(rows, torch.arange(a0, p + 1, device=rows.device), ds.kv, a0)[-1:]
             ds.a_fed = start + 1
         ds.hidden = out
+        dh = getattr(self.heads, "draft_head", None)
+        if dh is not None:  # a pruned adapter: its kept rows only, q exactly 0 elsewhere (lossless)
+            return dh.to_target(engine.project(dh, out))
         return engine.project(dec.lm_head, out)
 
     @torch.no_grad()
