@@ -110,6 +110,14 @@ def _prompt(tgt, q):
     return tgt.tokenizer.encode(text, add_special_tokens=False)
 
 
+def _recipe(out):
+    return parse_recipe({"name": "own-test", "output_dir": str(out), "drafter": {
+        "kind": "own-tokenizer", "tokenizer_vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2},
+        "train": {"max_steps": 150, "batch_size": 8, "chunk_len": 32, "lr": 3e-3, "warmup_steps": 5,
+                  "log_every": 1000}})
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The tiny target's own greedy replies as data, a tokenizer and drafter trained on them (seconds)."""
@@ -128,11 +136,7 @@ def trained(tmp_path_factory):
                          "finished": [res.stop_reason == "eos"]})
     (out / "data").mkdir()
     (out / "data" / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    recipe = parse_recipe({"name": "own-test", "output_dir": str(out), "drafter": {
-        "kind": "own-tokenizer", "tokenizer_vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2},
-        "train": {"max_steps": 150, "batch_size": 8, "chunk_len": 32, "lr": 3e-3, "warmup_steps": 5,
-                  "log_every": 1000}})
+    recipe = _recipe(out)
     final, timing = train_text_drafter(recipe, tgt)
     return tgt, final, timing
 
@@ -189,6 +193,18 @@ def test_bad_checkpoints(trained, tmp_path):
         load_checkpoint(d, tgt)
     with pytest.raises(TargetMismatchError):
         load_checkpoint(final, tiny(vocab=96, seed=9, std=0.3, layers=2))
+
+
+def test_pipeline_skips_the_cache_and_reports_in_own_tokens(trained):
+    from draftsmith import pipeline
+    tgt, final, _ = trained
+    recipe = _recipe(final.parent)
+    assert pipeline.stage_cache(recipe, tgt) == {}  # no target states for a kind that trains on text
+    rows = (recipe.out / "data" / "train.jsonl").read_text().splitlines()
+    (recipe.out / "data" / "heldout.jsonl").write_text("\n".join(rows[::6]) + "\n{corrupt\n")
+    rep = pipeline.stage_report(recipe, tgt, final)
+    assert rep["heldout_conversations"] == 4 and rep["heldout_top1"] > 0.5
+    assert "heldout_top1" in (recipe.out / "report.md").read_text()
 
 
 def test_recipe_validation():

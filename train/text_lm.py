@@ -132,7 +132,7 @@ def train_text_drafter(recipe: Recipe, target: Target, out: Path | None = None) 
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
         opt.step()
         math_s += time.time() - tm
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step % t.log_every == 0 or step == total - 1:
             print(f"step {step + 1}/{total} loss {losses[-1]:.3f} lr {_lr(step, total, recipe):.2e}", flush=True)
     model.eval()
