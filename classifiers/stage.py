@@ -90,7 +90,7 @@ def stage_traces(recipe, target: Target, *, checkpoint: str | None = None, promp
         sampling = SamplingParams(float(temp))
         r, s = record(target, drafter, ids, sampling, draft_len=draft_len, max_new_tokens=max_new_tokens, seed=seed,
                       progress=lambda k, res: print(f"traces T={temp} [{k + 1}/{len(ids)}] {len(res.tokens)} tokens, "
-                                                    f"tau {res.tau:.2f}", flush=True) if (k + 1) % 10 == 0 else None)
+                                                    f"tau {res.tau:.2f}", flush=True))
         print(f"traces T={temp}: {describe(r)}")
         rows += r
         steps += s

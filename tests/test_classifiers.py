@@ -312,15 +312,48 @@ def test_policies_keep_sampling_distribution_chi_square():
     joint[eos] = 0.0
     joint[eos, eos] = p1[eos]
     exact = joint.flatten().numpy()
-    for name, pol in _policies(t, max_len=3).items():
+    pols = _policies(t, max_len=3)
+    for name in ("roc", "disco", "specdec"):  # ConfidenceStop is covered by the decoder's own tests
+        pol = pols[name]
         dec = SpeculativeDecoder(t, dr, policy=pol, sampling=sp)
         counts = np.zeros(36)
-        n = 1500
+        n = 600
         for s in range(n):
-            toks = dec.generate(PROMPT, 2, seed=s).tokens
+            toks = dec.generate(PROMPT, 4, seed=s).tokens  # room for 3 drafts in the first step
             a, b = toks[0], toks[1] if len(toks) > 1 else eos
             counts[a * 6 + b] += 1
         keep = exact * n >= 5
         obs = np.append(counts[keep], counts[~keep].sum())
         exp = np.append(exact[keep] * n, exact[~keep].sum() * n)
         assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3, name
+
+
+def test_traces_stage_and_predictors_end_to_end(tmp_path):
+    """The pipeline path: training prompts from data/train.jsonl -> traces -> DISCO + SpecDec++ per temperature,
+    then the policies load (identity-checked) and decode losslessly."""
+    from types import SimpleNamespace
+
+    from draftsmith.classifiers.stage import load_drafter, stage_traces, temperature_dir, train_predictors
+    t = tiny(vocab=40, seed=4, std=0.6)
+    (tmp_path / "data").mkdir()
+    with open(tmp_path / "data" / "train.jsonl", "w") as f:
+        for i, text in enumerate(["abc", "hello there", "what is up", "tell me", "no", "zzz top", "a b c", "qq"]):
+            f.write(json.dumps({"id": f"x{i}", "system": None, "messages": [
+                {"role": "user", "content": text}, {"role": "assistant", "content": "ok"}], "finished": [True]}) + "\n")
+        f.write("{broken\n")
+    res = stage_traces(SimpleNamespace(out=tmp_path), t, checkpoint="first-layers:1", prompts=20, max_new_tokens=24,
+                       draft_len=4, temperatures=(0.0, 0.7), calibration_every=4)
+    assert res["prompts"] == 8 and res["prompts_skipped"]["malformed"] == 1
+    assert len(res["cost"]["verify"]) == 5
+    summary = train_predictors(tmp_path / "traces", t, max_len=4, epochs=2)
+    assert set(summary) == {"0", "0.7"} and set(summary["0"]) == {"disco", "specdec"}
+    dr, ident = load_drafter("first-layers:1", t)
+    m = disco.load(temperature_dir(tmp_path / "predictors", 0.0) / "disco")
+    disco.check_for(m, t, ident, 0.0)
+    head, man = specdec.load(temperature_dir(tmp_path / "predictors", 0.0) / "specdec", t)
+    specdec.check_for(man, ident, 0.0)
+    plain = SpeculativeDecoder(t).generate(PROMPT, 30).tokens
+    for pol in (disco.DiscoStop(m, 4), specdec.SpecDecStop(head, float(man["threshold"]), 4)):
+        assert SpeculativeDecoder(t, dr, policy=pol).generate(PROMPT, 30).tokens == plain
+    with pytest.raises(TraceError, match="made for drafter"):
+        disco.check_for(m, t, load_drafter("first-layers:2", t)[1], 0.0)
