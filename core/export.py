@@ -219,6 +219,11 @@ def model_card(src: Source, target: Target, fmt: str, base_model: str, files: li
                   "Medusa names (the same weights). Heads that share the target's LM head carry explicit copies "
                   "of it. TGI's fused path (MedusaHeadV2) needs `medusa_num_layers == 1` and projects with the "
                   "base model's own LM head.", ""]
+    keep = (getattr(src.module, "config", None) or {}).get("vocab_keep") if fmt == "hf" else None
+    if keep:  # a pruned standalone drafter: HF assisted generation has no id map
+        lines += [f"This drafter was trained to draft over {keep} kept token ids (a pruned vocabulary); the export "
+                  f"holds its full-size output head, so Hugging Face drafts over the whole vocabulary (the id map "
+                  f"and any RDK map stay in the draftsmith checkpoint).", ""]
     return "\n".join(lines)
 
 

@@ -259,7 +259,7 @@ def test_export_hf_reloads_and_hf_assisted_generation_gives_the_targets_greedy_o
     assert SpeculativeDecoder(t, d).generate([1, 3, 4, 5], 20).tokens == \
         SpeculativeDecoder(t, None).generate([1, 3, 4, 5], 20).tokens
     card = (out / "README.md").read_text()
-    assert "standalone" in card
+    assert "standalone" in card and "full-size output head" in card
 
 
 def test_save_and_load_a_full_vocabulary_drafter(tmp_path):
