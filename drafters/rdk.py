@@ -64,6 +64,7 @@ class RDKMap(nn.Module):
         if float(self.row_mass(kept_ids, parent, weight).max()) > 1.0 + 1e-6:
             raise ValueError("RDK map: an affinity row gives away more than its mass (rows must be stochastic)")
         self.kept_ids = kept_ids.to(self.kept_ids.device).clone()
+        self.__dict__.pop("_frozen_plan", None)
         self.parent.copy_(parent)
         self.weight.copy_(weight)
 
@@ -87,31 +88,46 @@ class RDKMap(nn.Module):
         m[t2d[self.parent[att]], att] = self.weight[att].double()
         return m
 
-    def redistribute(self, q_kept: torch.Tensor) -> torch.Tensor:
-        """q' [..., N] (probabilities over the kept ids, draft order) -> q_RDK [..., V] in target-id space, O(V)."""
+    def _plan(self, device, dtype) -> tuple:
+        """(kept ids, attached pruned ids, their parents' draft ids, their weights, kept rows' own mass)."""
+        N, V = len(self.kept_ids), self.vocab_size
+        t2d = torch.full((V,), -1, dtype=torch.long, device=self.parent.device)
+        t2d[self.kept_ids] = torch.arange(N, device=self.parent.device)
+        att = (self.parent >= 0).nonzero().flatten()
+        keep_self = 1.0 - self.row_mass(self.kept_ids, self.parent, self.weight)
+        return tuple(x.to(device) for x in (self.kept_ids, att, t2d[self.parent[att]])) + \
+            tuple(x.to(device, dtype) for x in (self.weight[att], keep_self))
+
+    def redistribute(self, q_kept: torch.Tensor, frozen: bool = False) -> torch.Tensor:
+        """q' [..., N] (probabilities over the kept ids, draft order) -> q_RDK [..., V] in target-id space, O(V).
+
+        ``frozen``: the map no longer changes (decoding): its index plan is computed once and reused."""
         N, V = len(self.kept_ids), self.vocab_size
         if q_kept.shape[-1] != N:
             raise ValueError(f"q' has {q_kept.shape[-1]} entries, the RDK map keeps {N} ids")
-        t2d = torch.full((V,), -1, dtype=torch.long, device=q_kept.device)
-        t2d[self.kept_ids] = torch.arange(N, device=q_kept.device)
-        w = self.weight.to(q_kept.device, q_kept.dtype)
-        keep_self = 1.0 - self.row_mass(self.kept_ids, self.parent, self.weight).to(q_kept.device, q_kept.dtype)
+        key = (q_kept.device, q_kept.dtype)
+        plan = getattr(self, "_frozen_plan", {}).get(key) if frozen else None
+        if plan is None:
+            plan = self._plan(*key)
+            if frozen:
+                self.__dict__.setdefault("_frozen_plan", {})[key] = plan
+        kept, att, att_parent, w_att, keep_self = plan
         out = q_kept.new_zeros((*q_kept.shape[:-1], V))
-        out[..., self.kept_ids] = q_kept * keep_self
-        att = (self.parent >= 0).nonzero().flatten().to(q_kept.device)
+        out[..., kept] = q_kept * keep_self
         if att.numel():
-            out[..., att] = q_kept[..., t2d[self.parent.to(q_kept.device)[att]]] * w[att]
+            out[..., att] = q_kept[..., att_parent] * w_att
         return out
 
     def logits(self, kept_logits: torch.Tensor) -> torch.Tensor:
         """Kept logits [..., N] -> log q_RDK [..., V] (the dtype's minimum where q_RDK is 0): the decoder's
-        softmax of these is q_RDK itself, so drafts are drawn from and verified with q_RDK (lossless)."""
-        q = torch.softmax(kept_logits.float(), dim=-1)
-        r = self.redistribute(q)
+        softmax of these is q_RDK itself, so drafts are drawn from and verified with q_RDK (lossless).
+        For decoding: the map must not change afterwards (`decoder_drafter` hands the decoder a copy)."""
+        x = kept_logits if kept_logits.dtype == torch.float64 else kept_logits.float()
+        r = self.redistribute(torch.softmax(x, dim=-1), frozen=True)
         out = torch.full_like(r, torch.finfo(r.dtype).min)
         pos = r > 0
         out[pos] = r[pos].log()
-        return out.to(kept_logits.dtype) if kept_logits.dtype == torch.float64 else out
+        return out
 
 
 @torch.no_grad()
