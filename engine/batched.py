@@ -1,0 +1,443 @@
+"""Batched lossless speculative decoding with ragged acceptance (BASS-style), and plain batched decoding.
+
+B sequences decode together. Every step: each live row drafts (a chain of K
+or a static tree; one drafter call per depth serves every row), one target
+forward verifies every row's block, each row is verified on its own with its
+own random source (`trees.verify_tree`, the single-sequence rule), and each
+row commits its own number of accepted tokens. The KV cache
+(`ragged.RowsCache`) is allocated once and indexed by absolute position per
+row, so a row that accepted fewer tokens costs no padding later: the only
+padding is within a step, up to the widest row's block (bounded by the
+draft size, never growing with the step count). A row that ends (EOS or
+``max_new_tokens``) leaves the batch at once: the last live row's entries
+move into its hole, and no later forward computes it.
+
+Each row follows exactly the single-sequence decoder's rules (state
+convention, verification, EOS handling, per-row caps near
+``max_new_tokens``), so greedy rows equal batch-1 decoding and, when
+sampling, each row's output is distributed as the target's: a row's draws
+come only from its own random source, and the draft length of a step
+depends only on how many rows are live, never on this step's drafts.
+
+Without a drafter (or with K = 0 chosen by the batch-aware policy, see
+`batch_policy.BatchAwareLength`) a step is plain batched decoding on the
+same cache: our baseline.
+
+Choices, documented here once:
+  * the prompt minus its last token is prefilled row by row (no padding:
+    on a compute-bound CPU a padded prefill costs rows x longest prompt);
+    prefill forwards are not decoding forwards (metrics.py);
+  * an empty batch, an empty prompt, ``max_new_tokens < 0`` or a prompt
+    that with its new tokens and a draft block exceeds the context: ValueError
+    naming the row;
+  * drafters: `HeadDrafter` (Medusa, Hydra, Hydra++) and `ModelDrafter`;
+    chains and static trees; dynamic trees and self-drafters (Kangaroo) are
+    refused with a clear error (single-sequence decoder only for now);
+  * acceptance "exact" only (the lossy typical rule is not offered here).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from draftsmith.engine.batch_policy import BatchAwareLength, GoodputTable, calibrate, expected_tokens
+from draftsmith.engine.batched_drafters import HeadRows, ModelRows, batch_adapter
+from draftsmith.engine.decoder import DecodeState
+from draftsmith.engine.drafters import project
+from draftsmith.engine.metrics import DecodeResult, StepStats, tau, tokens_per_second
+from draftsmith.engine.ragged import RowsCache, ragged_forward
+from draftsmith.engine.sampling import RandomSource, SamplingParams, TorchRandom, WithoutReplacement, processed_probs
+from draftsmith.engine.trees import DraftTree, StaticTree, Verdict, verify_tree
+from draftsmith.target import Target, check_fingerprint
+
+__all__ = ["BatchedSpeculativeDecoder", "BatchResult", "BatchStep", "BatchAwareLength", "GoodputTable", "calibrate",
+           "expected_tokens", "HeadRows", "ModelRows", "RowsCache", "plain_batched_decoder"]
+
+
+@dataclass
+class BatchStep:
+    """One batched step: one target forward over every live row."""
+
+    live: int  # rows in the forward
+    k: int  # draft length chosen (chains; the tree's size for trees; 0 = plain)
+    drafted: int  # draft tokens over all rows
+    accepted: int  # accepted draft tokens over all rows
+    emitted: int  # tokens emitted over all rows
+    draft_s: float
+    verify_s: float
+    other_s: float
+
+
+@dataclass
+class BatchResult:
+    """Output of one batched generation: per-row results (input order) and per-step statistics."""
+
+    rows: list[DecodeResult]
+    steps: list[BatchStep] = field(default_factory=list)
+    prefill_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rows)
+
+    @property
+    def row_forwards(self) -> int:
+        """Target forwards summed over rows (a row's step counts once for that row)."""
+        return sum(s.live for s in self.steps)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per row-forward (metrics.tau over every row; plain decoding = 1.00)."""
+        return tau(self.tokens, self.row_forwards)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return tokens_per_second(self.tokens, self.wall_s)
+
+    def summary(self) -> dict:
+        return {"rows": len(self.rows), "tokens": self.tokens, "tau": self.tau, "steps": len(self.steps),
+                "tokens_per_s": self.tokens_per_s, "wall_s": self.wall_s, "prefill_s": self.prefill_s,
+                "k_chosen": sorted({s.k for s in self.steps})}
+
+
+class BatchedSpeculativeDecoder:
+    """Lossless speculative decoding of B sequences at once (see the module docstring).
+
+    Args:
+      target: the target model.
+      drafter: a `HeadDrafter` or `ModelDrafter`, or None for plain batched decoding.
+      tree: None for chains, or a `StaticTree` / list of rank paths.
+      k: chain draft length (an int >= 1) or a `BatchAwareLength` (K chosen per step from the live batch
+        size; K = 0 is plain decoding). Ignored for trees and without a drafter.
+      sampling: temperature / top-k / top-p, applied identically to draft and target, per row.
+    """
+
+    def __init__(self, target: Target, drafter: Any = None, *, tree: Any = None, k: int | BatchAwareLength = 4,
+                 sampling: SamplingParams | None = None):
+        self.target, self.drafter = target, drafter
+        self.sampling = sampling or SamplingParams()
+        if tree is not None and not isinstance(tree, StaticTree):
+            if not isinstance(tree, (list, tuple)):
+                raise ValueError(f"batched decoding takes chains or static trees (lists of rank paths), "
+                                 f"got {type(tree).__name__}")
+            tree = StaticTree(tree)
+        self.tree = tree
+        if isinstance(k, BatchAwareLength):
+            if tree is not None:
+                raise ValueError("the batch-aware length policy chooses chain lengths; use it with tree=None")
+            self.policy: BatchAwareLength | None = k
+            self.k = k.max_len
+        else:
+            if int(k) < 1:
+                raise ValueError(f"draft length k must be >= 1 (or a BatchAwareLength), got {k}")
+            self.policy, self.k = None, int(k)
+        self.model = target.model
+        self.body = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        p = next(self.model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.eos = frozenset(target.eos_token_ids)
+        self.cache: RowsCache | None = None
+        self.adapter = None
+        if drafter is not None:
+            self._check_drafter(drafter)
+            self.adapter = batch_adapter(drafter)
+
+    def _check_drafter(self, drafter) -> None:
+        name = getattr(drafter, "name", type(drafter).__name__)
+        fp = getattr(drafter, "target_fingerprint", None)
+        if fp is not None:
+            check_fingerprint(fp, self.target, what=f"drafter {name!r}")
+        vocab = getattr(drafter, "vocab_size", None)
+        if vocab is not None and vocab != self.target.vocab_size:
+            raise ValueError(f"drafter vocabulary ({vocab}) differs from the target's ({self.target.vocab_size})")
+        if self.tree is not None:
+            if not getattr(drafter, "supports_trees", True):
+                raise ValueError(f"drafter {name!r} drafts chains only: use tree=None")
+            self.tree.check_depth(getattr(drafter, "max_depth", None))
+
+    @property
+    def max_block(self) -> int:
+        """Most entries one verification forward adds per row: the root plus the largest draft."""
+        if self.drafter is None:
+            return 1
+        return 1 + (self.tree.size if self.tree is not None else self.k)
+
+    # ------------------------------------------------------------------ setup
+    def _rows(self, prompts, max_new_tokens) -> tuple[list[list[int]], list[int]]:
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist()
+        prompts = [[int(t) for t in (p.tolist() if isinstance(p, torch.Tensor) else p)] for p in prompts]
+        if not prompts:
+            raise ValueError("empty batch: give at least one prompt")
+        news = [int(max_new_tokens)] * len(prompts) if isinstance(max_new_tokens, int) else \
+            [int(n) for n in max_new_tokens]
+        if len(news) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(news)} max_new_tokens values")
+        limits = [("target", self.target.context_length)]
+        if self.drafter is not None and getattr(self.drafter, "context_length", None):
+            limits.append(("drafter", self.drafter.context_length))
+        for i, (p, n) in enumerate(zip(prompts, news)):
+            if not p:
+                raise ValueError(f"row {i}: empty prompt (the decoder needs at least one prompt token)")
+            if n < 0:
+                raise ValueError(f"row {i}: max_new_tokens must be >= 0, got {n}")
+            need = len(p) + n + self.max_block
+            for who, ctx in limits:
+                if need > ctx:
+                    raise ValueError(f"row {i}: prompt too long: {len(p)} prompt tokens + {n} new tokens + a draft "
+                                     f"block of {self.max_block} = {need} positions exceed the {who}'s context "
+                                     f"length {ctx}")
+        return prompts, news
+
+    @torch.no_grad()
+    def _prefill(self, row: int, st: DecodeState) -> None:
+        """Row ``row``'s committed prompt tokens into the target's cache; sets its hidden states."""
+        L = st.length
+        if L == 0:
+            return
+        dev = self.device
+        z = torch.zeros(1, dtype=torch.long, device=dev)
+        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()[None]
+        h = ragged_forward(self.body, self.cache, torch.tensor([st.tokens[:L]], device=dev), z,
+                           torch.arange(L, device=dev)[None], z, causal, z, row)[0]
+        st.hidden, st.fresh_hidden, st.cached = h[-1:], h, L
+
+    # ------------------------------------------------------------------ drafting
+    def _caps(self, states: list[DecodeState], depth: int) -> list[int]:
+        md = getattr(self.drafter, "max_depth", None)
+        caps = []
+        for s in states:
+            c = s.max_new_tokens - s.emitted - 1  # the final token always takes one slot
+            if md is not None:
+                c = min(c, md)
+            caps.append(max(0, min(c, depth)))
+        return caps
+
+    def _draft_chains(self, states, trees, rngs, k: int) -> None:
+        caps = self._caps(states, k)
+        ranked = self.sampling.greedy
+        node = [0] * len(states)
+        stopped = [c <= 0 for c in caps]
+        for depth in range(k):
+            act = [i for i in range(len(states)) if not stopped[i] and depth < caps[i]]
+            if not act:
+                return
+            lgs = self.adapter.propose(act, [states[i] for i in act], [trees[i] for i in act],
+                                       [(node[i], node[i] + 1) for i in act])
+            have = [(i, lg) for i, lg in zip(act, lgs) if lg is not None]
+            for i, lg in zip(act, lgs):
+                if lg is None:
+                    stopped[i] = True
+            if not have:
+                return
+            if ranked:  # one argmax for every row, tokens stay on the device
+                toks = torch.stack([lg[0] for _, lg in have]).argmax(-1)
+                for (i, _), t in zip(have, toks):
+                    node[i] = trees[i].add(node[i], t)
+                continue
+            for i, lg in have:
+                s = self.sampling
+                q = processed_probs(lg[0], s.temperature, s.top_k, s.top_p)
+                tok = rngs[i].categorical(q)
+                trees[i].q[node[i]] = q
+                node[i] = trees[i].add(node[i], tok)
+                if tok in self.eos:
+                    stopped[i] = True
+
+    def _draft_static(self, states, trees, rngs) -> None:
+        """`drafting.grow_static` for every row at once: one drafter call per depth across rows."""
+        shape = self.tree
+        caps = self._caps(states, shape.depth)
+        kids: dict[tuple[int, ...], int] = {}
+        for p in shape.paths:
+            kids[p[:-1]] = kids.get(p[:-1], 0) + 1
+        where = [{(): 0} for _ in states]
+        s = self.sampling
+        for depth in range(1, shape.depth + 1):
+            act, parents, rng_ = [], {}, []
+            for i, t in enumerate(trees):
+                if depth > caps[i]:
+                    continue
+                ps = sorted((where[i][pp], pp) for pp in kids if len(pp) == depth - 1 and pp in where[i])
+                ps = [(n, pp) for n, pp in ps if n == 0 or t._host[n] is None or t._host[n] not in self.eos]
+                if ps:
+                    act.append(i)
+                    parents[i] = ps
+                    lo = min(n for n, d in enumerate(t.depth) if d == depth - 1)
+                    hi = max(n for n, d in enumerate(t.depth) if d == depth - 1)
+                    rng_.append((lo, hi + 1))
+            if not act:
+                return
+            lgs = self.adapter.propose(act, [states[i] for i in act], [trees[i] for i in act], rng_)
+            for i, lg, (lo, _) in zip(act, lgs, rng_):
+                if lg is None:
+                    caps[i] = 0
+                    continue
+                t = trees[i]
+                for n, pp in parents[i]:
+                    row, m = lg[n - lo], min(kids[pp], lg.shape[-1])
+                    if s.greedy:
+                        for r, tok in enumerate(torch.topk(row, m).indices):
+                            where[i][pp + (r,)] = t.add(n, tok)
+                        continue
+                    q = processed_probs(row, s.temperature, s.top_k, s.top_p)
+                    t.q[n] = q
+                    draw = WithoutReplacement(q, rngs[i])
+                    for r in range(m):
+                        tok = draw.next()
+                        if tok is None:
+                            break
+                        where[i][pp + (r,)] = t.add(n, tok)
+
+    # ------------------------------------------------------------------ verification
+    @torch.no_grad()
+    def _verify_forward(self, states, trees) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One target forward over every row's block: per-row logits [n_r+1, V] and hidden [rows, m, d]."""
+        dev = self.device
+        n = len(states)
+        counts = [t.n + 1 for t in trees]
+        m = max(counts)
+        L = torch.tensor([s.length for s in states], device=dev)
+        if m == 1:
+            ids = torch.stack([t.tokens() for t in trees])
+            block = torch.ones((n, 1, 1), dtype=torch.bool, device=dev)
+            h = ragged_forward(self.body, self.cache, ids, L, L[:, None], L, block, L, 0)
+            return list(project(self.lm_head, h[:, 0])[:, None]), h
+        ids = torch.zeros((n, m), dtype=torch.long, device=dev)
+        depth = torch.zeros((n, m), dtype=torch.long)
+        block = torch.zeros((n, m, m), dtype=torch.bool)
+        for i, t in enumerate(trees):
+            c = counts[i]
+            ids[i, :c] = t.tokens()
+            depth[i, :c] = torch.tensor(t.depth)
+            block[i, :c, :c] = t.ancestor_mask("cpu") if not t.is_chain() else torch.ones(c, c, dtype=torch.bool).tril()
+            block[i, range(c, m), range(c, m)] = True  # padding sees itself only
+        h = ragged_forward(self.body, self.cache, ids, L, L[:, None] + depth.to(dev), L, block.to(dev), L, 0)
+        keep = torch.cat([torch.arange(c, device=dev) + i * m for i, c in enumerate(counts)])
+        lg = project(self.lm_head, h.reshape(n * m, -1)[keep])
+        return list(torch.split(lg, counts)), h
+
+    def _commit(self, row: int, st: DecodeState, tree: DraftTree, verdict: Verdict, hidden: torch.Tensor) -> int:
+        """`SpeculativeDecoder.commit` for one row of the batch; returns the tokens emitted."""
+        L = st.length
+        self.cache.compact_row(row, [L + i for i in verdict.path[1:]], L + 1)
+        if self.adapter is not None:
+            self.adapter.commit(row, self, st, tree, verdict.path)
+        path = torch.tensor(verdict.path, device=hidden.device)
+        old = st.fresh_hidden
+        st.hidden = hidden[verdict.path[-1]][None]
+        st.fresh_hidden = hidden[path]
+        out = list(verdict.tokens)
+        hit = next((i for i, t in enumerate(out) if t in self.eos), None)
+        if hit is not None:
+            out = out[: hit + 1]
+            st.done, st.stop_reason = True, "eos"
+        if len(out) > st.max_new_tokens - st.emitted:  # cannot happen (drafts are capped), kept as a guard
+            raise RuntimeError(f"row {row}: step emitted {len(out)} tokens past max_new_tokens")
+        st.tokens.extend(out)
+        st.length = st.cached = L + 1 + verdict.accepted
+        if self.adapter is not None:
+            st.fresh_hidden = self.adapter.history(st, old, st.fresh_hidden)
+        if not st.done and st.emitted >= st.max_new_tokens:
+            st.done, st.stop_reason = True, "max_new_tokens"
+        return len(out)
+
+    # ------------------------------------------------------------------ whole generation
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 128, *,
+                 seeds: Sequence[int] | None = None, rngs: Sequence[RandomSource] | None = None,
+                 seed: int = 0) -> BatchResult:
+        """Decode every prompt at once; each row has its own random source (``rngs``, else ``TorchRandom``
+        seeded by ``seeds[i]``, else ``seed + i``). Rows come back in input order."""
+        prompts, news = self._rows(prompts, max_new_tokens)
+        B = len(prompts)
+        if rngs is None:
+            seeds = list(seeds) if seeds is not None else [seed + i for i in range(B)]
+            rngs = [TorchRandom(s) for s in seeds]
+        elif len(rngs) != B:
+            raise ValueError(f"{B} prompts but {len(rngs)} random sources")
+        t0 = time.perf_counter()
+        states = [DecodeState(tokens=list(p), prompt_len=len(p), length=len(p) - 1, hidden=None, max_new_tokens=n)
+                  for p, n in zip(prompts, news)]
+        results: list[DecodeResult | None] = [None] * B
+        live = [i for i in range(B) if news[i] > 0]
+        for i in range(B):
+            if news[i] == 0:
+                states[i].done, states[i].stop_reason = True, "max_new_tokens"
+        capacity = max(len(p) + n for p, n in zip(prompts, news)) + 2 * self.max_block + 2
+        if self.cache is None or self.cache.capacity < capacity or self.cache.n_rows < len(live):
+            self.cache = RowsCache.for_model(self.model, max(len(live), 1), max(capacity, 256))
+        live_states = [states[i] for i in live]
+        for r, st in enumerate(live_states):
+            self._prefill(r, st)
+        if self.adapter is not None:
+            self.adapter.start(self, live_states, self.cache.capacity)
+        t1 = time.perf_counter()
+        batch = BatchResult(rows=[])
+        row_steps: dict[int, list[StepStats]] = {i: [] for i in range(B)}
+        while live:
+            self._step(live, states, rngs, batch, row_steps)
+        t2 = time.perf_counter()
+        for i in range(B):
+            st = states[i]
+            results[i] = DecodeResult(tokens=st.tokens[st.prompt_len:], prompt_len=st.prompt_len, steps=row_steps[i],
+                                      prefill_s=(t1 - t0) / B, wall_s=t2 - t0,
+                                      stop_reason=st.stop_reason or "max_new_tokens")
+        batch.rows, batch.prefill_s, batch.wall_s = results, t1 - t0, t2 - t0
+        return batch
+
+    def _step(self, live: list[int], states: list[DecodeState], rngs, batch: BatchResult,
+              row_steps: dict[int, list[StepStats]]) -> None:
+        t0 = time.perf_counter()
+        sts = [states[i] for i in live]
+        rr = [rngs[i] for i in live]
+        n = len(live)
+        trees = [DraftTree(s.tokens[s.length], self.max_block - 1, self.device) for s in sts]
+        k = 0
+        if self.adapter is not None:
+            k = self.tree.size if self.tree is not None else (self.policy.choose(n) if self.policy else self.k)
+        if k > 0:
+            depth = self.tree.depth if self.tree is not None else k
+            for s, c in zip(sts, self._caps(sts, depth)):
+                s.draft_depth = c
+            self.adapter.begin_step(sts)
+            if self.tree is not None:
+                self._draft_static(sts, trees, rr)
+            else:
+                self._draft_chains(sts, trees, rr, k)
+        t1 = time.perf_counter()
+        logits, hidden = self._verify_forward(sts, trees)
+        verdicts = [verify_tree(t, lg, self.sampling, r, self.eos, "exact") for t, lg, r in zip(trees, logits, rr)]
+        t2 = time.perf_counter()
+        keys = list(live)
+        emitted = [self._commit(r, s, t, v, hidden[r]) for r, (s, t, v) in enumerate(zip(sts, trees, verdicts))]
+        # rows that ended leave the batch: the last live row moves into the hole (cache rows = live positions)
+        for r in range(n - 1, -1, -1):
+            if sts[r].done:
+                last = len(live) - 1
+                if r != last:
+                    self.cache.move_row(last, r, states[live[last]].length)
+                    if self.adapter is not None:
+                        self.adapter.move_row(last, r, states[live[last]])
+                    live[r] = live[last]
+                live.pop()
+        t3 = time.perf_counter()
+        dt = (t1 - t0, t2 - t1, t3 - t2)
+        for key, t, v, e in zip(keys, trees, verdicts, emitted):
+            row_steps[key].append(
+                StepStats(emitted=e, accepted=v.accepted, attempted=v.attempted, drafted=t.n,
+                          draft_s=dt[0] / n, verify_s=dt[1] / n, other_s=dt[2] / n))
+        batch.steps.append(BatchStep(live=n, k=k, drafted=sum(t.n for t in trees),
+                                     accepted=sum(v.accepted for v in verdicts), emitted=sum(emitted),
+                                     draft_s=dt[0], verify_s=dt[1], other_s=dt[2]))
+
+
+def plain_batched_decoder(target: Target, sampling: SamplingParams | None = None) -> BatchedSpeculativeDecoder:
+    """Plain batched decoding on the same ragged cache (the baseline)."""
+    return BatchedSpeculativeDecoder(target, None, sampling=sampling)

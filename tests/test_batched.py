@@ -1,0 +1,278 @@
+"""Batched speculative decoding (engine/batched.py) on tiny random models.
+
+Greedy: every row equals batch-1 decoding (plain, and the single-sequence speculative decoder), with rows of
+very different prompt lengths and end-of-sequence times, for every drafter family, chains and static trees.
+Sampling: one row's output distribution, enumerated exactly with injected randomness while the other rows
+draw from their own seeded sources (and end at other times, which changes the batch-aware K), equals the
+target's; and a Monte Carlo chi-square per row with 600 rows of one prompt among rows of other lengths. Also: a row ending early changes no other row; the batch-aware policy takes K = 0 when the
+calibration says speculation loses; bad input is a clear error.
+"""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from draftsmith.engine.batched import (BatchAwareLength, BatchedSpeculativeDecoder, GoodputTable, calibrate,
+                                       expected_tokens, plain_batched_decoder)
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.drafters import HeadDrafter, first_layers_drafter
+from draftsmith.engine.policies import FixedLength
+from draftsmith.engine.sampling import SamplingParams, TorchRandom
+from draftsmith.engine.trees import DynamicTree
+from draftsmith.eval.exact import enumerate_branches, target_distribution, total_variation
+from tests.test_decoder import PathHeads, other_model_drafter, random_medusa, tiny
+from tests.test_hydra import random_hydra
+
+TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1] + list(range(3, 38)) + [4, 5, 6] * 8, [1], [1, 20, 21, 22, 23, 24, 25]]
+N_NEW = [24, 30, 9, 30, 17]
+
+
+@pytest.fixture(scope="module")
+def tgt():
+    """A float64 tiny target (greedy near-ties out of the picture) with a second EOS token chosen so that
+    rows end at different steps."""
+    t = tiny(dtype=torch.float64)
+    plain = SpeculativeDecoder(t)
+    outs = [plain.generate(p, n).tokens for p, n in zip(PROMPTS, N_NEW)]
+    # a token that appears mid-way in some rows' greedy outputs and never in others
+    counts = {}
+    for o in outs:
+        for j, x in enumerate(o):
+            counts.setdefault(x, set()).add(j)
+    cands = [x for o in outs for x in o[3:] if x not in t.eos_token_ids]
+    extra = next(x for x in cands if sum(x in o for o in outs) in (2, 3))
+    t.model.generation_config.eos_token_id = [2, int(extra)]
+    return t
+
+
+@pytest.fixture(scope="module")
+def reference(tgt):
+    plain = SpeculativeDecoder(tgt)
+    return [plain.generate(p, n) for p, n in zip(PROMPTS, N_NEW)]
+
+
+def test_reference_rows_end_differently(reference):
+    reasons = [r.stop_reason for r in reference]
+    assert "eos" in reasons and "max_new_tokens" in reasons
+    assert len({len(r.tokens) for r in reference}) >= 4
+
+
+def _drafters(t):
+    return {
+        "first-layers": lambda: first_layers_drafter(t, 2),
+        "other-model": lambda: other_model_drafter(t),
+        "medusa": lambda: random_medusa(t),
+        "path-heads": lambda: HeadDrafter(PathHeads(t).double(), t.fingerprint),
+        "hydra++": lambda: HeadDrafter(random_hydra(t, num_heads=3, prefix=True), t.fingerprint, name="hydra"),
+    }
+
+
+def test_plain_batched_equals_batch_one(tgt, reference):
+    res = plain_batched_decoder(tgt).generate(PROMPTS, N_NEW)
+    assert [r.tokens for r in res.rows] == [r.tokens for r in reference]
+    assert [r.stop_reason for r in res.rows] == [r.stop_reason for r in reference]
+    assert res.tau == 1.0
+    # finished rows leave the batch: the live count only falls, and never exceeds the rows still going
+    lives = [s.live for s in res.steps]
+    assert lives[0] == len(PROMPTS) and lives == sorted(lives, reverse=True) and len(set(lives)) >= 3
+    assert res.row_forwards == sum(len(r.tokens) for r in reference)
+
+
+@pytest.mark.parametrize("kind", ["first-layers", "other-model", "medusa", "path-heads", "hydra++"])
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_greedy_rows_equal_batch_one(tgt, reference, kind, tree):
+    drafter = _drafters(tgt)[kind]()
+    res = BatchedSpeculativeDecoder(tgt, drafter, tree=tree, k=3).generate(PROMPTS, N_NEW)
+    assert [r.tokens for r in res.rows] == [r.tokens for r in reference]
+    assert [r.stop_reason for r in res.rows] == [r.stop_reason for r in reference]
+    if kind in ("first-layers", "hydra++"):  # batch-1 speculative decoding with the same drafter: the same rows
+        one = SpeculativeDecoder(tgt, drafter, tree=tree, policy=None if tree else FixedLength(3))
+        assert [one.generate(p, n).tokens for p, n in zip(PROMPTS, N_NEW)] == [r.tokens for r in reference]
+    assert sum(s.accepted for s in res.steps) > 0 or kind in ("medusa", "path-heads")  # drafts are verified
+
+
+def test_row_forwards_follow_accepted_lengths(tgt, reference):
+    """A row with a good drafter needs fewer forwards than a plain row: rows are not padded to each other."""
+    res = BatchedSpeculativeDecoder(tgt, first_layers_drafter(tgt, 3), k=4).generate(PROMPTS, N_NEW)
+    assert sum(len(r.steps) for r in res.rows) == res.row_forwards
+    assert res.tau > 1.2
+    assert any(len(r.steps) < len(ref.tokens) for r, ref in zip(res.rows, reference))
+
+
+def test_a_row_ending_early_changes_no_other_row(tgt):
+    samp = SamplingParams(0.9, top_k=10)
+    dec = BatchedSpeculativeDecoder(tgt, first_layers_drafter(tgt, 2), tree=TREE, sampling=samp)
+    long = dec.generate(PROMPTS, [30] * 5, seeds=[7, 8, 9, 10, 11])
+    short = dec.generate(PROMPTS, [1, 30, 30, 2, 30], seeds=[7, 8, 9, 10, 11])
+    for i in (1, 2, 4):
+        assert short.rows[i].tokens == long.rows[i].tokens
+    assert len(short.rows[0].tokens) == 1 and len(short.rows[3].tokens) <= 2
+    # greedy, a plain batch: the same
+    g = plain_batched_decoder(tgt)
+    a, b = g.generate(PROMPTS, [30] * 5), g.generate(PROMPTS, [1, 30, 30, 30, 1])
+    assert [a.rows[i].tokens for i in (1, 2, 3)] == [b.rows[i].tokens for i in (1, 2, 3)]
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+TEMP = SamplingParams(0.8)
+TOPKP = SamplingParams(1.0, top_k=4, top_p=0.95)
+MC_PROMPT, MC_NEW = [1, 3, 4, 3], 3
+OTHERS = [([1, 3, 4, 3, 5, 4, 3, 5, 1, 4, 4], 1), ([1, 3], 2), ([1, 5, 5, 3, 1, 4, 3], 3)]
+
+
+@pytest.fixture(scope="module")
+def small():
+    return tiny(vocab=6, seed=0, std=0.5, layers=2, dtype=torch.float64)
+
+
+def _varying_k_policy(ks=(2, 2, 0)) -> BatchAwareLength:
+    """K = ks[b-1] at b live rows (b = 1, 2, 3+): e.g. speculation pays at 1-2 rows and loses at 3."""
+    costs = {b: {0: 1.0, **{k: 0.5 if k == ks[b - 1] else 100.0 for k in (1, 2)}} for b in (1, 2, 3)}
+    pol = BatchAwareLength(GoodputTable(costs, [0.6, 0.5]))
+    assert pol.plan([1, 2, 3, 40]) == {1: ks[0], 2: ks[1], 3: ks[2], 40: ks[2]}
+    return pol
+
+
+def _chi_square(counts: dict, ref: dict, min_cells: int = 10) -> float:
+    """Pearson chi-square p-value of sampled outputs against exact probabilities (cells of expected < 5 merged)."""
+    n = sum(counts.values())
+    big = [k for k, p in ref.items() if n * p >= 5]
+    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    exp = [n * ref[k] for k in big] + [n * (1.0 - sum(ref[k] for k in big))]
+    if exp[-1] < 1e-9:
+        obs, exp = obs[:-1], exp[:-1]
+    assert len(obs) >= min_cells  # enough cells for the test to mean something
+    return float(chisquare(obs, exp).pvalue)
+
+
+def _decoder(small, case, sampling):
+    if case == "chain-model":
+        return BatchedSpeculativeDecoder(small, other_model_drafter(small), k=2, sampling=sampling)
+    if case == "tree-medusa":
+        return BatchedSpeculativeDecoder(small, random_medusa(small, num_heads=2, std=0.5),
+                                         tree=[(0,), (1,), (0, 0)], sampling=sampling)
+    if case == "policy-model":  # K = 0 while the company is live (b > 650), K = 2 once it has ended
+        table = GoodputTable({640: {0: 1.0, 1: 100.0, 2: 0.5}, 660: {0: 1.0, 1: 100.0, 2: 100.0}}, [0.6, 0.5])
+        return BatchedSpeculativeDecoder(small, other_model_drafter(small), k=BatchAwareLength(table),
+                                         sampling=sampling)
+    return BatchedSpeculativeDecoder(small, HeadDrafter(random_hydra(small, num_heads=2), small.fingerprint),
+                                     tree=[(0,), (1,), (0, 0)], sampling=sampling)
+
+
+@pytest.mark.parametrize("case,sampling", [("chain-model", TEMP), ("chain-model", TOPKP), ("tree-medusa", TEMP),
+                                           ("tree-medusa", TOPKP), ("policy-model", TEMP), ("tree-hydra++", TEMP)],
+                         ids=["chain-model-T0.8", "chain-model-topk-topp", "tree-medusa-T0.8", "tree-medusa-topk-topp",
+                              "policy-model-T0.8", "tree-hydra++-T0.8"])
+def test_rows_sample_the_target_distribution(small, case, sampling):
+    """Monte Carlo, per row: 600 rows of one prompt (own seeds) among rows of other lengths and end times."""
+    dec = _decoder(small, case, sampling)
+    n = 600
+    prompts, news = [], []
+    for i in range(n):
+        prompts.append(MC_PROMPT)
+        news.append(MC_NEW)
+        if i % 8 == 0:  # ragged company: other prompt lengths, earlier ends
+            p, m = OTHERS[(i // 8) % len(OTHERS)]
+            prompts.append(p)
+            news.append(m)
+    res = dec.generate(prompts, news, seed=1234)
+    counts: dict = {}
+    for p, r in zip(prompts, res.rows):
+        if p is MC_PROMPT:
+            counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+    assert sum(counts.values()) == n
+    ref = target_distribution(small, MC_PROMPT, MC_NEW, sampling.temperature, sampling.top_k, sampling.top_p)
+    assert any(len(k) < MC_NEW for k in ref)  # EOS reachable: rows end at different steps
+    assert _chi_square(counts, ref) > 1e-3
+    if case == "chain-model" and sampling is TEMP:  # the same test has teeth: the wrong temperature fails it
+        wrong = target_distribution(small, MC_PROMPT, MC_NEW, 0.5)
+        assert _chi_square(counts, wrong, min_cells=3) < 1e-6
+    if case == "policy-model":
+        assert len({s.k for s in res.steps}) >= 2
+
+
+def test_one_row_exact_distribution_with_injected_randomness(small):
+    """Exact enumeration of one row's draws while the other row draws from a seeded source and ends first
+    (the policy's K changes from 0 at two live rows to 1 at one): total variation to the target < 1e-9."""
+    dec = BatchedSpeculativeDecoder(small, other_model_drafter(small), k=_varying_k_policy((1, 0, 0)), sampling=TEMP)
+    prompts, news = [[1, 3, 4, 3, 5, 4], MC_PROMPT], [1, MC_NEW]
+
+    ks = set()
+
+    def run(src):
+        res = dec.generate(prompts, news, rngs=[TorchRandom(7), src])
+        ks.update(s.k for s in res.steps)
+        return tuple(res.rows[1].tokens)
+
+    got: dict = {}
+    for out, w, _ in enumerate_branches(run):
+        got[out] = got.get(out, 0.0) + w
+    assert ks == {0, 1}
+    ref = target_distribution(small, MC_PROMPT, MC_NEW, TEMP.temperature)
+    assert abs(sum(got.values()) - 1.0) < 1e-12
+    assert total_variation(got, ref) < 1e-9
+
+
+# ---------------------------------------------------------------------------------------------- policy
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([1.0], 3) == 2.0  # unmeasured depths count as never accepted
+
+
+def test_policy_picks_plain_where_speculation_loses(tgt, reference):
+    loses = GoodputTable({1: {0: 1.0, 2: 1.5, 4: 2.5}, 16: {0: 2.0, 2: 6.0, 4: 12.0}}, [0.3, 0.2, 0.1, 0.1])
+    pol = BatchAwareLength(loses)
+    assert pol.plan([1, 2, 4, 8, 16]) == {1: 0, 2: 0, 4: 0, 8: 0, 16: 0}
+    res = BatchedSpeculativeDecoder(tgt, first_layers_drafter(tgt, 2), k=pol).generate(PROMPTS, N_NEW)
+    assert {s.k for s in res.steps} == {0} and res.tau == 1.0
+    assert [r.tokens for r in res.rows] == [r.tokens for r in reference]
+    wins_small = GoodputTable({1: {0: 1.0, 2: 1.1, 4: 1.2}, 4: {0: 1.0, 2: 3.0, 4: 6.0}}, [0.8, 0.7, 0.6, 0.5])
+    assert BatchAwareLength(wins_small).plan([1, 2, 4, 5]) == {1: 4, 2: 2, 4: 0, 5: 0}
+    pol = BatchAwareLength(wins_small)
+    res = BatchedSpeculativeDecoder(tgt, first_layers_drafter(tgt, 2), k=pol).generate(PROMPTS, N_NEW)
+    assert [r.tokens for r in res.rows] == [r.tokens for r in reference]
+    assert all(s.k == pol.choose(s.live) for s in res.steps)  # K follows the live batch size, step by step
+    assert len({s.k for s in res.steps}) >= 2
+
+
+def test_calibration_measures_every_cell(tgt, tmp_path):
+    d = first_layers_drafter(tgt, 2)
+    table = calibrate(lambda k: BatchedSpeculativeDecoder(tgt, d if k else None, k=max(k, 1)),
+                      [p for p in PROMPTS if len(p) > 1], [1, 2], [0, 2], new_tokens=6, repeats=1)
+    assert set(table.costs) == {1, 2} and all(set(r) == {0, 2} for r in table.costs.values())
+    assert len(table.acceptance) == 2 and all(0.0 <= a <= 1.0 for a in table.acceptance)
+    table.save(tmp_path / "t.json")
+    assert GoodputTable.load(tmp_path / "t.json").costs == table.costs
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not JSON"):
+        GoodputTable.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="K = 0"):
+        GoodputTable({1: {2: 1.0}}, [0.5])
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def test_bad_input_is_a_clear_error(tgt):
+    dec = BatchedSpeculativeDecoder(tgt, first_layers_drafter(tgt, 2))
+    with pytest.raises(ValueError, match="empty batch"):
+        dec.generate([], 4)
+    with pytest.raises(ValueError, match="row 1: empty prompt"):
+        dec.generate([[1, 2], []], 4)
+    with pytest.raises(ValueError, match="row 0: prompt too long.*context length 512"):
+        dec.generate([[1] * 500, [1, 2]], 20)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        dec.generate([[1, 2]], -1)
+    with pytest.raises(ValueError, match="2 prompts but 3"):
+        dec.generate([[1, 2], [3]], [1, 2, 3])
+    with pytest.raises(ValueError, match="static trees"):
+        BatchedSpeculativeDecoder(tgt, first_layers_drafter(tgt, 2), tree=DynamicTree())
+    with pytest.raises(ValueError, match="chain lengths"):
+        BatchedSpeculativeDecoder(tgt, first_layers_drafter(tgt, 2), tree=TREE, k=_varying_k_policy())
+    with pytest.raises(ValueError, match="not batched yet"):
+        BatchedSpeculativeDecoder(tgt, object())
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        BatchedSpeculativeDecoder(tgt, first_layers_drafter(tgt, 2), k=0)
+    # zero new tokens: no forward, empty rows
+    res = dec.generate([[1, 2], [3, 4, 5]], 0)
+    assert [r.tokens for r in res.rows] == [[], []] and res.steps == []
