@@ -54,6 +54,7 @@ class DecodingService:
         self.default_max_tokens = default_max_tokens
         self.lock = threading.Lock()
         self.version: str | None = None
+        self.failed: str | None = None
         self.kind: str | None = None
         self.decoder = SpeculativeDecoder(target, None)
         self.swaps = 0
@@ -67,13 +68,13 @@ class DecodingService:
 
     def refresh(self) -> None:
         """Switch to the published current drafter if it changed (call with the lock held or before serving)."""
-        if self.store is None or self.store.current() == self.version:
+        if self.store is None or self.store.current() in (self.version, self.failed):
             return
         try:
             version, loaded = load_current(self.store, self._load)
         except Exception as e:  # a broken version must not take the server down: keep serving the previous one
-            log.error("could not load published drafter %s: %s; still serving %s", self.store.current(), e,
-                      self.version)
+            self.failed = self.store.current()  # not retried until current moves again
+            log.error("could not load published drafter %s: %s; still serving %s", self.failed, e, self.version)
             return
         if version is None:
             return
