@@ -153,7 +153,8 @@ def _write_hf(src: Source, out: Path, target: Target, base_model: str, prov: dic
     # assisted generation reads its tuning from the assistant's generation config
     model.generation_config.num_assistant_tokens = num_assistant_tokens
     model.save_pretrained(out, safe_serialization=True)
-    target.tokenizer.save_pretrained(out)
+    own = getattr(src.module, "hf_tokenizer", None)  # a drafter with its own tokenizer ships that one
+    (own(target) if callable(own) else target.tokenizer).save_pretrained(out)
     return sorted(p.name for p in out.iterdir())
 
 
@@ -257,7 +258,7 @@ def _check_reload(src: Source, out: Path, fmt: str, target: Target) -> None:
     if fmt == "hf":
         ref = src.module.to_hf_model()
         new = AutoModelForCausalLM.from_pretrained(out, dtype=next(ref.parameters()).dtype, local_files_only=True)
-        ids = torch.randint(0, target.vocab_size, (1, 8))
+        ids = torch.randint(0, int(ref.config.vocab_size), (1, 8))  # the drafter's own vocabulary, if it has one
         a, b = ref(ids).logits, new(ids).logits
     elif fmt == "vllm-medusa":
         heads, _ = read_medusa_dir(out, target)

@@ -161,6 +161,11 @@ class OwnTokenizerDrafter(torch.nn.Module):
         if target is None:
             raise ValueError("an own-tokenizer drafter is built for a target (its rope and norm settings)")
         self.model = LlamaForCausalLM(llama_config(target, vocab, self.config))
+        # the target's end-of-turn tokens in the drafter's ids (an HF export stops where the target stops)
+        eos = [tokenizer.token_to_id(s) for s in target_special_tokens(target.tokenizer)
+               if target.tokenizer.convert_tokens_to_ids(s) in target.eos_token_ids]
+        self.model.config.eos_token_id = [i for i in eos if i is not None] or None
+        self.model.config.draftsmith_target_fingerprint = target.fingerprint
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         res = super().load_state_dict(state_dict, strict=False, assign=assign)
@@ -211,18 +216,16 @@ class OwnTokenizerDrafter(torch.nn.Module):
             hf.chat_template = tt.chat_template
         return hf
 
+    def to_hf_model(self) -> LlamaForCausalLM:
+        """The drafter LM (for ``draftsmith export --to hf``, which also writes `hf_tokenizer`)."""
+        return self.model
+
     def export_hf(self, out: str | Path, target: Target) -> Path:
         """A plain HF directory (model + its own tokenizer) for ``generate(assistant_model=..., assistant_tokenizer=...)``."""
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        m = self.model
-        tok = self.hf_tokenizer(target)
-        m.config.eos_token_id = [self.tokenizer.token_to_id(s) for s in target_special_tokens(target.tokenizer)
-                                 if self.tokenizer.token_to_id(s) is not None
-                                 and target.tokenizer.convert_tokens_to_ids(s) in target.eos_token_ids] or None
-        m.config.draftsmith_target_fingerprint = target.fingerprint
-        m.save_pretrained(out)
-        tok.save_pretrained(out)
+        self.to_hf_model().save_pretrained(out)
+        self.hf_tokenizer(target).save_pretrained(out)
         return out
 
 

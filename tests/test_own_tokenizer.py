@@ -221,9 +221,11 @@ def test_hf_export_with_universal_assisted_generation(trained, tmp_path):
     the target's own greedy output."""
     from draftsmith.drafters.own_tokenizer import hf_assistant
     tgt, final, _ = trained
-    module, _ = load_checkpoint(final, tgt)
-    module.export_hf(tmp_path / "hf", tgt)
+    from draftsmith.export import export
+    export(final, "hf", tmp_path / "hf", tgt)  # draftsmith export CKPT --to hf: reloaded and checked before returning
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
     model, tok = hf_assistant(tmp_path / "hf")
+    assert tok.get_vocab() != tgt.tokenizer.get_vocab() and model.config.vocab_size == len(tok.get_vocab())
     prompt = _prompt(tgt, "hello there")
     want = plain_decoder(tgt).generate(prompt, 24).tokens
     out = tgt.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, assistant_model=model,
@@ -231,3 +233,33 @@ def test_hf_export_with_universal_assisted_generation(trained, tmp_path):
                              eos_token_id=list(tgt.eos_token_ids))
     got = out[0, len(prompt):].tolist()
     assert got[:len(want)] == want
+
+
+# ---------------------------------------------------------------------- the real target's tokenizer
+@pytest.mark.real
+def test_real_target_bridge_slem_retokenisation_and_tli_greedy(real_target):
+    """A byte-level BPE trained on a little text shares strings with SmolLM2's vocabulary (chat markers
+    included); SLEM's re-tokenisation proposes nothing when the draft would merge into a committed token;
+    an untrained TLI drafter leaves greedy decoding unchanged."""
+    from types import SimpleNamespace
+    tgt = real_target
+    text = "The capital of France is Paris. Hello world, how are you today? " * 30
+    tok = train_bpe_tokenizer([text], 400, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    b = VocabBridge(tgt.tokenizer, tok, tgt.vocab_size)
+    for s in ("<|im_end|>", "Ġthe", "a"):
+        if tok.token_to_id(s) is not None:
+            assert b.t2d[tgt.tokenizer.convert_tokens_to_ids(s)] == tok.token_to_id(s)
+    m = make_tiny_model(vocab_size=tok.get_vocab_size(), seed=1, init_std=0.5, layers=1, max_positions=2048)
+    slem = SLEMDrafter(m, b, tgt.fingerprint)
+    ids = tgt.tokenizer.encode("Hello wor", add_special_tokens=False)
+    st = SimpleNamespace(tokens=ids, length=len(ids) - 1)
+    assert slem._retokenise(st, "ld is") == []  # " wor" + "ld" is the single target token " world"
+    ids = tgt.tokenizer.encode("Hello world", add_special_tokens=False)
+    st = SimpleNamespace(tokens=ids, length=len(ids) - 1)
+    assert slem._retokenise(st, ", how are") == tgt.tokenizer.encode(", how are", add_special_tokens=False)
+    prompt = tgt.tokenizer.encode(tgt.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False)
+    want = plain_decoder(tgt).generate(prompt, 16).tokens
+    for dr in (TLIDrafter(m, b, tgt.fingerprint), slem):
+        assert SpeculativeDecoder(tgt, dr, policy=FixedLength(3)).generate(prompt, 16).tokens == want
