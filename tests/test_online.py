@@ -128,8 +128,6 @@ def test_gate_publishes_and_rollback(target, tmp_path):
     assert first["current_version"] is None and first["passed"] and first["published"]  # vs plain decoding
     assert store.current() == [g for g in gates if g["published"]][-1]["published"]
     # the gate refuses a candidate that is worse than current by more than the margin
-    job.o.margin = 0.0
-    job.ledger.set_meta("model", job.ledger.meta("model"))
     bad = medusa_checkpoint(target, tmp_path / "bad", seed=5)
     from draftsmith.train.online import evaluate
     w = job.ledger.holdout_window(4)
@@ -196,7 +194,7 @@ def test_exactly_once_under_kill9(target, tmp_path):
     """Kill -9 the job at random moments, restart until it finishes: every record applied exactly once."""
     import random
     logs = tmp_path / "logs"
-    n = 60
+    n = 36
     _write(logs, [_record(target, i, n=12) for i in range(n // 2)], name="requests-1-000001.jsonl")
     _write(logs, [_record(target, i, n=12) for i in range(n // 2, n)] + ["garbage"], name="requests-2-000002.jsonl")
     rnd = random.Random(0)
@@ -205,7 +203,7 @@ def test_exactly_once_under_kill9(target, tmp_path):
     for attempt in range(12):
         p = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path), str(logs), "6", str(REPO)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        if attempt < 4:
+        if attempt < 3:
             time.sleep(rnd.uniform(3.0, 7.0))  # imports take ~3 s: kill somewhere in the updates
             if p.poll() is None:
                 p.kill()
@@ -227,3 +225,45 @@ def test_exactly_once_under_kill9(target, tmp_path):
     model = tmp_path / "state" / "models" / led.meta("model")
     assert read_manifest(model)["metrics"]["records_applied"] == c["applied"]
     assert sum(u["n_new"] for u in led.updates()) == c["applied"]
+
+
+@pytest.mark.parametrize("point", ["after_cache", "after_train", "before_commit", "after_commit", "before_publish"])
+def test_crash_points_then_resume_apply_each_record_once(target, tmp_path, point):
+    """A crash at each named point of an update, then a fresh job: same counts as an uninterrupted run."""
+    from draftsmith.train.online import Crash
+    r = online_recipe(tmp_path, every_records=6, max_steps=1, holdout_window=2, eval_max_new_tokens=4)
+    logs = tmp_path / "logs"
+    _write(logs, [_record(target, i, n=12) for i in range(14)] + ["{bad"])
+    job = OnlineJob(r, target, logs, state_dir=tmp_path / "state", publish_dir=tmp_path / "pub", crash_at=point)
+    with pytest.raises(Crash):
+        job.run(once=True)
+    job.ledger.close()
+    job2 = OnlineJob(r, target, logs, state_dir=tmp_path / "state", publish_dir=tmp_path / "pub")
+    job2.run(once=True)
+    c = job2.ledger.counts()
+    assert c["applied"] + c["held_back"] == 14 and c["quarantined"] == {"malformed": 1}
+    assert c["records_applied_in_model"] == c["applied"]
+    assert [ln for ln in (tmp_path / "state" / "quarantine.jsonl").read_text().splitlines()].__len__() == 1
+    if point in ("after_commit", "before_publish"):  # the committed update's gate ran after the restart
+        assert all(u["gate"] is not None for u in job2.ledger.updates() if u["n_new"])
+
+
+def test_import_openai_logs(target, tmp_path):
+    from draftsmith.traffic import import_openai_logs
+    src = tmp_path / "openai.jsonl"
+    good = {"request": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            "response": {"id": "c1", "choices": [{"message": {"role": "assistant", "content": "hello you"},
+                                                  "finish_reason": "stop"}]}}
+    src.write_text("\n".join([json.dumps(good), "nope", json.dumps({"request": {}, "response": {}}),
+                              json.dumps({**good, "response": {"choices": [{"message": {"content": "x" * 900}}]}})])
+                   + "\n")
+    counts = import_openai_logs(src, tmp_path / "logs", target, max_tokens=400)
+    assert counts["imported"] == 1 and counts["skipped"] == {"malformed": 2, "oversized": 1}
+    line = Path(counts["file"]).read_text().splitlines()[0]
+    rec = json.loads(line)
+    assert rec["steps"] is None and rec["response_ids"][-1] == target.tokenizer.eos_token_id
+    assert target.tokenizer.decode(rec["response_ids"], skip_special_tokens=True) == "hello you"
+    r = online_recipe(tmp_path, every_records=4, holdout_every=1000)
+    job = OnlineJob(r, target, tmp_path / "logs", state_dir=tmp_path / "state", publish_dir=tmp_path / "pub")
+    res = job.run(once=True)
+    assert job.ledger.counts()["applied"] == 1 and res[0]["train"]["emphasis_chunks"] == 0  # no acceptance data

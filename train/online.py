@@ -112,22 +112,20 @@ def update_module(module: torch.nn.Module, recipe: Recipe, target, cache_dir: Pa
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 
-def evaluate(target, checkpoint: Path | None, window: list[dict], max_new_tokens: int) -> dict:
-    """Greedy decoding of the held-back prompts with a checkpoint's drafter (None: plain decoding).
+def decode_acceptance(target, checkpoint: Path | None, prompts: list[tuple[list[int], int]]) -> dict:
+    """Greedy decoding of (prompt ids, new tokens) pairs with a checkpoint's drafter (None: plain decoding).
 
-    Returns acceptance (P(first draft accepted), methods.md section 11) and tau."""
-    if not window:
+    Returns acceptance (P(first draft accepted), methods.md section 11), tau and the per-position acceptance."""
+    if not prompts:
         return {"prompts": 0, "acceptance": None, "tau": None}
     if checkpoint is None:
-        return {"prompts": len(window), "acceptance": 0.0, "tau": 1.0, "plain": True}
+        return {"prompts": len(prompts), "acceptance": 0.0, "tau": 1.0, "plain": True}
     dec = SpeculativeDecoder(target, drafter_from_checkpoint(checkpoint, target))
     results = []
-    for rec in window:
-        prompt = rec["ids"][: rec["prompt_len"]]
-        n = min(max_new_tokens, len(rec["ids"]) - rec["prompt_len"])
+    for prompt, n in prompts:
         try:
             results.append(dec.generate(prompt, n, seed=0))
-        except ValueError:  # a prompt too long for a block of this drafter: not measurable, skipped
+        except ValueError:  # a prompt too long for the context with this drafter's block: not measurable
             continue
     s = summarize(results)
     acc = acceptance_by_position(results)
@@ -135,20 +133,27 @@ def evaluate(target, checkpoint: Path | None, window: list[dict], max_new_tokens
             "acceptance_by_position": s["acceptance_by_position"]}
 
 
+def evaluate(target, checkpoint: Path | None, window: list[dict], max_new_tokens: int) -> dict:
+    """`decode_acceptance` on held-back records (their prompts, up to their response length)."""
+    return decode_acceptance(target, checkpoint, [
+        (r["ids"][: r["prompt_len"]], min(max_new_tokens, len(r["ids"]) - r["prompt_len"])) for r in window])
+
+
 class OnlineJob:
     """The online distillation job on one recipe, log directory, state directory and publish directory."""
 
     def __init__(self, recipe: Recipe, target, logs: str | Path, *, state_dir: str | Path | None = None,
                  publish_dir: str | Path | None = None, crash_at: str | None = None):
+        self.state = Path(state_dir or recipe.online.state_dir or recipe.out / "online")
+        self.store = PublishStore(publish_dir or recipe.online.publish_dir or recipe.out / "publish")
+        self.ledger = Ledger(self.state)
+        recipe = self._drafter_of_start(recipe)
         kind = registry.get(recipe.drafter.kind)
         if not hasattr(kind, "cache_needs") or getattr(kind, "trains_on_text", False):
             raise ValueError(f"drafter kind {recipe.drafter.kind!r} trains on re-tokenised text, not on cached "
                              f"target states: the online job does not support it")
         self.recipe, self.target, self.o = recipe, target, recipe.online
         self.logs = Path(logs)
-        self.state = Path(state_dir or self.o.state_dir or recipe.out / "online")
-        self.store = PublishStore(publish_dir or self.o.publish_dir or recipe.out / "publish")
-        self.ledger = Ledger(self.state)
         self.tailer = Tailer(self.logs, self.ledger.offsets())
         self.pending = Pending()
         self.needs = kind.cache_needs(recipe.drafter.model_dump())
@@ -156,6 +161,25 @@ class OnlineJob:
         self._sync_quarantine_file()
 
     # ------------------------------------------------------------------ helpers
+    def _start_checkpoint(self, recipe: Recipe) -> Path | None:
+        name = self.ledger.meta("model")
+        if name is not None and name != "none":
+            return self.state / "models" / name
+        if recipe.online.init:
+            return Path(recipe.online.init)
+        return self.store.current_path()
+
+    def _drafter_of_start(self, recipe: Recipe) -> Recipe:
+        """The drafter section of the checkpoint the job continues from (its kind's objective must match it)."""
+        src = self._start_checkpoint(recipe)
+        if src is None:
+            return recipe
+        d = (read_manifest(src).get("recipe") or {}).get("drafter")
+        if not d or d == recipe.drafter.model_dump(mode="json"):
+            return recipe
+        log.info("drafter settings taken from %s: %s", src, d)
+        return Recipe.model_validate({**recipe.model_dump(mode="json"), "drafter": d})
+
     def _crash(self, point: str) -> None:
         if self.crash_at == point:
             raise Crash(point)
@@ -180,15 +204,8 @@ class OnlineJob:
                 for src, reason, line in missing:
                     f.write(json.dumps({"src": src, "reason": reason, "line": line}) + "\n")
 
-    def model_dir(self) -> Path:
-        """The committed model: created on the first call (the init checkpoint, published current, or fresh)."""
-        name = self.ledger.meta("model")
-        if name is not None:
-            return self.state / "models" / name
-        return self.state / "models" / "u000000"
-
     def _initial_model(self, cache_dir: Path | None) -> torch.nn.Module:
-        src = self.o.init or (str(self.store.current_path()) if self.store.current() else None)
+        src = self._start_checkpoint(self.recipe)
         if src:
             module, _ = load_checkpoint(src, self.target)
             return module
@@ -254,7 +271,7 @@ class OnlineJob:
             build_cache(self.target, seqs, self.needs, work / "cache", dtype=self.recipe.cache.dtype,
                         batch_tokens=self.recipe.cache.batch_tokens)
             self._crash("after_cache")
-            if prev is None:
+            if prev is None or prev == "none":
                 module = self._initial_model(work / "cache")
             else:
                 module, _ = load_checkpoint(self.state / "models" / prev, self.target)
