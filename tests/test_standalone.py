@@ -288,3 +288,22 @@ def test_objective_aligns_the_drafter_with_the_teacher_at_the_same_position(tmp_
     b.ids = torch.roll(b.ids, 1, dims=1)  # a one-position shift is caught
     with torch.no_grad():
         assert float(obj.loss(d, b)[0]) > 1e-3
+
+
+@pytest.mark.real
+def test_real_target_pruned_rdk_drafter_decodes_the_targets_greedy_tokens(real_target):
+    """On SmolLM2: a first-2-layers drafter over 1024 kept ids with a (hand-made) RDK map, greedy equality."""
+    t = real_target
+    d = StandaloneDrafter.for_target(t, num_layers=2, vocab_keep=1024, rdk=True)
+    keep = torch.arange(0, 2048, 2)
+    d.set_draft_vocab(keep)
+    parent = torch.full((t.vocab_size,), -1, dtype=torch.long)
+    weight = torch.zeros(t.vocab_size)
+    parent[1:2048:2], weight[1:2048:2] = keep, 0.2  # each odd id attached to the even id before it
+    d.rdk.set(keep, parent, weight)
+    from draftsmith.eval.mtbench import mtbench_prompts
+    ids = mtbench_prompts(t.tokenizer, 1)[0].ids
+    plain = SpeculativeDecoder(t, None).generate(ids, 16).tokens
+    for use_rdk in (False, True):
+        dr = d.decoder_drafter(t, t.fingerprint, use_rdk=use_rdk)
+        assert SpeculativeDecoder(t, dr, policy=FixedLength(3)).generate(ids, 16).tokens == plain
