@@ -32,6 +32,7 @@ from draftsmith.target import check_fingerprint
 
 FORMAT = "draftsmith-disco/1"
 FILE = "disco.json"
+MODES = ("before", "after")  # stop before a doubtful candidate, or submit it and stop after it
 
 
 @dataclass
@@ -87,19 +88,26 @@ def fit(train: Traces, cal: Traces, *, max_len: int, min_len: int = 1, c: float 
     cost = cal.meta["cost"]
     k = min(max_len, int(cal.columns["position"].max()))
 
-    def lengths_at(t: float):
+    def lengths(t: float, mode: str):
         out = []
         for idx in rounds:
             below = np.flatnonzero(pred[idx] < t)
-            below = below[below >= min_len]
-            n = int(below[0]) if len(below) else len(idx)
-            out.append((n, n + 1 if n < len(idx) else n))  # stopping before a candidate paid its forward
+            if mode == "before":  # stop before the candidate: its distribution's forward is already paid
+                below = below[below >= min_len]
+                n = int(below[0]) if len(below) else len(idx)
+                out.append((n, n + 1 if n < len(idx) else n))
+            else:  # "after": submit the doubtful candidate (a verification row, no drafter forward), then stop
+                n = int(below[0]) + 1 if len(below) else len(idx)
+                out.append((n, n))
         return out
 
-    tuned = tune_threshold(lengths_at, np.unique(np.quantile(pred, np.linspace(0, 1, 101))), rounds, ratio, cost)
-    model.threshold = tuned["threshold"]
-    model.meta = {"calibration": {"quality": quality(pred, ratio), "tuning": tuned,
-                                  "fixed": best_fixed(rounds, ratio, cost, k)},
+    grid = np.unique(np.quantile(pred, np.linspace(0, 1, 101)))
+    tuned = {m: tune_threshold(lambda t, m=m: lengths(t, m), grid, rounds, ratio, cost) for m in MODES}
+    mode = max(MODES, key=lambda m: tuned[m]["simulated"]["tokens_per_cost"])
+    model.threshold = tuned[mode]["threshold"]
+    model.meta = {"mode": mode, "calibration": {"quality": quality(pred, ratio), "tuning": tuned[mode],
+                                                "tuning_other_mode": tuned[MODES[1 - MODES.index(mode)]],
+                                                "fixed": best_fixed(rounds, ratio, cost, k)},
                   "train_rows": len(train), "max_len": max_len, "min_len": min_len, "C": c}
     return model
 
@@ -131,16 +139,24 @@ def check_for(model: DiscoModel, target, drafter_ident: dict, temperature: float
 
 
 class DiscoStop:
-    """Length policy: draft the candidate only while DISCO's P(accepted) >= its threshold.
+    """Length policy on DISCO's P(candidate accepted | prefix accepted) versus its threshold.
 
-    ``min_len`` drafts are always made, at most ``max_len``. Costs one host sync and a
-    5-feature dot product per candidate.
+    ``mode`` (default: the one tuned on the calibration split): "before" drafts the candidate
+    only while P >= threshold (``min_len`` drafts always made); "after" drafts every candidate
+    and stops right after one with P < threshold (its logits were already computed, so it costs
+    a verification row and no drafter forward). At most ``max_len`` drafts. Costs one host sync
+    and a 5-feature dot product per candidate.
     """
 
-    def __init__(self, model: DiscoModel, max_len: int = 8, min_len: int = 1, threshold: float | None = None):
+    def __init__(self, model: DiscoModel, max_len: int = 8, min_len: int = 1, threshold: float | None = None,
+                 mode: str | None = None):
         if max_len < 1 or not 0 <= min_len <= max_len:
             raise ValueError(f"need max_len >= 1 and 0 <= min_len <= max_len, got {max_len}, {min_len}")
+        self.mode = mode or model.meta.get("mode", "before")
+        if self.mode not in MODES:
+            raise ValueError(f"DISCO mode must be one of {MODES}, got {self.mode!r}")
         self.model, self.max_len, self.min_len = model, max_len, min_len
+        self._stop = False
         self.threshold = model.threshold if threshold is None else float(threshold)
         self._w = np.asarray(model.coef) / np.asarray(model.scale)
         self._b = model.intercept - float(np.dot(np.asarray(model.mean), self._w))
@@ -157,8 +173,11 @@ class DiscoStop:
         if signal.depth >= self.max_len:
             return False
         p = self.probability(signal)
+        if self.mode == "after":
+            self._stop = p < self.threshold
+            return True
         return signal.depth < self.min_len or p >= self.threshold
 
     def stop_after(self, signal: DraftSignal, token) -> bool:
         self._cum += safe_log(float(signal.probs[int(token)]))
-        return False
+        return self._stop

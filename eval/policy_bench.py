@@ -25,6 +25,8 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from draftsmith.checkpoint import command_line, environment
 from draftsmith.classifiers import disco, specdec
 from draftsmith.classifiers.roc import RocRefitStop
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--confidence", type=float, default=0.4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false")
     ap.add_argument("--out", required=True)
     return ap
@@ -101,6 +104,8 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     a = build_parser().parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     target = load_target(a.target or "smollm2-135m-instruct", device=default_device(a.device))
     drafter, ident = load_drafter(a.drafter, target)
     if a.cpu_layout:

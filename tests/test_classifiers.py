@@ -290,7 +290,10 @@ def test_policies_keep_greedy_decoding_lossless(family):
         dr = HeadDrafter(random_hydra(t, num_heads=4, prefix=True), t.fingerprint, name="hydra")
     else:
         dr = kangaroo(t, exit_layer=1)
-    for name, pol in _policies(t, max_len=4).items():
+    pols = _policies(t, max_len=4)
+    pols["disco-other-mode"] = disco.DiscoStop(pols["disco"].model, 4,
+                                               mode="after" if pols["disco"].mode == "before" else "before")
+    for name, pol in pols.items():
         res = SpeculativeDecoder(t, dr, policy=pol).generate(PROMPT, 40)
         assert res.tokens == plain, name
         assert sum(s.drafted for s in res.steps) > 0, name
