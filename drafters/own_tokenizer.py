@@ -18,6 +18,7 @@ Decoding adapters (TLI, SLEM) live in `draftsmith.drafters.own_tokenizer_decode`
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from pathlib import Path
 from typing import Iterable
@@ -128,14 +129,55 @@ class VocabBridge:
 
 
 def llama_config(target: Target, vocab_size: int, fields: dict) -> LlamaConfig:
-    """The drafter's Llama config: the recipe's sizes, the target's rope/norm settings, tied embeddings."""
-    tc = target.model.config
-    kw = {k: fields[k] for k in LLAMA_FIELDS if fields.get(k) is not None}
-    kw.setdefault("max_position_embeddings", int(getattr(tc, "max_position_embeddings", 2048)))
-    kw.setdefault("intermediate_size", 4 * int(kw.get("hidden_size", 256)))
-    return LlamaConfig(vocab_size=int(vocab_size), tie_word_embeddings=True,
-                       rope_theta=getattr(tc, "rope_theta", 10000.0), rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-5),
-                       hidden_act=getattr(tc, "hidden_act", "silu"), **kw)
+    """The drafter's Llama config: a copy of the target's (rope, norm, activation) with the drafter's
+    vocabulary and layer count; the sizes are the target's for ``init: target``, else the recipe's."""
+    cfg = copy.deepcopy(target.model.config)
+    if getattr(cfg, "model_type", "llama") != "llama":
+        cfg = LlamaConfig(**{k: v for k, v in cfg.to_dict().items() if k in LlamaConfig().to_dict()})
+    sizes = ("num_hidden_layers",) if fields.get("init") == "target" else LLAMA_FIELDS
+    for k in sizes:
+        if fields.get(k) is not None:
+            setattr(cfg, k, int(fields[k]))
+    if fields.get("init") != "target":
+        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        cfg.initializer_range = LlamaConfig().initializer_range  # a fresh model: the usual init, not the target's
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types)[:1] * cfg.num_hidden_layers
+    cfg.vocab_size, cfg.tie_word_embeddings = int(vocab_size), True
+    cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = None  # set in the drafter's ids by the kind
+    return cfg
+
+
+@torch.no_grad()
+def init_from_target(drafter: "OwnTokenizerDrafter", target: Target) -> dict:
+    """Start the drafter from the target: its first layers and final norm, and an embedding row per drafter
+    token: the target's row for a shared string, else the mean of the target's rows for the target's BPE
+    pieces of that string (byte-level strings tokenise directly with the target's BPE model)."""
+    n = drafter.model.config.num_hidden_layers
+    src = target.model.get_decoder()
+    if n > len(src.layers):
+        raise ValueError(f"num_hidden_layers {n} > the target's {len(src.layers)} layers (init: target copies them)")
+    dst = drafter.model.get_decoder()
+    for i in range(n):
+        dst.layers[i].load_state_dict(src.layers[i].state_dict())
+    dst.norm.load_state_dict(src.norm.state_dict())
+    te = target.model.get_input_embeddings().weight
+    de = drafter.model.get_input_embeddings().weight
+    tv = target.tokenizer.get_vocab()
+    bpe = target.tokenizer.backend_tokenizer.model
+    shared = pieces = 0
+    for s, i in drafter.tokenizer.get_vocab(with_added_tokens=True).items():
+        if s in tv and tv[s] < te.shape[0]:
+            de[i] = te[tv[s]].to(de.dtype)
+            shared += 1
+            continue
+        ids = [t.id for t in bpe.tokenize(s)] if s else []
+        if ids:
+            de[i] = te[ids].mean(0).to(de.dtype)
+            pieces += 1
+    drafter.model.tie_weights()
+    return {"init": "target", "layers_from_target": n, "embedding_rows_shared": shared,
+            "embedding_rows_from_pieces": pieces}
 
 
 @register

@@ -112,7 +112,7 @@ def _prompt(tgt, q):
 
 def _recipe(out):
     return parse_recipe({"name": "own-test", "output_dir": str(out), "drafter": {
-        "kind": "own-tokenizer", "tokenizer_vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+        "kind": "own-tokenizer", "init": "scratch", "tokenizer_vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2},
         "train": {"max_steps": 150, "batch_size": 8, "chunk_len": 32, "lr": 3e-3, "warmup_steps": 5,
                   "log_every": 1000}})
@@ -207,7 +207,27 @@ def test_pipeline_skips_the_cache_and_reports_in_own_tokens(trained):
     assert "heldout_top1" in (recipe.out / "report.md").read_text()
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams(0.0), SamplingParams(0.9)], ids=["greedy", "T0.9"])
+def test_init_from_target_with_the_same_vocabulary_accepts_every_draft(sampling):
+    """A drafter tokenizer with exactly the target's strings and every layer copied from the target IS the
+    target: TLI must then accept every draft (any misaligned context or position would show)."""
+    from draftsmith.drafters.own_tokenizer import init_from_target
+    tgt = tiny(vocab=40, seed=4, std=0.3, layers=2)
+    tok = Tokenizer.from_str(tgt.tokenizer.backend_tokenizer.to_str())
+    d = OwnTokenizerDrafter({"init": "target", "num_hidden_layers": 2}, tok, tgt)
+    info = init_from_target(d, tgt)
+    assert info["embedding_rows_shared"] == 40 and info["layers_from_target"] == 2
+    dr = tli_drafter(d.eval(), tgt)
+    res = SpeculativeDecoder(tgt, dr, policy=FixedLength(3), sampling=sampling).generate([1, 5, 6, 7], 30, seed=0)
+    assert sum(s.drafted for s in res.steps) > 20
+    assert all(s.accepted == s.drafted for s in res.steps)
+    with pytest.raises(ValueError, match="layers"):
+        init_from_target(OwnTokenizerDrafter({"init": "target", "num_hidden_layers": 3}, tok, tgt), tgt)
+
+
 def test_recipe_validation():
+    with pytest.raises(RecipeError, match="come from the target"):
+        parse_recipe({"name": "x", "drafter": {"kind": "own-tokenizer", "hidden_size": 64}})
     with pytest.raises(RecipeError, match="tokenizer_vocab_size"):
         parse_recipe({"name": "x", "drafter": {"kind": "own-tokenizer", "tokenizer_vocab_size": 10}})
     with pytest.raises(RecipeError, match="unknown key"):

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.checkpoint import command_line, environment, load_checkpoint, save_checkpoint, update_metrics
-from draftsmith.drafters.own_tokenizer import (OwnTokenizerDrafter, describe, target_special_tokens,
-                                               train_bpe_tokenizer)
+from draftsmith.drafters.own_tokenizer import (OwnTokenizerDrafter, describe, init_from_target,
+                                               target_special_tokens, train_bpe_tokenizer)
 from draftsmith.recipe import Recipe
 from draftsmith.target import Target
 from draftsmith.train.generate import render_example
@@ -101,6 +101,7 @@ def train_text_drafter(recipe: Recipe, target: Target, out: Path | None = None) 
                               cfg["tokenizer_min_frequency"])
     torch.manual_seed(recipe.seed)
     drafter = OwnTokenizerDrafter(cfg, tok, target)
+    init = init_from_target(drafter, target) if cfg.get("init") == "target" else {"init": "scratch"}
     ids, mask = encode_stream(drafter.hf_tokenizer(target), convs, recipe.data.max_seq_len, stats)
     t = recipe.train
     L = t.chunk_len
@@ -140,7 +141,7 @@ def train_text_drafter(recipe: Recipe, target: Target, out: Path | None = None) 
     final = out / "final"
     vocab = describe(tok, target)
     metrics = {"train_loss_last10": sum(losses[-10:]) / len(losses[-10:]), "steps": total,
-               "tokens": int(len(ids)), "assistant_tokens": int(mask.sum()), "chunks": n_chunks, **vocab,
+               "tokens": int(len(ids)), "assistant_tokens": int(mask.sum()), "chunks": n_chunks, **vocab, **init,
                "objective": "sequence-level distillation: next-token CE on the target's replies, own tokens"}
     save_checkpoint(final, drafter, target, recipe=recipe.model_dump(mode="json"),
                     data={"data_dir": str(out / "data"), "conversations": len(convs), "skipped": dict(stats)},
