@@ -307,3 +307,36 @@ def test_real_target_pruned_rdk_drafter_decodes_the_targets_greedy_tokens(real_t
     for use_rdk in (False, True):
         dr = d.decoder_drafter(t, t.fingerprint, use_rdk=use_rdk)
         assert SpeculativeDecoder(t, dr, policy=FixedLength(3)).generate(ids, 16).tokens == plain
+
+
+def test_monte_carlo_chi_square_passes_with_a_fitted_rdk_map(trained):
+    """The RDK map built from data (96 ids, 8 kept, pruned ids attached) drafting at T = 0.9: sampled outputs
+    follow the target's distribution (chi-square over the outcome cells, a real p-value threshold)."""
+    from draftsmith.engine.sampling import SamplingParams
+    from draftsmith.eval.mc_lossless import mc_lossless
+    t, r, ckpt, _ = trained
+    m, _ = load_checkpoint(ckpt, t)
+    assert int((m.rdk.parent >= 0).sum()) > 0
+    dec = SpeculativeDecoder(t, m.decoder_drafter(t, t.fingerprint), sampling=SamplingParams(0.9),
+                             policy=FixedLength(2))
+    res = mc_lossless(dec, [1, 3, 4, 5, 5], n_new=2, n_samples=600, seed=0)
+    assert res["cells"] > 5 and res["p_value"] > 1e-3, res
+
+
+def test_lora_training_saves_a_merged_plain_checkpoint(tmp_path):
+    t = make_tiny_target(init_std=0.3, layers=3)
+    r = _base(tmp_path, {"num_layers": 2, "lora": {"rank": 4, "alpha": 8}}, epochs=1, lr=2e-2)
+    build_cache(t, _cycle_sequences(n=8, length=40), ["final"], tmp_path / "cache", dtype="float32")
+    ckpt, _ = train(r, t, tmp_path / "cache", r.out)
+    sd = load_file(str(ckpt / "model.safetensors"))
+    assert not any("lora" in k or "base_layer" in k for k in sd)
+    base = first_layers_drafter(t, 2).model.state_dict()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(sd["model." + q], base[q])  # the adapters were trained and merged in
+    assert torch.equal(sd["model.model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
+    m, manifest = load_checkpoint(ckpt, t)
+    assert m.lora_config is None and manifest["recipe"]["drafter"]["lora"]["rank"] == 4
+    plain = SpeculativeDecoder(t, None).generate([1, 3, 4, 5], 16).tokens
+    assert SpeculativeDecoder(t, drafter_from_checkpoint(ckpt, t)).generate([1, 3, 4, 5], 16).tokens == plain
+    with pytest.raises(ValueError, match="exact resume of a LoRA run is not supported"):
+        build_drafter(r, t).load_state_dict(sd, strict=False)
