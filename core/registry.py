@@ -11,7 +11,11 @@ Optional hooks, so the trainer and the decoder never branch on a kind's name:
   * ``for_target(target, **recipe_fields) -> module``: a fresh module initialised from the target;
   * ``make_objective(recipe, cache, target, exclude) -> objective``: the kind's training objective
     (``prepare``, ``loss``, ``stats``, ``chunks``; see heads/objective.py for the head kinds');
-  * ``module.decoder_drafter(target, fingerprint, name)``: the module as a decoder drafter.
+  * ``module.decoder_drafter(target, fingerprint, name)``: the module as a decoder drafter;
+  * ``module.set_draft_vocab(kept_ids)`` with a ``draft_head`` (heads/vocab.py): a pruned vocabulary chosen
+    by the trainer from the training data;
+  * ``module.fit_to_cache(cache, target, exclude) -> dict | None``: statistics of the training data the
+    module keeps, computed by the trainer before the first step (the standalone kind's RDK map).
 """
 
 from __future__ import annotations
