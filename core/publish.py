@@ -80,6 +80,10 @@ class PublishStore:
         v = self.current()
         return None if v is None else self.path(v)
 
+    def next_name(self) -> str:
+        """The name the next version gets (numbers are never reused)."""
+        return self._next_name()
+
     def _next_name(self) -> str:
         vs = self.versions()
         n = int(_VERSION.match(vs[-1]).group(1)) + 1 if vs else 1

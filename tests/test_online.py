@@ -267,3 +267,15 @@ def test_import_openai_logs(target, tmp_path):
     job = OnlineJob(r, target, tmp_path / "logs", state_dir=tmp_path / "state", publish_dir=tmp_path / "pub")
     res = job.run(once=True)
     assert job.ledger.counts()["applied"] == 1 and res[0]["train"]["emphasis_chunks"] == 0  # no acceptance data
+
+
+def test_gate_never_reuses_a_published_name(target, tmp_path):
+    """The init drafter published by hand as v000001 must not be mistaken for update 1's candidate."""
+    pub = PublishStore(tmp_path / "pub")
+    pub.publish(medusa_checkpoint(target, tmp_path / "init", seed=3))
+    r = online_recipe(tmp_path, every_records=8, margin=1.0)  # margin 1: every candidate passes
+    logs = tmp_path / "logs"
+    _write(logs, [_record(target, i) for i in range(8)])
+    res = OnlineJob(r, target, logs, state_dir=tmp_path / "state", publish_dir=tmp_path / "pub").run(once=True)
+    assert res[0]["gate"]["published"] == "v000002" and pub.current() == "v000002"
+    assert read_manifest(pub.path("v000002"))["metrics"]["update_id"] == 1

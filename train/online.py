@@ -328,18 +328,32 @@ class OnlineJob:
                 "window": len(window)}
         version = None
         if ok:
+            version = self._version_name(uid)
+            self.ledger.set_gate(uid, {**gate, "publishing": True}, version)  # the name, before it exists
             self._crash("before_publish")
-            version = self.store.publish(cand, keep=o.keep, name=f"v{uid:06d}",
-                                         info={"update_id": uid, m: c[m], "records_applied":
-                                               read_manifest(cand)["metrics"].get("records_applied")})
+            self.store.publish(cand, keep=o.keep, name=version,
+                               info={"update_id": uid, m: c[m], "records_applied":
+                                     read_manifest(cand)["metrics"].get("records_applied")})
         self.ledger.set_gate(uid, gate, version)
         log.info("update %d: %s -> %s", uid, why, f"published {version}" if version else "not published")
         return {**gate, "published": version}
 
+    def _version_name(self, uid: int) -> str:
+        """The version this update publishes as: the one named before a crash (if its copy is ours or absent),
+        else the store's next free name."""
+        row = next((u for u in self.ledger.updates() if u["update_id"] == uid), None)
+        name = row and row["version"]
+        if name:
+            p = self.store.path(name)
+            if not p.exists() or read_manifest(p).get("metrics", {}).get("update_id") == uid:
+                return name
+        return self.store.next_name()
+
     def resume_gate(self) -> dict | None:
         """After a restart: an update committed but killed before its gate finished gets its gate now."""
         last = self.ledger.last_update()
-        if last and last["gate"] is None and last["n_new"] > 0 and last["model"] == self.ledger.meta("model"):
+        unfinished = last and (last["gate"] is None or json.loads(last["gate"]).get("publishing"))
+        if unfinished and last["n_new"] > 0 and last["model"] == self.ledger.meta("model"):
             return self.gate(last["update_id"])
         return None
 
