@@ -129,7 +129,7 @@ def train_head(train: Traces, *, num_layers: int = 3, epochs: int = 20, lr: floa
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            total += float(loss) * len(b)
+            total += loss.item() * len(b)
         if log:
             log(f"specdec epoch {ep + 1}/{epochs}: loss {total / len(xt):.4f}")
     return head.eval()
@@ -143,28 +143,33 @@ def tune(head: AcceptanceHead, cal: Traces, max_len: int) -> dict:
     a = head.accept_prob(torch.from_numpy(x)).numpy().astype(np.float64) if len(x) else np.zeros(0)
     cost = cal.meta["cost"]
 
-    def lengths_at(thr: float):
+    def lengths_at(thr: float, lag: bool):
         out = []
         for idx, w in zip(rounds, where):
-            n, cum = len(idx), 1.0
+            n, f, cum = len(idx), len(idx), 1.0
             for k in range(1, len(idx)):  # depth k: the state after d_k gives a_k (w[k - 1] is its pair)
                 cum *= a[w[k - 1]]
                 if 1.0 - cum > thr:
-                    n = k + 1  # the lag: the candidate d_{k+1} is submitted, then drafting stops
+                    # lag: the candidate d_{k+1} is submitted, then drafting stops (k + 1 forwards either way)
+                    n, f = (k + 1, k + 1) if lag else (k, k + 1)
                     break
-            out.append((n, n))
+            out.append((n, f))
         return out
 
-    tuned = tune_threshold(lengths_at, np.linspace(0.0, 0.99, 100), rounds, ratio, cost)
+    grid = np.linspace(0.0, 0.99, 100)
+    tuned = {lag: tune_threshold(lambda t, lag=lag: lengths_at(t, lag), grid, rounds, ratio, cost)
+             for lag in (True, False)}
+    lag = max(tuned, key=lambda m: tuned[m]["simulated"]["tokens_per_cost"] + (1e-9 if m else 0.0))
     k = min(max_len, int(cal.columns["position"].max()))
-    return {"quality": quality(a, y) if len(a) else None, "tuning": tuned, "fixed": best_fixed(rounds, ratio, cost, k)}
+    return {"quality": quality(a, y) if len(a) else None, "lag": lag, "tuning": tuned[lag],
+            "tuning_other_lag": tuned[not lag], "fixed": best_fixed(rounds, ratio, cost, k)}
 
 
 def save(out: str | Path, head: AcceptanceHead, target: Target, *, drafter: dict, temperature: float,
-         threshold: float, calibration: dict, traces: str) -> Path:
+         threshold: float, calibration: dict, traces: str, lag: bool = True) -> Path:
     return save_checkpoint(out, head, target, metrics={"calibration": calibration},
                            extra={"drafter": drafter, "temperature": temperature, "threshold": threshold,
-                                  "traces": traces})
+                                  "lag": lag, "traces": traces})
 
 
 def load(path: str | Path, target: Target) -> tuple[AcceptanceHead, dict]:

@@ -127,12 +127,13 @@ def train_predictors(traces_dir: str | Path, target: Target, *, kinds=("disco", 
             m.meta.update(target=tr.meta["target"], drafter=tr.meta["drafter"], temperature=float(t),
                           traces=str(traces_dir), command=command_line())
             m.save(where / "disco")
-            res["disco"] = _headline(m.meta["calibration"])
+            res["disco"] = _headline({**m.meta["calibration"], "mode": m.meta["mode"]})
         if "specdec" in kinds:
             head = specdec.train_head(tr, epochs=epochs, seed=seed, log=log.info)
             cal_fig = specdec.tune(head, cal, max_len)
             specdec.save(where / "specdec", head, target, drafter=tr.meta["drafter"], temperature=float(t),
-                         threshold=cal_fig["tuning"]["threshold"], calibration=cal_fig, traces=str(traces_dir))
+                         threshold=cal_fig["tuning"]["threshold"], calibration=cal_fig, traces=str(traces_dir),
+                         lag=cal_fig["lag"])
             res["specdec"] = _headline(cal_fig)
         result[f"{float(t):g}"] = res
     (out / "summary.json").write_text(json.dumps(result, indent=2))
@@ -142,7 +143,8 @@ def train_predictors(traces_dir: str | Path, target: Target, *, kinds=("disco", 
 def _headline(cal: dict) -> dict:
     q = cal.get("quality") or {}
     fx = cal["fixed"]
-    return {"threshold": cal["tuning"]["threshold"], "roc_auc": q.get("roc_auc"), "ece": q.get("ece"),
+    return {"mode": cal.get("mode") or ("lag" if cal.get("lag", True) else "no lag"),
+            "threshold": cal["tuning"]["threshold"], "roc_auc": q.get("roc_auc"), "ece": q.get("ece"),
             "brier": q.get("brier"), "simulated_tokens_per_cost": cal["tuning"]["simulated"]["tokens_per_cost"],
             "simulated_mean_draft_len": cal["tuning"]["simulated"]["mean_draft_len"],
             "best_fixed_k": fx["best_k"], "best_fixed_tokens_per_cost": fx["best"]["tokens_per_cost"],
@@ -151,12 +153,12 @@ def _headline(cal: dict) -> dict:
 
 
 def format_summary(result: dict) -> str:
-    lines = ["temperature  predictor  threshold  ROC AUC  ECE     sim. gain vs best fixed K (K)"]
+    lines = ["temperature  predictor  mode     threshold  ROC AUC  ECE     sim. gain vs best fixed K (K)"]
     for t, res in result.items():
         for kind, h in res.items():
             auc = "-" if h["roc_auc"] is None else f"{h['roc_auc']:.3f}"
             g = h["simulated_gain_over_best_fixed"]
-            lines.append(f"{t:<12} {kind:<10} {h['threshold']:<10.3f} {auc:<8} {h['ece']:<7.3f} "
+            lines.append(f"{t:<12} {kind:<10} {h['mode']:<8} {h['threshold']:<10.3f} {auc:<8} {h['ece']:<7.3f} "
                          f"{'-' if g is None else f'{100 * g:+.1f}%'} ({h['best_fixed_k']})")
     return "\n".join(lines)
 

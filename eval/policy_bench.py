@@ -78,7 +78,8 @@ def policies(a, target, drafter, ident: dict, temperature: float) -> list[tuple[
             head, man = specdec.load(where / "specdec", target)
             specdec.check_for(man, ident, temperature, f"SpecDec++ {where / 'specdec'}")
             head.to(next(target.model.parameters()).device)
-            out.append(("SpecDec++", specdec.SpecDecStop(head, float(man["threshold"]), max_len)))
+            out.append(("SpecDec++", specdec.SpecDecStop(head, float(man["threshold"]), max_len,
+                                                          lag=bool(man.get("lag", True)))))
         if len(out) == len(ks) + 2:
             raise FileNotFoundError(f"{where}: no disco/ or specdec/ predictor for temperature {temperature}")
     return out
@@ -151,12 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
         if summary.exists():
             report["quality"] = json.loads(summary.read_text())
             md += ["## Predictor quality on the calibration split (training prompts held out)", "",
-                   "| temperature | predictor | threshold | ROC AUC | ECE | Brier | simulated gain vs best fixed K |",
-                   "|---|---|---|---|---|---|---|"]
+                   "| temperature | predictor | mode | threshold | ROC AUC | ECE | Brier | simulated gain vs best fixed K |",
+                   "|---|---|---|---|---|---|---|---|"]
             for t, res in report["quality"].items():
                 for kind, h in res.items():
                     g = h.get("simulated_gain_over_best_fixed")
-                    md.append(f"| {t} | {kind} | {h['threshold']:.3f} | "
+                    md.append(f"| {t} | {kind} | {h.get('mode', '-')} | {h['threshold']:.3f} | "
                               f"{'-' if h['roc_auc'] is None else format(h['roc_auc'], '.3f')} | {h['ece']:.3f} | "
                               f"{h['brier']:.3f} | {'-' if g is None else f'{100 * g:+.1f}%'} (K={h['best_fixed_k']}) |")
     report["command"], report["environment"] = command_line(), environment()
