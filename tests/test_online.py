@@ -279,3 +279,26 @@ def test_gate_never_reuses_a_published_name(target, tmp_path):
     res = OnlineJob(r, target, logs, state_dir=tmp_path / "state", publish_dir=tmp_path / "pub").run(once=True)
     assert res[0]["gate"]["published"] == "v000002" and pub.current() == "v000002"
     assert read_manifest(pub.path("v000002"))["metrics"]["update_id"] == 1
+
+
+def test_long_running_job_updates_after_t_seconds(target, tmp_path):
+    r = online_recipe(tmp_path, every_records=1000, every_seconds=0.2, holdout_every=1000)
+    logs = tmp_path / "logs"
+    _write(logs, [_record(target, i) for i in range(3)])
+    job = OnlineJob(r, target, logs, state_dir=tmp_path / "state", publish_dir=tmp_path / "pub")
+    res = job.run(max_seconds=1.0)
+    assert len(res) == 1 and res[0]["new"] == 3  # below every_records: applied because T passed
+
+
+def test_cli_rollback_and_status(target, tmp_path, capsys):
+    from draftsmith.cli import main
+    store = PublishStore(tmp_path / "pub")
+    for i in range(2):
+        store.publish(medusa_checkpoint(target, tmp_path / f"c{i}", seed=i))
+    assert main(["online", "rollback", "--publish", str(tmp_path / "pub")]) == 0
+    assert store.current() == "v000001"
+    assert main(["online", "rollback", "--publish", str(tmp_path / "pub")]) == 2  # nothing older: clear error
+    assert "nothing to roll back to" in capsys.readouterr().err
+    Ledger(tmp_path / "state")
+    assert main(["online", "status", "--state", str(tmp_path / "state"), "--publish", str(tmp_path / "pub")]) == 0
+    assert '"current": "v000001"' in capsys.readouterr().out
