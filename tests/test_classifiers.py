@@ -360,3 +360,15 @@ def test_traces_stage_and_predictors_end_to_end(tmp_path):
         assert SpeculativeDecoder(t, dr, policy=pol).generate(PROMPT, 30).tokens == plain
     with pytest.raises(TraceError, match="made for drafter"):
         disco.check_for(m, t, load_drafter("first-layers:2", t)[1], 0.0)
+
+
+def test_cli_parses_and_reports_bad_input(tmp_path, capsys):
+    from draftsmith.cli import build_parser, main
+    a = build_parser().parse_args(["traces", "quickstart", "--checkpoint", "early-exit:6", "--temperature", "0"])
+    assert a.checkpoint == "early-exit:6" and a.temperature == [0.0] and a.draft_len == 8
+    assert main(["predictors", str(tmp_path / "none")]) == 2
+    assert "missing" in capsys.readouterr().err
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "meta.json").write_text("[1, 2]")
+    assert main(["predictors", str(tmp_path / "t")]) == 2
+    assert "expected a JSON object" in capsys.readouterr().err
