@@ -5,6 +5,8 @@ Used by eval (benchmarks, checks), export, the server and the online job; it imp
 
 Public surface:
 - ``decoder.SpeculativeDecoder``: prefill, draft, verify, commit (chains, static and dynamic trees);
+- ``batched.BatchedSpeculativeDecoder``: B rows at once with ragged acceptance (``ragged.RowsCache``), plain
+  batched decoding, and the batch-aware draft length (``batch_policy``: SmartSpec-style goodput by batch size);
 - ``drafters``: the drafter interface (``HeadDrafter``, ``ModelDrafter``, ``drafter_from_checkpoint``);
 - ``trees``, ``tree_build``: draft trees and building them from measured acceptance and step cost;
 - ``sampling``: processed distributions and exact verification; ``policies``: draft-length policies;
