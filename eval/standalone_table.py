@@ -16,8 +16,9 @@ alpha (accepted / tested drafts over every depth, i.e. the pooled per-position
 acceptance), accept@1, tokens/s and the speedup over our plain decoding, the
 draft time per drafted token from the decoder's own timers, and at
 temperature 0 how many outputs equal plain greedy decoding token for token
-(HF assisted with the export included: the export gives the target's own
-greedy output). Writes DIR/report.json and DIR/table.md.
+and HF ``generate`` (``--hf-export DIR``: HF assisted with an exported directory,
+loaded as transformers loads it, must give the target's own greedy output).
+Writes DIR/report.json and DIR/table.md.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+from transformers import AutoModelForCausalLM
 
 from draftsmith.checkpoint import command_line, environment, load_checkpoint, read_manifest
 from draftsmith.engine.cpu_layout import apply_cpu_layout
@@ -82,6 +85,11 @@ def run(a) -> dict:
         methods = [(ours("ours plain", plain_dec), {}), (hf_generate(target, sampling), {})]
         for c in a.checkpoint:
             methods += variants(Path(c), target, a.draft_len, sampling, a.hf_assisted)
+        for h in a.hf_export:  # an exported directory, loaded as HF loads it
+            asst = AutoModelForCausalLM.from_pretrained(h, local_files_only=True).to(
+                next(target.model.parameters()).device).eval()
+            methods.append((hf_assisted(target, asst, a.draft_len, sampling, name=f"HF assisted {h} K={a.draft_len}"),
+                            {"hf_export": h}))
         apply_cpu_layout(target, *[i["drafter"] for _, i in methods if "drafter" in i])
         for m, _ in methods:  # warm-up: cache allocation and kernels out of the timings
             m.run(prompts[0].ids, 8, a.seed)
@@ -102,6 +110,7 @@ def run(a) -> dict:
                        draft_ms_per_token=draft_ms_per_token(rs))
             if sampling.greedy:
                 row["equal_to_plain"] = sum(r.tokens == q.tokens for r, q in zip(rs, per["ours plain"]))
+                row["equal_to_hf_generate"] = sum(r.tokens == q.tokens for r, q in zip(rs, per["HF generate"]))
             rows[m.name] = row
         report["runs"][f"T={temp}"] = {"prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "methods": rows}
     out = Path(a.out)
@@ -121,13 +130,14 @@ def table(report: dict) -> str:
     for label, r in report["runs"].items():
         lines += [f"## {label}, {r['prompts']} MT-Bench first turns, {r['max_new_tokens']} new tokens", "",
                   "| method | kept ids | divergence | alpha | accept@1 | tau | tokens/s | vs plain | draft ms/token "
-                  "| = plain |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| = plain | = HF generate |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, s in r["methods"].items():
             keep = s.get("vocab_keep")
             kept = "-" if "vocab" not in s else (f"{keep} ({100 * keep / s['vocab']:.0f}%)" if keep else "all")
             lines.append(f"| {name} | {kept} | {s.get('divergence', '-')} | {_f(s['alpha'])} | {_f(s['accept_at_1'])} "
                          f"| {s['tau']:.3f} | {s['tokens_per_s']:.2f} | {s['speedup_vs_plain']:.2f}x "
-                         f"| {_f(s['draft_ms_per_token'], '{:.2f}')} | {s.get('equal_to_plain', '-')} |")
+                         f"| {_f(s['draft_ms_per_token'], '{:.2f}')} | {s.get('equal_to_plain', '-')} "
+                         f"| {s.get('equal_to_hf_generate', '-')} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -142,6 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0])
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--hf-assisted", action="store_true", help="also HF assisted generation with each exported drafter")
+    ap.add_argument("--hf-export", action="append", default=[], metavar="DIR",
+                    help="also HF assisted generation with an `draftsmith export --to hf` directory (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", required=True)
