@@ -69,6 +69,8 @@ def hf_batched(target, prompts: list[list[int]], max_new_tokens: int, sampling: 
 
 
 def run(a) -> dict:
+    if a.threads:
+        torch.set_num_threads(a.threads)
     target = load_target(a.target, device=default_device(a.device))
     if a.checkpoint:
         drafter = drafter_from_checkpoint(a.checkpoint, target)
@@ -186,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false",
                     help="keep PyTorch's default weight layout (default: draftsmith.engine.cpu_layout, all methods)")
     ap.add_argument("--verbose", action="store_true", help="print every calibration cell")
