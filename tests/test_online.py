@@ -40,6 +40,16 @@ def _record(target, i: int, n: int = 24, steps=True, fingerprint=None) -> dict:
                        steps=st, request_id=f"r{i}", started=0.0, finished=0.0)
 
 
+def _served(target, i: int, n: int = 24) -> dict:
+    """A record as the server logs it: the target's own greedy response (what the gate decodes)."""
+    from draftsmith.engine.decoder import plain_decoder
+    prompt = [1, 5 + i % 13, 6 + i % 5, 7, 2, 1, 8]
+    resp = plain_decoder(target).generate(prompt, n).tokens
+    rec = _record(target, i, n=len(resp))
+    rec.update(prompt_ids=prompt, response_ids=resp)
+    return rec
+
+
 def _write(logdir: Path, lines: list, name="requests-1-000001.jsonl", mode="a"):
     logdir.mkdir(parents=True, exist_ok=True)
     with open(logdir / name, mode) as f:
@@ -119,7 +129,7 @@ def test_gate_publishes_and_rollback(target, tmp_path):
     store = PublishStore(pub)
     r = online_recipe(tmp_path, every_records=8, margin=0.0, lr=3e-2, max_steps=30, keep=2)
     logs = tmp_path / "logs"
-    _write(logs, [_record(target, i) for i in range(16)])
+    _write(logs, [_served(target, i) for i in range(16)])
     job = OnlineJob(r, target, logs, state_dir=tmp_path / "state", publish_dir=pub)
     res = job.run(once=True)
     gates = [x["gate"] for x in res if "gate" in x]

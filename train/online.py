@@ -322,7 +322,8 @@ class OnlineJob:
         if c[m] is None:
             ok, why = False, "no held-back records yet"
         else:
-            ok = c[m] >= b[m] - o.margin
+            # against plain decoding (nothing published) a drafter must actually help: strictly better
+            ok = c[m] >= b[m] - o.margin if cur_path is not None else c[m] > b[m]
             why = f"{m} {c[m]:.4f} vs current {cur_version or 'plain'} {b[m]:.4f} (margin {o.margin})"
         gate = {"candidate": c, "current": b, "current_version": cur_version, "passed": ok, "why": why,
                 "window": len(window)}
