@@ -91,3 +91,15 @@ def test_row_mass_stays_below_one_with_truncated_pairs(fitted, tmp_path):
     m = RDKMap(KEEP, t.vocab_size)
     m.set(KEEP, parent, weight)  # validates stochastic rows
     assert float(RDKMap.row_mass(KEEP, parent, weight).max()) <= 1.0
+
+
+def test_table_alpha_pools_tested_drafts():
+    """standalone_table's alpha: accepted / tested drafts, a chain testing up to its first rejection."""
+    from types import SimpleNamespace as NS
+    from draftsmith.eval.standalone_table import draft_ms_per_token, pooled_alpha
+    steps = [NS(attempted=4, accepted=4, draft_s=0.04), NS(attempted=4, accepted=1, draft_s=0.04),
+             NS(attempted=4, accepted=0, draft_s=0.04)]
+    r = [NS(steps=steps)]
+    assert pooled_alpha(r) == pytest.approx(5 / (4 + 2 + 1))
+    assert draft_ms_per_token(r) == pytest.approx(10.0)
+    assert pooled_alpha([NS(steps=[])]) is None
