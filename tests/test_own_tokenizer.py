@@ -204,6 +204,7 @@ def test_pipeline_skips_the_cache_and_reports_in_own_tokens(trained):
     (recipe.out / "data" / "heldout.jsonl").write_text("\n".join(rows[::6]) + "\n{corrupt\n")
     rep = pipeline.stage_report(recipe, tgt, final)
     assert rep["heldout_conversations"] == 4 and rep["heldout_top1"] > 0.5
+    assert 0.5 < rep["target_answer_tokens_shared"] <= 1.0  # single characters: mostly shared (not ' ', '\n')
     assert "heldout_top1" in (recipe.out / "report.md").read_text()
 
 

@@ -169,6 +169,12 @@ def heldout_report(recipe: Recipe, target: Target, ckpt: Path, max_convs: int = 
         keep = mask[1:]
         y = ids[1:][keep]
         lg = logits[keep].float()
+        # TLI can only draft shared strings: the share of the target's answer tokens that are shared bounds
+        # its per-token acceptance
+        tids, tmask = encode_stream(target.tokenizer, convs, recipe.data.max_seq_len, stats)
+        t2d = module.bridge(target).t2d
+        shared = torch.tensor([t in t2d for t in tids[tmask].tolist()])
+        figures["target_answer_tokens_shared"] = float(shared.float().mean()) if len(shared) else 0.0
         figures.update(heldout_conversations=len(convs), heldout_positions=int(keep.sum()),
                        heldout_ce=float(torch.nn.functional.cross_entropy(lg, y)),
                        heldout_top1=float((lg.argmax(-1) == y).float().mean()))
