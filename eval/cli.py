@@ -144,10 +144,10 @@ def eval_main(argv: list[str] | None = None) -> dict:
             d.default_policy = ConfidenceStop(a.confidence, d.default_policy.max_len)
         specs = a.tree or ["chain"]
         if not getattr(d, "supports_trees", True):  # Kangaroo drafts chains: the other specs are for other checkpoints
-            if "chain" not in specs:
+            if "chain" not in specs and len(a.checkpoint) == 1:
                 raise ValueError(f"{c} holds a {d.name!r} drafter, which drafts chains only: add --tree chain")
-            if len(specs) > 1:
-                print(f"{d.name}: chains only, trees {[t for t in specs if t != 'chain']} skipped for it")
+            if specs != ["chain"]:
+                print(f"{d.name}: chains only, drafted as a chain (trees {[t for t in specs if t != 'chain']} are for the other checkpoints)")
             specs = ["chain"]
         drafters.append((d, [(t, parse_tree(t, c)) for t in specs]))
     layout = None
