@@ -25,7 +25,7 @@ from typing import Iterable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from draftsmith.checkpoint import CheckpointError, MissingFileError
 from draftsmith.registry import register
@@ -210,8 +210,12 @@ class OwnTokenizerDrafter(torch.nn.Module):
         self.model.config.draftsmith_target_fingerprint = target.fingerprint
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As torch's, except that the tied head may be absent (it is the embedding matrix)."""
         res = super().load_state_dict(state_dict, strict=False, assign=assign)
         self.model.tie_weights()
+        missing = [k for k in res.missing_keys if not k.startswith("model.lm_head.")]
+        if strict and (missing or res.unexpected_keys):
+            raise RuntimeError(f"own-tokenizer weights: missing {missing[:5]}, unexpected {res.unexpected_keys[:5]}")
         return res
 
     @staticmethod
@@ -273,7 +277,6 @@ class OwnTokenizerDrafter(torch.nn.Module):
 
 def hf_assistant(path: str | Path):
     """Load an exported own-tokenizer drafter directory: (model, tokenizer) for HF universal assisted generation."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
