@@ -101,7 +101,7 @@ def kills(a, out: Path) -> dict:
     cmd = [sys.executable, "-m", "draftsmith.cli", "online", str(rfile), "--logs", str(logs), "--once",
            "--state", str(out / "state"), "--publish", str(out / "publish")]
     rnd = random.Random(a.seed)
-    n_kills, runs, t0 = 0, 0, time.time()
+    n_kills, runs, t0, at_kill = 0, 0, time.time(), []
     while True:
         runs += 1
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -111,7 +111,10 @@ def kills(a, out: Path) -> dict:
                 os.kill(p.pid, signal.SIGKILL)
                 p.wait()
                 n_kills += 1
-                print(f"kill {n_kills} at run {runs}", flush=True)
+                led = Ledger(out / "state")  # what the killed run had committed: progress between kills
+                at_kill.append(led.counts()["applied"])
+                led.close()
+                print(f"kill {n_kills} at run {runs}: {at_kill[-1]} records applied so far", flush=True)
                 continue
         outp = p.communicate()[0]
         if p.returncode != 0:
@@ -123,7 +126,7 @@ def kills(a, out: Path) -> dict:
     srcs = [r[0] for r in led.db.execute("SELECT src FROM records")] + \
         [r[0] for r in led.db.execute("SELECT src FROM quarantine")]
     model = out / "state" / "models" / c["model"]
-    res = {"log_lines": lines, "kills": n_kills, "runs": runs, "counts": c,
+    res = {"log_lines": lines, "kills": n_kills, "runs": runs, "counts": c, "applied_at_each_kill": at_kill,
            "distinct_ids": len(set(srcs)), "ids": len(srcs),
            "model_records_applied": read_manifest(model)["metrics"]["records_applied"],
            "updates": len(led.updates()), "sum_update_new": sum(u["n_new"] for u in led.updates()),
