@@ -109,7 +109,7 @@ class DecodingService:
             raise BadRequest("'seed' must be an integer")
         return sp, mt, seed
 
-    def run(self, body: dict) -> Iterator[dict]:
+    def run(self, body: dict, request_id: str | None = None) -> Iterator[dict]:
         """Decode one request; yields ``{"delta": text, "ids": [...]}`` per step, then ``{"done": record}``.
 
         Holds the lock for the whole generation (released if the consumer stops early)."""
@@ -138,7 +138,7 @@ class DecodingService:
                 yield {"delta": delta}
             out = state.tokens[state.prompt_len:]
             finish = "stop" if state.stop_reason == "eos" else "length"
-            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            rid = request_id or f"chatcmpl-{uuid.uuid4().hex}"
             record = make_record(request=body, prompt_ids=prompt, response_ids=out,
                                  response_text=tok.decode(out, skip_special_tokens=True), finish_reason=finish,
                                  target_name=self.target.name, fingerprint=self.target.fingerprint,
@@ -219,7 +219,7 @@ def _sse(service: DecodingService, body: dict, created: int) -> Iterator[str]:
 
     yield chunk({"role": "assistant", "content": ""})
     try:
-        for ev in service.run(body):
+        for ev in service.run(body, cid):
             if "done" in ev:
                 rec = ev["done"]
                 yield chunk({}, rec["finish_reason"], usage=_usage(rec), draftsmith=_decoding_info(rec))
