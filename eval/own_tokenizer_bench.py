@@ -10,7 +10,9 @@ tokenizer=..., assistant_tokenizer=...)`` with the checkpoint exported as a plai
 greedy: HF's string-level candidate generator, sampling: its universal speculative decoding). K is
 the draft length in drafter tokens for HF and SLEM (SLEM proposes at most K target tokens), in target
 tokens for TLI (each TLI draft is one shared token). At temperature 0 every method's tokens are
-compared with plain decoding (they must be equal; mismatches are counted in the report).
+compared with plain decoding (they must be equal; mismatches are counted in the report); at a sampled
+temperature the mean target NLL per token of each method's outputs is reported (lossless methods match
+plain sampling within noise; HF's universal assisted generation with sampling did not in our smoke).
 Writes OUT/report.json (figures, command, environment) and OUT/report.md.
 """
 
@@ -22,7 +24,9 @@ import json
 import tempfile
 from pathlib import Path
 
-from draftsmith.checkpoint import command_line, environment, load_checkpoint
+import torch
+
+from draftsmith.checkpoint import command_line, environment, load_checkpoint, read_manifest
 from draftsmith.drafters.own_tokenizer import hf_assistant
 from draftsmith.drafters.own_tokenizer_decode import slem_drafter, tli_drafter
 from draftsmith.engine.cpu_layout import apply_cpu_layout, cpu_decode_layout
@@ -79,6 +83,23 @@ def recording(methods: list[Method]) -> tuple[list[Method], dict[str, list[list[
     return [wrap(m) for m in methods], got
 
 
+@torch.no_grad()
+def target_nll(target, prompts, outputs: list[list[int]], sampling: SamplingParams) -> float:
+    """Mean negative log-likelihood per token of ``outputs`` under the target's sampling distribution
+    (temperature applied, no top-k/top-p). A lossless method matches plain sampling's within noise; a lossy
+    one shows (HF's universal assisted generation with sampling did: docs/DECISIONS.md)."""
+    total, n = 0.0, 0
+    dev = next(target.model.parameters()).device
+    for pr, out in zip(prompts, outputs):
+        if not out:
+            continue
+        x = torch.tensor([list(pr.ids) + list(out)], device=dev)
+        lg = target.model(x).logits[0, len(pr.ids) - 1:-1].float() / max(sampling.temperature, 1e-6)
+        total += float(torch.nn.functional.cross_entropy(lg, torch.tensor(out, device=dev), reduction="sum"))
+        n += len(out)
+    return total / max(n, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint")
@@ -92,10 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    import torch
     if a.threads:
         torch.set_num_threads(a.threads)
-    from draftsmith.checkpoint import read_manifest
     target = load_target(read_manifest(a.checkpoint)["target"]["name"])
     module, manifest = load_checkpoint(a.checkpoint, target)
     out = Path(a.out)
@@ -118,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             figs["greedy_mismatches_vs_plain"] = {name: sum(x != y for x, y in zip(toks[1:], base))
                                                   for name, toks in got.items()}
             print(f"greedy outputs differing from plain decoding (prompts): {figs['greedy_mismatches_vs_plain']}")
+        else:  # lossless methods sample the target's distribution: their outputs' likelihood matches plain's
+            figs["target_nll_per_token"] = {name: target_nll(target, prompts, toks[1:], s)
+                                            for name, toks in got.items()}
+            print(f"mean target NLL per token of the sampled outputs: {figs['target_nll_per_token']}")
         figs["table"] = table(figs)
         report["runs"][f"T={temp}"] = figs
         md += [f"## temperature {temp}, {len(prompts)} prompts, {a.max_new_tokens} new tokens", "", "```",
