@@ -241,7 +241,8 @@ def test_exactly_once_under_kill9(target, tmp_path):
 def test_crash_points_then_resume_apply_each_record_once(target, tmp_path, point):
     """A crash at each named point of an update, then a fresh job: same counts as an uninterrupted run."""
     from draftsmith.train.online import Crash
-    r = online_recipe(tmp_path, every_records=6, max_steps=1, holdout_window=2, eval_max_new_tokens=4)
+    r = online_recipe(tmp_path, every_records=6, max_steps=1, holdout_window=2, eval_max_new_tokens=4, margin=1.0)
+    PublishStore(tmp_path / "pub").publish(medusa_checkpoint(target, tmp_path / "init", seed=2))  # margin 1: passes
     logs = tmp_path / "logs"
     _write(logs, [_record(target, i, n=12) for i in range(14)] + ["{bad"])
     job = OnlineJob(r, target, logs, state_dir=tmp_path / "state", publish_dir=tmp_path / "pub", crash_at=point)
@@ -255,7 +256,9 @@ def test_crash_points_then_resume_apply_each_record_once(target, tmp_path, point
     assert c["records_applied_in_model"] == c["applied"]
     assert [ln for ln in (tmp_path / "state" / "quarantine.jsonl").read_text().splitlines()].__len__() == 1
     if point in ("after_commit", "before_publish"):  # the committed update's gate ran after the restart
-        assert all(u["gate"] is not None for u in job2.ledger.updates() if u["n_new"])
+        gates = [json.loads(u["gate"]) for u in job2.ledger.updates() if u["n_new"]]
+        assert gates and all(not g.get("publishing") and g["passed"] for g in gates)
+        assert PublishStore(tmp_path / "pub").current() == job2.ledger.updates()[-1]["version"]
 
 
 def test_import_openai_logs(target, tmp_path):
