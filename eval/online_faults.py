@@ -97,7 +97,8 @@ def kills(a, out: Path) -> dict:
         log.close()
     lines = sum(len(f.read_bytes().splitlines()) for f in logs.glob("*.jsonl"))
     rfile = out / "recipe.yaml"
-    rfile.write_text(yaml.safe_dump(_recipe_raw(target, out)))
+    # small updates (each with its gate), so a replay spans many commits and the kills land between them
+    rfile.write_text(yaml.safe_dump(_recipe_raw(target, out, every_records=a.every_records)))
     cmd = [sys.executable, "-m", "draftsmith.cli", "online", str(rfile), "--logs", str(logs), "--once",
            "--state", str(out / "state"), "--publish", str(out / "publish")]
     rnd = random.Random(a.seed)
@@ -239,8 +240,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--records", type=int, default=1000)
     ap.add_argument("--logs", default=None, help="kills: replay these logs instead of synthetic records")
     ap.add_argument("--kills", type=int, default=20)
-    ap.add_argument("--min-delay", type=float, default=6.0, help="kills: seconds after a start before a kill ...")
-    ap.add_argument("--max-delay", type=float, default=40.0, help="... at most")
+    ap.add_argument("--every-records", type=int, default=10, help="kills: records per update of the job")
+    ap.add_argument("--min-delay", type=float, default=4.0, help="kills: seconds after a start before a kill ...")
+    ap.add_argument("--max-delay", type=float, default=12.0, help="... at most")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--publish-every", type=float, default=5.0)
