@@ -9,8 +9,9 @@ decoder and its verification are unchanged:
   and verifies with exact rejection sampling in the target's vocabulary: lossless by construction.
   A drafted target token is in the intersection, so it is fed to the drafter as its one drafter id.
 * SLEM (same paper, greedy only): the drafter writes ``draft_depth + extra`` tokens of its own
-  greedily; their text is re-tokenised with the target's tokenizer (anchored on the last committed
-  target tokens, so a draft that merges with them is seen), and ``propose`` returns one-hot logits
+  greedily (extra = 0 by default: K of its own tokens, like HF universal assisted generation); their
+  text is re-tokenised with the target's tokenizer (anchored on the last committed target tokens, so
+  a draft that merges with them is seen), and ``propose`` returns one-hot logits
   for those target ids, one per chain position. Greedy verification accepts while they equal the
   target's argmax: exact match, the target's own greedy output.
 
@@ -122,7 +123,7 @@ class TLIDrafter(_OwnTokenizerBase):
 class SLEMDrafter(_OwnTokenizerBase):
     """String-level exact match (greedy only): the drafter's text re-tokenised with the target's tokenizer."""
 
-    def __init__(self, *args, extra: int = 1, anchor: int = 4, **kw):
+    def __init__(self, *args, extra: int = 0, anchor: int = 4, **kw):
         super().__init__(*args, **kw)
         self.extra, self.anchor = int(extra), int(anchor)
         specials = self.bridge.tokenizer.get_added_tokens_decoder()
@@ -181,7 +182,7 @@ def tli_drafter(module, target, fingerprint: str | None = None, name: str = "own
 
 
 def slem_drafter(module, target, fingerprint: str | None = None, name: str = "own-tokenizer",
-                 extra: int = 1) -> SLEMDrafter:
+                 extra: int = 0) -> SLEMDrafter:
     """A trained `OwnTokenizerDrafter` as a SLEM decoder drafter (greedy only)."""
     return SLEMDrafter(module.model, module.bridge(target), fingerprint or target.fingerprint, f"{name} SLEM",
                        extra=extra)
