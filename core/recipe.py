@@ -212,7 +212,7 @@ class OnlineConfig(_Strict):
     every_seconds: float = Field(300.0, gt=0, description="... or this long after the first unapplied record")
     replay_ratio: float = Field(1.0, ge=0, description="replayed earlier records per new record (against forgetting)")
     replay_buffer: int = Field(5000, ge=1, description="replay draws from this many most recent applied records")
-    osd_weight: int = Field(4, ge=0, description="OSD emphasis: each rejected position adds this many copies of a "
+    osd_weight: int = Field(1, ge=0, description="OSD emphasis: each rejected position adds this many copies of a "
                             "short window ending at it to the update's chunks (0 = off; logs without acceptance "
                             "data get none)")
     lr: float = Field(1e-4, gt=0, description="constant learning rate of an update (OSD: 1e-4)")

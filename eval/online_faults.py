@@ -75,6 +75,16 @@ def _checkpoints(target, out: Path, n: int) -> list[Path]:
     return paths
 
 
+def _applied(out: Path) -> int:
+    if not (out / "state" / "ledger.sqlite").exists():
+        return -1
+    led = Ledger(out / "state")
+    try:
+        return led.counts()["applied"]
+    finally:
+        led.close()
+
+
 def kills(a, out: Path) -> dict:
     target = _target(a.target, out)
     logs = Path(a.logs) if a.logs else out / "logs"
@@ -107,6 +117,11 @@ def kills(a, out: Path) -> dict:
         runs += 1
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if n_kills < a.kills:
+            # wait until this run has committed something (so kills spread over the replay instead of all
+            # landing in the start-up of the same update), then kill at a random moment after that
+            base, t_start = _applied(out), time.time()
+            while p.poll() is None and _applied(out) == base and time.time() - t_start < 600:
+                time.sleep(0.1)
             time.sleep(rnd.uniform(a.min_delay, a.max_delay))
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGKILL)
@@ -241,8 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--logs", default=None, help="kills: replay these logs instead of synthetic records")
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--every-records", type=int, default=10, help="kills: records per update of the job")
-    ap.add_argument("--min-delay", type=float, default=4.0, help="kills: seconds after a start before a kill ...")
-    ap.add_argument("--max-delay", type=float, default=12.0, help="... at most")
+    ap.add_argument("--min-delay", type=float, default=0.0, help="kills: seconds after the run commits before a kill ...")
+    ap.add_argument("--max-delay", type=float, default=4.0, help="... at most")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--publish-every", type=float, default=5.0)
