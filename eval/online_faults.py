@@ -135,8 +135,7 @@ def kills(a, out: Path) -> dict:
         outp = p.communicate()[0]
         if p.returncode != 0:
             raise RuntimeError(f"online job failed:\n{outp[-4000:]}")
-        if n_kills >= a.kills:
-            break
+        break  # a run that ends on its own has applied the whole replay (--once)
     led = Ledger(out / "state")
     c = led.counts()
     srcs = [r[0] for r in led.db.execute("SELECT src FROM records")] + \
@@ -257,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--every-records", type=int, default=10, help="kills: records per update of the job")
     ap.add_argument("--min-delay", type=float, default=0.0, help="kills: seconds after the run commits before a kill ...")
-    ap.add_argument("--max-delay", type=float, default=4.0, help="... at most")
+    ap.add_argument("--max-delay", type=float, default=2.0, help="... at most")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--publish-every", type=float, default=5.0)
