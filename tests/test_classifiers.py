@@ -55,7 +55,8 @@ def test_trace_labels_match_a_hand_computed_case(temperature):
         conf = q if temperature > 0 else torch.softmax(q_logits, -1)
         assert r["token"] == (int(q_logits.argmax()) if temperature == 0 else r["token"])
         want = min(1.0, float(p[r["token"]] / q[r["token"]]))
-        assert r["ratio"] == pytest.approx(want, abs=1e-5)
+        # cached vs cache-free forwards round differently; p/q amplifies it where q is small
+        assert r["ratio"] == pytest.approx(want, rel=1e-4, abs=1e-5)
         assert r["top1"] == pytest.approx(float(conf.max()), abs=1e-5)
         assert r["q_token"] == pytest.approx(float(conf[r["token"]]), abs=1e-5)
         assert r["cum_q"] == pytest.approx(np.prod([x["q_token"] for x in step_rows[: r["position"]]]), rel=1e-5)
