@@ -21,11 +21,21 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
-class _SlotLayer(CacheLayerMixin):
+def kv_dims(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a causal LM's config."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    return int(cfg.num_hidden_layers), n_kv, head_dim
+
+
+class PreallocatedLayer(CacheLayerMixin):
+    """A cache layer over key/value tensors allocated up front; subclasses say where ``update`` writes."""
+
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, owner: "SlotCache", keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, owner, keys: torch.Tensor, values: torch.Tensor):
         super().__init__()
         self.owner = owner
         self.keys, self.values = keys, values
@@ -34,6 +44,9 @@ class _SlotLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front
         pass
+
+
+class _SlotLayer(PreallocatedLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         s = self.owner.write_start

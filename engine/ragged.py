@@ -18,30 +18,13 @@ live row's entries are moved into the hole (`move_row`, one row's copy).
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
+
+from draftsmith.engine.kvcache import PreallocatedLayer, kv_dims
 
 
-def kv_dims(config) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a causal LM's config."""
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    return int(cfg.num_hidden_layers), n_kv, head_dim
 
-
-class _RowsLayer(CacheLayerMixin):
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, owner: "RowsCache", keys: torch.Tensor, values: torch.Tensor):
-        super().__init__()
-        self.owner = owner
-        self.keys, self.values = keys, values
-        self.is_initialized = True
-        self.dtype, self.device = keys.dtype, keys.device
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front
-        pass
+class _RowsLayer(PreallocatedLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         o = self.owner

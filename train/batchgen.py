@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
+
+from draftsmith.engine.kvcache import PreallocatedLayer, kv_dims
 
 
 @dataclass
@@ -55,27 +57,8 @@ class _Row:
     gen: torch.Generator | None = None
 
 
-def _kv_dims(config) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a causal LM's config."""
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    return int(cfg.num_hidden_layers), n_kv, head_dim
 
-
-class _RaggedLayer(CacheLayerMixin):
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, owner: "RaggedCache", keys: torch.Tensor, values: torch.Tensor):
-        super().__init__()
-        self.owner = owner
-        self.keys, self.values = keys, values
-        self.is_initialized = True
-        self.dtype, self.device = keys.dtype, keys.device
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front
-        pass
+class _RaggedLayer(PreallocatedLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         o = self.owner
@@ -114,7 +97,7 @@ class RaggedCache(Cache):
     """
 
     def __init__(self, config, rows: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
-        layers_n, n_kv, head_dim = _kv_dims(config)
+        layers_n, n_kv, head_dim = kv_dims(config)
         shape = (int(rows), n_kv, int(capacity), head_dim)
         self.capacity, self.n_rows = int(capacity), int(rows)
         self.mode, self.row0, self.span = "decode", 0, 0
@@ -128,7 +111,7 @@ class RaggedCache(Cache):
     @staticmethod
     def bytes_needed(config, rows: int, capacity: int, dtype: torch.dtype) -> int:
         """Memory of the cache: 2 (K, V) x layers x rows x kv_heads x capacity x head_dim x element size."""
-        layers_n, n_kv, head_dim = _kv_dims(config)
+        layers_n, n_kv, head_dim = kv_dims(config)
         el = torch.empty(0, dtype=dtype).element_size()
         return 2 * layers_n * rows * n_kv * capacity * head_dim * el
 
