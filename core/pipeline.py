@@ -36,7 +36,7 @@ from draftsmith.recipe import Recipe
 from draftsmith.target import Target
 from draftsmith.train import generate, remote, sources
 from draftsmith.train.cache import HiddenCache, build_cache
-from draftsmith.train.text_lm import heldout_report, train_text_drafter
+from draftsmith.train.text_lm import heldout_figures, train_text_drafter
 from draftsmith.train.trainer import train
 
 log = logging.getLogger(__name__)
@@ -254,26 +254,31 @@ def stage_train(recipe: Recipe, target: Target, resume: bool = True, stop_after:
     return final, timing
 
 
+def _write_report(recipe: Recipe, target: Target, ckpt: Path, figures: dict, heldout: str) -> dict:
+    """report.{json,md} of a kind that brings its own held-out figures; the figures also go into the checkpoint."""
+    report = {"recipe": recipe.name, "kind": recipe.drafter.kind, "checkpoint": str(ckpt),
+              "target": {"name": target.name, "fingerprint": target.fingerprint},
+              "heldout": heldout, **figures, "command": command_line(), "environment": environment()}
+    update_metrics(ckpt, {"heldout": figures})
+    (recipe.out / "report.json").write_text(json.dumps(report, indent=2))
+    lines = [f"# {recipe.name}: {recipe.drafter.kind} on {target.name}", "", "| figure | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in figures.items()]
+    (recipe.out / "report.md").write_text("\n".join(lines) + "\n")
+    return report
+
+
 def stage_report(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     if _trains_on_text(recipe):
-        return heldout_report(recipe, target, ckpt)
+        return _write_report(recipe, target, ckpt, heldout_figures(recipe, target, ckpt),
+                             "MT-Bench first turns, target greedy answers, in the drafter's own tokens")
     model, manifest = load_checkpoint(ckpt, target)
     cache_dir = recipe.out / "cache" / "heldout"
     if not (cache_dir / "index.json").exists():
         raise EmptyDatasetError("no held-out cache; enable data.heldout_mtbench")
     own = getattr(model, "heldout_metrics", None)
     if own is not None:  # a kind with its own held-out figures (Kangaroo: expected acceptance at the same position)
-        figures = own(HiddenCache(cache_dir, target), target)
-        report = {"recipe": recipe.name, "kind": recipe.drafter.kind, "checkpoint": str(ckpt),
-                  "target": {"name": target.name, "fingerprint": target.fingerprint},
-                  "heldout": "MT-Bench first turns, target greedy answers", **figures,
-                  "command": command_line(), "environment": environment()}
-        update_metrics(ckpt, {"heldout": figures})
-        (recipe.out / "report.json").write_text(json.dumps(report, indent=2))
-        lines = [f"# {recipe.name}: {recipe.drafter.kind} on {target.name}", "", "| figure | value |", "|---|---|"]
-        lines += [f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in figures.items()]
-        (recipe.out / "report.md").write_text("\n".join(lines) + "\n")
-        return report
+        return _write_report(recipe, target, ckpt, own(HiddenCache(cache_dir, target), target),
+                             "MT-Bench first turns, target greedy answers")
     acc = head_accuracy(model, HiddenCache(cache_dir, target), model.num_heads, ranks=10)
     report = {"recipe": recipe.name, "kind": recipe.drafter.kind, "checkpoint": str(ckpt),
               "target": {"name": target.name, "fingerprint": target.fingerprint},

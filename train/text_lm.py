@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.checkpoint import command_line, environment, load_checkpoint, save_checkpoint, update_metrics
+from draftsmith.checkpoint import load_checkpoint, save_checkpoint
 from draftsmith.drafters.own_tokenizer import (OwnTokenizerDrafter, describe, init_from_target,
                                                target_special_tokens, train_bpe_tokenizer)
 from draftsmith.recipe import Recipe
@@ -154,9 +154,9 @@ def train_text_drafter(recipe: Recipe, target: Target, out: Path | None = None) 
 
 
 @torch.no_grad()
-def heldout_report(recipe: Recipe, target: Target, ckpt: Path, max_convs: int = 80) -> dict:
+def heldout_figures(recipe: Recipe, target: Target, ckpt: Path, max_convs: int = 80) -> dict:
     """Held-out figures in the drafter's own tokens: CE and top-1 on the target's MT-Bench answers
-    (``data/heldout.jsonl``), plus the vocabulary intersection; written to report.{json,md}."""
+    (``data/heldout.jsonl``), plus the vocabulary intersection (the pipeline writes the report)."""
     module, _ = load_checkpoint(ckpt, target)
     stats: Counter = Counter()
     src = recipe.out / "data" / "heldout.jsonl"
@@ -178,13 +178,4 @@ def heldout_report(recipe: Recipe, target: Target, ckpt: Path, max_convs: int = 
         figures.update(heldout_conversations=len(convs), heldout_positions=int(keep.sum()),
                        heldout_ce=float(torch.nn.functional.cross_entropy(lg, y)),
                        heldout_top1=float((lg.argmax(-1) == y).float().mean()))
-    report = {"recipe": recipe.name, "kind": recipe.drafter.kind, "checkpoint": str(ckpt),
-              "target": {"name": target.name, "fingerprint": target.fingerprint},
-              "heldout": "MT-Bench first turns, target greedy answers, in the drafter's own tokens", **figures,
-              "command": command_line(), "environment": environment()}
-    update_metrics(ckpt, {"heldout": figures})
-    (recipe.out / "report.json").write_text(json.dumps(report, indent=2))
-    lines = [f"# {recipe.name}: {recipe.drafter.kind} on {target.name}", "", "| figure | value |", "|---|---|"]
-    lines += [f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in figures.items()]
-    (recipe.out / "report.md").write_text("\n".join(lines) + "\n")
-    return report
+    return figures
