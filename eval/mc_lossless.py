@@ -28,18 +28,21 @@ OTHER = "*"
 
 
 @torch.no_grad()
-def mc_counts(dec, prompt: list[int], n_new: int, n_samples: int, seed: int = 0) -> Counter:
-    """Sample ``n_samples`` outputs; the prompt is prefilled once and each sample starts from a clone."""
+def mc_counts(dec, prompt: list[int], n_new: int, n_samples: int, seed: int = 0) -> tuple[Counter, int, int]:
+    """Sample ``n_samples`` outputs; the prompt is prefilled once and each sample starts from a clone.
+    Returns (output counts, draft tokens drafted, draft tokens accepted): a run that drafted nothing proves nothing."""
     rng = TorchRandom(seed)
     base = dec.start(prompt, n_new)
     dec.prefill(base)  # once, instead of inside every sample's first forward
     counts: Counter = Counter()
+    drafted = accepted = 0
     for _ in range(n_samples):
         st = base.clone()
         while not st.done:
-            dec.step(st, rng)
+            s = dec.step(st, rng)
+            drafted, accepted = drafted + s.drafted, accepted + s.accepted
         counts[tuple(st.tokens[st.prompt_len:])] += 1
-    return counts
+    return counts, drafted, accepted
 
 
 @torch.no_grad()
@@ -122,8 +125,9 @@ def mc_lossless(dec, prompt: list[int], n_new: int, n_samples: int, seed: int = 
     """Sample with ``dec`` and test against the target: returns the chi-square figures."""
     cells, continued, rest_key = target_cells(dec.target, prompt, n_new, n_samples, dec.sampling)
     t0 = time.perf_counter()
-    counts = mc_counts(dec, prompt, n_new, n_samples, seed)
+    counts, drafted, accepted = mc_counts(dec, prompt, n_new, n_samples, seed)
     out = chi_square(counts, cells, continued, rest_key)
+    out["drafted"], out["accepted"] = drafted, accepted
     out["sample_s"] = time.perf_counter() - t0
     return out
 
@@ -169,15 +173,18 @@ def main(argv: list[str] | None = None) -> dict:
     if a.only_checkpoints:
         methods = {}
     for ck in a.checkpoint:
-        methods[f"checkpoint:{ck}"] = SpeculativeDecoder(target, drafter_from_checkpoint(ck, target),
-                                                         sampling=sampling)
+        d = drafter_from_checkpoint(ck, target)
+        methods[f"checkpoint:{ck}"] = SpeculativeDecoder(target, d, sampling=sampling)
+        if getattr(d, "default_policy", None) is not None:  # a confidence stop (Kangaroo) may rarely draft at T > 0:
+            methods[f"checkpoint:{ck} K=3"] = SpeculativeDecoder(target, d, policy=FixedLength(3), sampling=sampling)
     report = {"prompt": a.prompt, "new_tokens": a.new_tokens, "sampling": vars(sampling), "methods": {}}
     for name, dec in methods.items():
         r = mc_lossless(dec, prompt, a.new_tokens, a.samples, a.seed)
         r["pass"] = r["p_value"] > 1e-3
         report["methods"][name] = r
         print(f"{name:22s} samples={r['samples']} cells={r['cells']} chi2={r['statistic']:.1f} "
-              f"p={r['p_value']:.4f} {'PASS' if r['pass'] else 'FAIL'} ({r['sample_s']:.0f} s)", flush=True)
+              f"p={r['p_value']:.4f} {'PASS' if r['pass'] else 'FAIL'} ({r['sample_s']:.0f} s; "
+              f"{r['drafted']} tokens drafted, {r['accepted']} accepted)", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(report, f, indent=2)

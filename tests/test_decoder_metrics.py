@@ -37,3 +37,25 @@ def test_time_shares_speedup_and_summary():
     summ = summarize([r, r])
     assert summ["tokens"] == 8 and summ["target_forwards"] == 4 and summ["tau"] == 2.0
     assert summ["tokens_per_s"] == 2.0
+
+
+def test_bench_rotates_method_order_per_prompt():
+    """Interleaved, with the order rotating per prompt: no method always runs right after the same one."""
+    from types import SimpleNamespace
+
+    from draftsmith.eval.bench import Method, run_bench
+
+    calls: list[str] = []
+
+    def runner(name):
+        def run(ids, n, seed):
+            calls.append(name)
+            return DecodeResult(tokens=[1] * n, prompt_len=len(ids),
+                                steps=[StepStats(1, 0, 0, 0, 0.0, 0.01, 0.0)] * n, wall_s=0.01 * n)
+        return run
+
+    methods = [Method(m, runner(m)) for m in "abc"]
+    prompts = [SimpleNamespace(ids=[0, 1], question_id=i, category="x") for i in range(3)]
+    run_bench(methods, prompts, 2, log=None)
+    per_prompt = [calls[3 + 3 * k: 6 + 3 * k] for k in range(3)]  # the first 3 calls are the warm-up
+    assert per_prompt == [list("abc"), list("bca"), list("cab")]
