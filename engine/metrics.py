@@ -123,4 +123,7 @@ def summarize(results: Sequence[DecodeResult]) -> dict:
         "wasted_per_accepted": (drafted - accepted) / accepted if accepted else None,
         "acceptance_by_position": acceptance_by_position(results), "time_shares": time_shares(results),
         "wall_s": wall, "tokens_per_s": tokens_per_second(tokens, wall),
+        # mean milliseconds per step: what a step-time breakdown compares (e.g. verification depth)
+        "step_ms": {k: 1e3 * sum(getattr(st, f"{k}_s") for st in steps) / len(steps) if steps else 0.0
+                    for k in ("draft", "verify", "other")},
     }

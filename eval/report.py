@@ -69,13 +69,15 @@ def _markdown(report: dict) -> str:
               f"included; plain decoding = 1.00; see draftsmith.engine.metrics). Speedups name their baseline.", ""]
     for label, figs in report["runs"].items():
         lines += [f"## {label}", "", "```", table(figs), "```", ""]
-        lines += ["| method | tokens/s | tau | speedup | time shares (draft/verify/other) |",
-                  "|---|---|---|---|---|"]
+        lines += ["| method | tokens/s | tau | speedup | time shares (draft/verify/other) | ms per step "
+                  "(draft/verify/other) |", "|---|---|---|---|---|---|"]
         for name, s in figs["methods"].items():
             sp = "; ".join(f"{x['speedup']:.2f}x vs {x['baseline']}" for x in s["speedup"]) or "-"
             ts = s.get("time_shares")
             share = f"{ts['draft']:.2f}/{ts['verify']:.2f}/{ts['other']:.2f}" if ts else "-"
-            lines.append(f"| {name} | {s['tokens_per_s']:.2f} | {s['tau']:.3f} | {sp} | {share} |")
+            ms = s.get("step_ms") if ts else None
+            ms = f"{ms['draft']:.1f}/{ms['verify']:.1f}/{ms['other']:.1f}" if ms else "-"
+            lines.append(f"| {name} | {s['tokens_per_s']:.2f} | {s['tau']:.3f} | {sp} | {share} | {ms} |")
         lines.append("")
     env = report["environment"]
     lines += ["## Environment", "", "```", json.dumps(env, indent=2), "```", ""]

@@ -37,6 +37,7 @@ def test_time_shares_speedup_and_summary():
     summ = summarize([r, r])
     assert summ["tokens"] == 8 and summ["target_forwards"] == 4 and summ["tau"] == 2.0
     assert summ["tokens_per_s"] == 2.0
+    assert summ["step_ms"] == pytest.approx({"draft": 100.0, "verify": 300.0, "other": 100.0})
 
 
 def test_bench_rotates_method_order_per_prompt():
