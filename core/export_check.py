@@ -1,7 +1,7 @@
 """Real-target check of every export of a checkpoint: reload, decode, compare.
 
-    python -m draftsmith.export_check CKPT [--prompts 16] [--max-new-tokens 128] [--drafter-layers 4]
-                                      [--tree chain|built:N] [--out runs/export-check]
+    python -m draftsmith.export_check CKPT [--prompts 16] [--max-new-tokens 128] [--tree chain|built:N]
+                                      [--hf-baseline [--drafter-layers 4]] [--out runs/export-check]
 
 For each format that can hold the checkpoint's kind (Medusa: ``vllm-medusa``
 and ``draftsmith``), the checkpoint is exported, loaded back (and the
@@ -9,10 +9,11 @@ vllm-medusa directory also imported into a new checkpoint), and each is
 decoded greedily on MT-Bench first turns with our decoder: tokens AND the
 accepted length of every step must equal the checkpoint's (equal tokens alone
 prove nothing: a lossless decoder gives the target's output with any drafter).
-Then ``first-layers:N`` is exported as ``hf`` and loaded by transformers:
-``generate(assistant_model=export)`` must give the target's own greedy
-output, and our decoder must decode identically from the export and from the
-in-memory baseline. Writes OUT/export_check.json; exits 1 on any difference.
+A kind with an ``hf`` export (a trained standalone drafter) is then loaded by
+transformers: ``generate(assistant_model=export)`` must give the target's own
+greedy output. With ``--hf-baseline``, a kind with no hf export checks the
+untrained ``first-layers:N`` that way instead (and our decoder from its export
+against the in-memory baseline). Writes OUT/export_check.json; exits 1 on any difference.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 def check(ckpt: str | Path, out: str | Path, prompts: int = 16, max_new_tokens: int = 128, drafter_layers: int = 4,
-          tree: str = "chain", target: str | None = None) -> dict:
+          tree: str = "chain", target: str | None = None, hf_baseline: bool = False) -> dict:
     """Export ``ckpt`` to every format that holds it (and ``first-layers:N`` to hf), reload, decode, compare."""
     out = Path(out)
     shutil.rmtree(out, ignore_errors=True)
@@ -96,6 +97,12 @@ def check(ckpt: str | Path, out: str | Path, prompts: int = 16, max_new_tokens: 
 
     # hf, loaded back by transformers: the checkpoint's own hf export when its kind has one (a trained
     # standalone drafter), else the untrained first-layers baseline
+    n = len(rows)
+    if "hf" not in fmts and not hf_baseline:  # nothing for transformers to load
+        report["hf"] = None
+        report["ok"] = all(r["identical_tokens"] == n and r["identical_steps"] == n for r in report["heads"].values())
+        (out / "export_check.json").write_text(json.dumps(report, indent=2, default=str))
+        return report
     if "hf" in fmts:
         assistant_dir, baseline, exported = out / "hf", None, None
     else:
@@ -144,6 +151,9 @@ def summary(report: dict) -> str:
         lines.append(f"| {name} | {r['identical_tokens']}/{n} | {r['identical_steps']}/{n} | "
                      f"{sum(r['tau']) / len(r['tau']):.3f} |")
     hf = report["hf"]
+    if hf is None:
+        return "\n".join(lines + ["", "(no hf export for this kind; --hf-baseline checks first-layers:N)", "",
+                                   "OK" if report["ok"] else "DIFFERENCES FOUND"])
     lines += ["", f"hf export ({hf.get('assistant', 'first-layers')}): HF generate(assistant_model=export) == target greedy on {hf['assisted_equals_target']}/"
               f"{n} (first differing position per prompt: {hf['first_diff'] or 'none'}); our decoder identical from "
               f"the export and its source on {hf['ours_identical']}/{n}", "", "OK" if report["ok"] else "DIFFERENCES FOUND"]
@@ -159,9 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter-layers", type=int, default=4, help="N of the first-layers:N baseline exported as hf")
     ap.add_argument("--tree", default="chain", help="chain, or built:N (a tree saved with the checkpoint)")
     ap.add_argument("--target", default=None)
+    ap.add_argument("--hf-baseline", action="store_true",
+                    help="for a kind with no hf export: also export first-layers:N to hf and check it with "
+                         "transformers' assisted generation")
     ap.add_argument("--out", default="runs/export-check")
     a = ap.parse_args(argv)
-    report = check(a.checkpoint, a.out, a.prompts, a.max_new_tokens, a.drafter_layers, a.tree, a.target)
+    report = check(a.checkpoint, a.out, a.prompts, a.max_new_tokens, a.drafter_layers, a.tree, a.target, a.hf_baseline)
     print(summary(report))
     print(f"wrote {Path(a.out) / 'export_check.json'}")
     return 0 if report["ok"] else 1
