@@ -14,7 +14,7 @@
 4. After every update: acceptance and tau of the published drafter on --eval-prompts held-out coding
    prompts (never served), so the curve is acceptance against records seen.
 5. MT-Bench first turns (--mtbench): the initial and the final drafter, to show what general chat lost.
-Writes DIR/results.json and DIR/acceptance.png. Greedy responses are checked against plain decoding
+Writes DIR/results.json and DIR/acceptance.png (DIR/curve.json and the plot after every update too). Greedy responses are checked against plain decoding
 for the first --check-greedy requests.
 """
 
@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
                 greedy_ok.append(text == target.tokenizer.decode(ref, skip_special_tokens=True))
         updates += job.run(once=True)
         curve.append(point(min(i + every, len(traffic))))
+        # the curve so far, so a run stopped early still leaves its figures and plot
+        (out / "curve.json").write_text(json.dumps(curve, indent=2, default=str))
+        plot(curve, out / "acceptance.png")
     server.should_exit = True
     mt = {}
     if a.mtbench:
