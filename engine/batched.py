@@ -144,6 +144,7 @@ class BatchedSpeculativeDecoder:
         self.eos = frozenset(target.eos_token_ids)
         self.cache: RowsCache | None = None
         self.adapter = None
+        self._drafting = False  # set per generate() call
         if drafter is not None:
             self._check_drafter(drafter)
             self.adapter = batch_adapter(drafter)
@@ -327,7 +328,7 @@ class BatchedSpeculativeDecoder:
         """`SpeculativeDecoder.commit` for one row of the batch; returns the tokens emitted."""
         L = st.length
         self.cache.compact_row(row, [L + i for i in verdict.path[1:]], L + 1)
-        if self.adapter is not None:
+        if self._drafting:
             self.adapter.commit(row, self, st, tree, verdict.path)
         path = torch.tensor(verdict.path, device=hidden.device)
         old = st.fresh_hidden
@@ -342,7 +343,7 @@ class BatchedSpeculativeDecoder:
             raise RuntimeError(f"row {row}: step emitted {len(out)} tokens past max_new_tokens")
         st.tokens.extend(out)
         st.length = st.cached = L + 1 + verdict.accepted
-        if self.adapter is not None:
+        if self._drafting:
             st.fresh_hidden = self.adapter.history(st, old, st.fresh_hidden)
         if not st.done and st.emitted >= st.max_new_tokens:
             st.done, st.stop_reason = True, "max_new_tokens"
@@ -376,7 +377,11 @@ class BatchedSpeculativeDecoder:
         live_states = [states[i] for i in live]
         for r, st in enumerate(live_states):
             self._prefill(r, st)
-        if self.adapter is not None:
+        # Live rows only leave the batch, so when the length policy picks K = 0 for every batch size up to
+        # this one the drafter can never run in this call: no drafter state is kept (plain decoding's cost).
+        self._drafting = self.adapter is not None and (
+            self.tree is not None or any(self._k_for(m) > 0 for m in range(1, len(live) + 1)))
+        if self._drafting:
             self.adapter.start(self, live_states, self.cache.capacity)
         t1 = time.perf_counter()
         batch = BatchResult(rows=[])
@@ -392,6 +397,10 @@ class BatchedSpeculativeDecoder:
         batch.rows, batch.prefill_s, batch.wall_s = results, t1 - t0, t2 - t0
         return batch
 
+    def _k_for(self, n: int) -> int:
+        """The chain's draft length for n live rows: the policy's choice, else the fixed K."""
+        return self.policy.choose(n) if self.policy else self.k
+
     def _step(self, live: list[int], states: list[DecodeState], rngs, batch: BatchResult,
               row_steps: dict[int, list[StepStats]]) -> None:
         t0 = time.perf_counter()
@@ -400,8 +409,8 @@ class BatchedSpeculativeDecoder:
         n = len(live)
         trees = [DraftTree(s.tokens[s.length], self.max_block - 1, self.device) for s in sts]
         k = 0
-        if self.adapter is not None:
-            k = self.tree.size if self.tree is not None else (self.policy.choose(n) if self.policy else self.k)
+        if self._drafting:
+            k = self.tree.size if self.tree is not None else self._k_for(n)
         if k > 0:
             depth = self.tree.depth if self.tree is not None else k
             for s, c in zip(sts, self._caps(sts, depth)):
@@ -423,7 +432,7 @@ class BatchedSpeculativeDecoder:
                 last = len(live) - 1
                 if r != last:
                     self.cache.move_row(last, r, states[live[last]].length)
-                    if self.adapter is not None:
+                    if self._drafting:
                         self.adapter.move_row(last, r, states[live[last]])
                     live[r] = live[last]
                 live.pop()

@@ -242,6 +242,12 @@ def test_policy_picks_plain_where_speculation_loses(tgt, reference):
     res = BatchedSpeculativeDecoder(tgt, first_layers_drafter(tgt, 2), k=pol).generate(PROMPTS, N_NEW)
     assert {s.k for s in res.steps} == {0} and res.tau == 1.0
     assert [r.tokens for r in res.rows] == [r.tokens for r in reference]
+    # K = 0 at every batch size up to this one: the drafter is never touched (plain decoding's cost)
+    dec = BatchedSpeculativeDecoder(tgt, first_layers_drafter(tgt, 2), k=pol)
+    calls = []
+    for name in ("start", "begin_step", "propose", "commit", "history", "move_row"):
+        setattr(dec.adapter, name, lambda *a, _n=name, **k: calls.append(_n))
+    assert [r.tokens for r in dec.generate(PROMPTS, N_NEW).rows] == [r.tokens for r in reference] and calls == []
     wins_small = GoodputTable({1: {0: 1.0, 2: 1.1, 4: 1.2}, 4: {0: 1.0, 2: 3.0, 4: 6.0}}, [0.8, 0.7, 0.6, 0.5])
     assert BatchAwareLength(wins_small).plan([1, 2, 4, 5]) == {1: 4, 2: 2, 4: 0, 5: 0}
     pol = BatchAwareLength(wins_small)
