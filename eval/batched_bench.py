@@ -98,6 +98,8 @@ def run(a) -> dict:
         table = calibrate(make, ids, sizes, a.calib_ks, new_tokens=a.calib_tokens, repeats=a.calib_repeats,
                           log=print if a.verbose else None)
     calib_s = time.perf_counter() - t0
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    table.save(Path(a.out) / "goodput_table.json")  # now, so a stopped run can be redone with --policy-table
     policy = BatchAwareLength(table)
     print(f"calibration {calib_s:.0f} s; acceptance by depth {[round(x, 3) for x in table.acceptance]}; "
           f"K by batch size {policy.plan(sizes)}", flush=True)
