@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -56,6 +56,10 @@ from draftsmith.target import Target, check_fingerprint
 
 __all__ = ["BatchedSpeculativeDecoder", "BatchResult", "BatchStep", "BatchAwareLength", "GoodputTable", "calibrate",
            "expected_tokens", "HeadRows", "ModelRows", "RowsCache", "plain_batched_decoder"]
+
+
+# on_step(row, new_ids, stats, stop_reason): see `BatchedSpeculativeDecoder.generate`
+OnStep = Callable[[int, list[int], StepStats, "str | None"], None]
 
 
 @dataclass
@@ -353,9 +357,14 @@ class BatchedSpeculativeDecoder:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 128, *,
                  seeds: Sequence[int] | None = None, rngs: Sequence[RandomSource] | None = None,
-                 seed: int = 0) -> BatchResult:
+                 seed: int = 0, on_step: OnStep | None = None) -> BatchResult:
         """Decode every prompt at once; each row has its own random source (``rngs``, else ``TorchRandom``
-        seeded by ``seeds[i]``, else ``seed + i``). Rows come back in input order."""
+        seeded by ``seeds[i]``, else ``seed + i``). Rows come back in input order.
+
+        ``on_step(row, new_ids, stats, stop_reason)``, if given, is called after every step for each row
+        in it (``row``: the input index; ``new_ids``: the tokens the step committed; ``stop_reason``:
+        None while the row goes on, else ``"eos"`` / ``"max_new_tokens"``, once, as the row leaves). It
+        only observes (streaming, per-row logging): the outputs are the same with or without it."""
         prompts, news = self._rows(prompts, max_new_tokens)
         B = len(prompts)
         if rngs is None:
@@ -387,7 +396,7 @@ class BatchedSpeculativeDecoder:
         batch = BatchResult(rows=[])
         row_steps: dict[int, list[StepStats]] = {i: [] for i in range(B)}
         while live:
-            self._step(live, states, rngs, batch, row_steps)
+            self._step(live, states, rngs, batch, row_steps, on_step)
         t2 = time.perf_counter()
         for i in range(B):
             st = states[i]
@@ -402,7 +411,7 @@ class BatchedSpeculativeDecoder:
         return self.policy.choose(n) if self.policy else self.k
 
     def _step(self, live: list[int], states: list[DecodeState], rngs, batch: BatchResult,
-              row_steps: dict[int, list[StepStats]]) -> None:
+              row_steps: dict[int, list[StepStats]], on_step: OnStep | None = None) -> None:
         t0 = time.perf_counter()
         sts = [states[i] for i in live]
         rr = [rngs[i] for i in live]
@@ -445,6 +454,10 @@ class BatchedSpeculativeDecoder:
         batch.steps.append(BatchStep(live=n, k=k, drafted=sum(t.n for t in trees),
                                      accepted=sum(v.accepted for v in verdicts), emitted=sum(emitted),
                                      draft_s=dt[0], verify_s=dt[1], other_s=dt[2]))
+        if on_step is not None:
+            for key, e in zip(keys, emitted):
+                st = states[key]
+                on_step(key, st.tokens[len(st.tokens) - e:], row_steps[key][-1], st.stop_reason if st.done else None)
 
 
 def plain_batched_decoder(target: Target, sampling: SamplingParams | None = None) -> BatchedSpeculativeDecoder:

@@ -128,6 +128,32 @@ def test_a_row_ending_early_changes_no_other_row(tgt):
     assert [a.rows[i].tokens for i in (1, 2, 3)] == [b.rows[i].tokens for i in (1, 2, 3)]
 
 
+@pytest.mark.parametrize("sampling", [None, SamplingParams(0.9, top_k=10)], ids=["greedy", "sampled"])
+def test_on_step_hook_streams_each_row_and_changes_nothing(tgt, sampling):
+    """``on_step`` sees every row's committed tokens step by step (they add up to the row's output), its step
+    stats, and its stop reason exactly once, as it leaves; the outputs equal those of a call without it."""
+    dec = BatchedSpeculativeDecoder(tgt, first_layers_drafter(tgt, 2), k=3, sampling=sampling)
+    seeds = [7, 8, 9, 10, 11]
+    ref = dec.generate(PROMPTS, N_NEW, seeds=seeds)
+    seen = {i: [] for i in range(len(PROMPTS))}
+    stats = {i: [] for i in range(len(PROMPTS))}
+    stops = {i: [] for i in range(len(PROMPTS))}
+
+    def hook(row, new_ids, st, stop):
+        assert not stops[row], f"row {row} got a step after it stopped"
+        assert len(new_ids) == st.emitted >= 1
+        seen[row].extend(new_ids)
+        stats[row].append(st)
+        if stop is not None:
+            stops[row].append(stop)
+
+    res = dec.generate(PROMPTS, N_NEW, seeds=seeds, on_step=hook)
+    assert [r.tokens for r in res.rows] == [r.tokens for r in ref.rows]
+    assert [seen[i] for i in range(len(PROMPTS))] == [r.tokens for r in res.rows]
+    assert [stats[i] for i in range(len(PROMPTS))] == [r.steps for r in res.rows]
+    assert [stops[i] for i in range(len(PROMPTS))] == [[r.stop_reason] for r in res.rows]
+
+
 # ---------------------------------------------------------------------------------------------- sampling
 TEMP = SamplingParams(0.8)
 TOPKP = SamplingParams(1.0, top_k=4, top_p=0.95)
