@@ -87,8 +87,17 @@ class HeadObjective:
         self.cache, self.target, self.K = cache, target, num_heads
         self.loss_kind, self.soft_weight, self.head_decay = loss, soft_weight, head_decay
         self.chunks = make_chunks(cache, chunk_len, exclude=exclude)
+        # With a pruned draft head the soft teacher is needed over the kept ids only (renormalised there):
+        # `use_pruned_teacher` makes the teacher's product those N rows instead of all V (V/N times cheaper).
+        self.teacher_head = None
         if not self.chunks:
             raise ValueError("the cache holds no trainable positions (no assistant tokens); check the data stage")
+
+    def use_pruned_teacher(self, head) -> None:
+        """Compute teacher logits through ``head`` (a `PrunedHead` of the target's LM head, or None for all
+        ids). Renormalising the full teacher over the kept ids equals a softmax over the kept logits, so
+        the loss is unchanged; only the product is cheaper."""
+        self.teacher_head = head
 
     def weights(self) -> list[float]:
         return [self.head_decay ** k for k in range(1, self.K + 1)]
@@ -105,7 +114,8 @@ class HeadObjective:
         h = self.cache.states(i, "final", lo, hi + self.K)
         tl = None
         if teacher:
-            tl = teacher_logits(self.target, h)  # rows lo .. hi+K-1
+            tl = (teacher_logits(self.target, h) if self.teacher_head is None else
+                  self.teacher_head(h.to(self.teacher_head.weight.dtype)).float())  # rows lo .. hi+K-1
             n = tl.shape[0]
             rows = []
             for k in range(1, self.K + 1):
@@ -150,7 +160,9 @@ class HeadObjective:
             if self.loss_kind in ("hard", "mix"):
                 lk = lk + (1 - self.soft_weight if self.loss_kind == "mix" else 1.0) * hard_ce(logits[k], lab)
             if self.loss_kind in ("soft", "mix"):
-                teacher = batch.teacher[k] if dh is None else batch.teacher[k][..., dh.kept_ids]
+                teacher = batch.teacher[k]
+                if dh is not None and teacher.shape[-1] != logits.shape[-1]:  # a full-vocabulary teacher
+                    teacher = teacher[..., dh.kept_ids]
                 lk = lk + (self.soft_weight if self.loss_kind == "mix" else 1.0) * \
                     soft_ce(logits[k], teacher, batch.labels[k] != -100)
             total = total + w * lk

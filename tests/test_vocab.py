@@ -138,3 +138,31 @@ def test_pruned_medusa_is_not_widened_silently_on_export(tmp_path):
     save_checkpoint(tmp_path / "ck", heads, t)
     with pytest.raises(ExportError, match="draftsmith"):
         export(tmp_path / "ck", "vllm-medusa", tmp_path / "out", t)
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_pruned_teacher_gives_the_full_teachers_loss(tmp_path, prefix):
+    """The soft teacher computed through the kept rows only equals the full teacher renormalised over them."""
+    from draftsmith.heads.objective import HydraObjective
+    from draftsmith.train.cache import HiddenCache, build_cache
+    from tests.test_train import _cycle_sequences
+    from tests.tiny import make_tiny_target
+
+    t = make_tiny_target(init_std=0.3)
+    build_cache(t, _cycle_sequences(), ["final"], tmp_path / "cache", dtype="float32")
+    cache = HiddenCache(tmp_path / "cache", t)
+    heads = HydraHeads.for_target(t, num_heads=2, num_layers=1, prefix_layer=prefix, vocab_keep=20)
+    torch.manual_seed(0)
+    for p in heads.heads.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    heads.set_draft_vocab(torch.arange(0, 40, 2))
+    full = HydraObjective(cache, t, 2, loss="soft", chunk_len=16, prefix_layer=prefix)
+    pruned = HydraObjective(cache, t, 2, loss="soft", chunk_len=16, prefix_layer=prefix)
+    pruned.use_pruned_teacher(heads.draft_head)
+    bf, bp = full.prepare([0, 1, 2]), pruned.prepare([0, 1, 2])
+    assert bf.teacher.shape[-1] == t.vocab_size and bp.teacher.shape[-1] == 20
+    torch.testing.assert_close(bp.teacher.log_softmax(-1), bf.teacher[..., heads.draft_head.kept_ids].log_softmax(-1),
+                               rtol=1e-5, atol=1e-5)
+    lf, lp = full.loss(heads, bf)[0], pruned.loss(heads, bp)[0]
+    assert float(lf) > 0
+    torch.testing.assert_close(lp, lf, rtol=1e-5, atol=1e-6)

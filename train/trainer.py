@@ -139,6 +139,8 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
     objective = make_objective(recipe, cache, target)
     model = build_drafter(recipe, target)
     vocab = set_draft_vocab(model, cache, calibration_split(len(cache), t.calibration_every))
+    if vocab and hasattr(objective, "use_pruned_teacher"):
+        objective.use_pruned_teacher(draft_head(model))
     if vocab and acc.is_main_process:
         print(f"draft vocabulary: {vocab['kept']} of {vocab['vocab']} ids, covering "
               f"{100 * vocab['assistant_token_coverage']:.2f}% of the training assistant tokens")
