@@ -1,13 +1,15 @@
 """``draftsmith serve``: the reference OpenAI-compatible server (FastAPI + uvicorn).
 
     draftsmith serve [--target NAME|DIR] [--publish DIR] [--logs DIR] [--host 127.0.0.1] [--port 8000]
-                     [--tree chain] [--model-name NAME] [--max-log-mb 64]
+                     [--tree chain] [--model-name NAME] [--max-log-mb 64] [--max-batch 8]
 
 Serves ``POST /v1/chat/completions`` (streaming and not) and ``GET /v1/models``
 on loopback unless ``--host`` says otherwise, decoding with the lossless decoder
 and the drafter that is current in ``--publish`` (plain decoding while none is).
 Writes one JSON line per finished request to rotating files in ``--logs``
-(schema: docs/online.md).
+(schema: docs/online.md). Concurrent requests are decoded together, up to
+``--max-batch`` at a time, by the batched decoder (``--max-batch 1``: one request
+at a time, under a lock).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
     ap.add_argument("--max-log-mb", type=float, default=64.0, help="rotate the request log at this size")
     ap.add_argument("--max-tokens", type=int, default=256, help="default max_tokens when a request sets none")
+    ap.add_argument("--max-batch", type=int, default=8,
+                    help="decode up to this many concurrent requests together (batched decoder); "
+                         "1 = one request at a time under a lock")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--device", default=None)
     return ap
@@ -45,8 +50,12 @@ def serve_main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     target = load_target(a.target, device=default_device(a.device))
     service = DecodingService(target, publish_dir=a.publish, log_dir=a.logs, tree=a.tree, model_name=a.model_name,
-                              max_log_bytes=int(a.max_log_mb * (1 << 20)), default_max_tokens=a.max_tokens)
+                              max_log_bytes=int(a.max_log_mb * (1 << 20)), default_max_tokens=a.max_tokens,
+                              max_batch=a.max_batch)
     print(f"serving {service.model_name} ({target.fingerprint}) with drafter {service.version or 'none (plain)'} "
-          f"on http://{a.host}:{a.port}/v1", flush=True)
-    uvicorn.run(create_app(service), host=a.host, port=a.port, log_level="warning")
+          f"on http://{a.host}:{a.port}/v1, up to {a.max_batch} request(s) per batch", flush=True)
+    try:
+        uvicorn.run(create_app(service), host=a.host, port=a.port, log_level="warning")
+    finally:
+        service.close()
     return 0

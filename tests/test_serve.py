@@ -1,8 +1,11 @@
-"""`draftsmith serve`: responses equal plain greedy decoding, logs written and parseable, hot swap, bad requests."""
+"""`draftsmith serve`: responses equal plain greedy decoding, logs written and parseable, hot swap, bad requests,
+one request at a time (max_batch=1) and batched (max_batch > 1: concurrent requests decoded together, swaps
+between batches only, unbatchable drafters served one at a time)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -10,9 +13,12 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from draftsmith.checkpoint import save_checkpoint
 from draftsmith.engine.decoder import plain_decoder
 from draftsmith.publish import PublishStore
+from draftsmith.recipe import parse_recipe
 from draftsmith.serve.app import DecodingService, create_app
+from draftsmith.train.trainer import build_drafter
 from draftsmith.traffic import chat_prompt_ids, parse_record
 from tests.online_helpers import medusa_checkpoint
 from tests.tiny import make_tiny_target
@@ -24,6 +30,29 @@ MSGS = [[{"role": "user", "content": "hello there"}], [{"role": "user", "content
 @pytest.fixture()
 def target():
     return make_tiny_target(init_std=0.3)
+
+
+@pytest.fixture()
+def service():
+    """``service(target, **kw)``: a DecodingService whose batching thread is stopped at teardown."""
+    made = []
+
+    def make(target, **kw):
+        made.append(DecodingService(target, **kw))
+        return made[-1]
+
+    yield make
+    for svc in made:
+        svc.close()
+
+
+def _wait_queued(svc, n):
+    """Wait (bounded) until ``n`` requests are queued for a batching thread that has not started."""
+    for _ in range(2000):
+        if svc.queued() >= n:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"{svc.queued()} requests queued, expected {n}")
 
 
 def _plain(target, msgs, n):
@@ -39,10 +68,11 @@ def _stream_text(resp) -> tuple[str, list[dict]]:
     return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks), chunks
 
 
-def test_greedy_responses_equal_plain_decoding_and_are_logged(target, tmp_path):
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_greedy_responses_equal_plain_decoding_and_are_logged(target, tmp_path, service, max_batch):
     store = PublishStore(tmp_path / "pub")
     store.publish(medusa_checkpoint(target, tmp_path / "c1", seed=1))
-    svc = DecodingService(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs")
+    svc = service(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", max_batch=max_batch)
     client = TestClient(create_app(svc))
     n = 24
     for msgs in MSGS:
@@ -66,11 +96,13 @@ def test_greedy_responses_equal_plain_decoding_and_are_logged(target, tmp_path):
         assert sum(s[3] for s in rec.steps) == len(ids)
         assert json.loads(line)["target"]["fingerprint"] == target.fingerprint
     assert client.get("/v1/models").json()["data"][0]["id"] == target.name
+    assert svc.batch_sizes == ([] if max_batch == 1 else [1] * 2 * len(MSGS))
 
 
-def test_hot_swap_between_requests(target, tmp_path):
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_hot_swap_between_requests(target, tmp_path, service, max_batch):
     store = PublishStore(tmp_path / "pub")
-    svc = DecodingService(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs")
+    svc = service(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", max_batch=max_batch)
     client = TestClient(create_app(svc))
     body = {"messages": MSGS[0], "max_tokens": 12, "temperature": 0}
     seen = []
@@ -91,8 +123,9 @@ def test_hot_swap_between_requests(target, tmp_path):
     assert client.post("/v1/chat/completions", json=body).json()["draftsmith"]["drafter_version"] == "v000003"
 
 
-def test_bad_requests_are_400(target, tmp_path):
-    client = TestClient(create_app(DecodingService(target, log_dir=tmp_path / "logs")))
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_bad_requests_are_400(target, tmp_path, service, max_batch):
+    client = TestClient(create_app(service(target, log_dir=tmp_path / "logs", max_batch=max_batch)))
     assert client.post("/v1/chat/completions", content=b"{nope").status_code == 400
     assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 400
     assert client.post("/v1/chat/completions", json={"messages": MSGS[0], "max_tokens": 0}).status_code == 400
@@ -104,12 +137,13 @@ def test_bad_requests_are_400(target, tmp_path):
         f.stat().st_size == 0 for f in (tmp_path / "logs").glob("*.jsonl"))
 
 
-def test_uvicorn_loopback_concurrent_clients_with_openai(target, tmp_path):
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_uvicorn_loopback_concurrent_clients_with_openai(target, tmp_path, service, max_batch):
     """The real HTTP stack on 127.0.0.1 with the openai client, 4 concurrent clients, publications meanwhile."""
     openai = pytest.importorskip("openai")
     import uvicorn
     store = PublishStore(tmp_path / "pub")
-    svc = DecodingService(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs")
+    svc = service(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", max_batch=max_batch)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -149,6 +183,182 @@ def test_uvicorn_loopback_concurrent_clients_with_openai(target, tmp_path):
         assert done == [True] * 12
         lines = [x for f in (tmp_path / "logs").glob("*.jsonl") for x in f.read_text().splitlines()]
         assert len(lines) == 12
+        assert sum(svc.batch_sizes) == (0 if max_batch == 1 else 12)
     finally:
         server.should_exit = True
         th.join(10)
+
+
+# ---------------------------------------------------------------------- batching (max_batch > 1)
+def _post_in_thread(client, body, results, key):
+    def go():
+        r = client.post("/v1/chat/completions", json=body)
+        results[key] = (r.status_code, _stream_text(r) if body.get("stream") and r.status_code == 200 else r.json())
+    th = threading.Thread(target=go)
+    th.start()
+    return th
+
+
+def _log_records(target, logs):
+    lines = [x for f in sorted(logs.glob("*.jsonl")) for x in f.read_bytes().splitlines()]
+    return [parse_record(x, target.fingerprint, vocab_size=target.vocab_size, max_tokens=10_000) for x in lines]
+
+
+def test_concurrent_requests_are_batched_and_equal_plain_greedy(target, tmp_path, service):
+    """7 requests (some streaming, one sampled) queued before the batching thread starts: the greedy ones run
+    as batches of up to 4 rows, the sampled one in a batch of its own; every greedy response (streamed token by
+    token or not) equals plain greedy decoding, and every request is logged with per-row step data."""
+    store = PublishStore(tmp_path / "pub")
+    store.publish(medusa_checkpoint(target, tmp_path / "c1", seed=1))
+    svc = service(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", max_batch=4, start=False)
+    client = TestClient(create_app(svc))
+    n_new = [24, 9, 16, 24, 5, 20, 12]
+    bodies = [{"messages": MSGS[i % 3], "max_tokens": n_new[i], "temperature": 0, "stream": i % 2 == 1}
+              for i in range(7)]
+    bodies[2] = {"messages": MSGS[2], "max_tokens": 16, "temperature": 0.8, "seed": 5}  # cannot share a call
+    results, threads = {}, []
+    for i, body in enumerate(bodies):  # one at a time, so the queue order is the request order
+        threads.append(_post_in_thread(client, body, results, i))
+        _wait_queued(svc, i + 1)
+    svc.start()
+    for th in threads:
+        th.join(120)
+    assert sorted(results) == list(range(7)) and all(code == 200 for code, _ in results.values()), results
+    # oldest first, compatible requests join it: greedy 0,1,3,4 | sampled 2 | greedy 5,6
+    assert svc.batch_sizes == [4, 1, 2]
+    for i, body in enumerate(bodies):
+        if body["temperature"]:
+            continue
+        ids, text = _plain(target, body["messages"], body["max_tokens"])
+        if body["stream"]:
+            got, chunks = results[i][1]
+            assert got == text
+            assert sum(bool(c["choices"][0]["delta"].get("content")) for c in chunks) > 1  # streamed as it came
+            assert chunks[-1]["usage"]["completion_tokens"] == len(ids)
+        else:
+            assert results[i][1]["choices"][0]["message"]["content"] == text
+            assert results[i][1]["usage"]["completion_tokens"] == len(ids)
+    recs = _log_records(target, tmp_path / "logs")  # every line is a valid record
+    raw = [json.loads(x) for f in sorted((tmp_path / "logs").glob("*.jsonl")) for x in f.read_bytes().splitlines()]
+    assert len(recs) == 7 and svc.served == 7
+    for rec in recs:
+        assert rec.drafter_version == "v000001"
+        assert sum(st[3] for st in rec.steps) == len(rec.response_ids) and len(rec.steps) >= 1
+    greedy = sorted((tuple(r["prompt_ids"]), tuple(r["response_ids"])) for r in raw if r["request"]["temperature"] == 0)
+    assert greedy == sorted((tuple(chat_prompt_ids(target.tokenizer, b["messages"])),
+                             tuple(_plain(target, b["messages"], b["max_tokens"])[0]))
+                            for b in bodies if b["temperature"] == 0)
+    assert sum(st[0] for rec in recs for st in rec.steps) > 0  # the drafter's tokens were accepted in batches
+
+
+def test_max_batch_1_decodes_one_at_a_time_under_the_lock(target, tmp_path, service):
+    """max_batch=1 is the original path: no batching thread, no queue, requests in the caller's thread under
+    the lock (a request waits while the lock is held), responses equal plain greedy decoding."""
+    store = PublishStore(tmp_path / "pub")
+    store.publish(medusa_checkpoint(target, tmp_path / "c1", seed=1))
+    svc = service(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", max_batch=1)
+    assert svc._thread is None and svc.batched is None
+    client = TestClient(create_app(svc))
+    results, threads = {}, []
+    with svc.lock:  # nothing can be decoded while the test holds the lock
+        for i in range(3):
+            threads.append(_post_in_thread(client, {"messages": MSGS[i], "max_tokens": 16, "temperature": 0,
+                                                    "stream": i == 1}, results, i))
+        threads[0].join(0.5)
+        assert not results and svc.served == 0 and svc.queued() == 0
+    for th in threads:
+        th.join(120)
+    for i in range(3):
+        text = _plain(target, MSGS[i], 16)[1]
+        assert (results[i][1][0] if i == 1 else results[i][1]["choices"][0]["message"]["content"]) \
+            == text
+    assert svc.batch_sizes == [] and svc.unbatched == 0 and len(_log_records(target, tmp_path / "logs")) == 3
+
+
+def test_hot_swap_only_between_batches(target, tmp_path, service):
+    """A version published while a batch runs (here: as its first row finishes) is not used by the rows still
+    in that batch; the next batch takes it."""
+    store = PublishStore(tmp_path / "pub")
+    store.publish(medusa_checkpoint(target, tmp_path / "c1", seed=1))
+    svc = service(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", max_batch=4, start=False)
+    v2 = medusa_checkpoint(target, tmp_path / "c2", seed=2)
+    finish = svc._finish
+
+    def finish_then_publish(*a, **kw):
+        rec = finish(*a, **kw)
+        if store.current() == "v000001":
+            store.publish(v2)  # mid-batch: the other rows are still decoding
+        return rec
+
+    svc._finish = finish_then_publish
+    client = TestClient(create_app(svc))
+    results, threads = {}, []
+    for i, n in enumerate([3, 20, 20]):
+        threads.append(_post_in_thread(client, {"messages": MSGS[i], "max_tokens": n, "temperature": 0,
+                                                "stream": i == 2}, results, i))
+        _wait_queued(svc, i + 1)
+    svc.start()
+    for th in threads:
+        th.join(120)
+    assert svc.batch_sizes == [3] and store.current() == "v000002"
+    assert [r.drafter_version for r in _log_records(target, tmp_path / "logs")] == ["v000001"] * 3
+    assert results[2][1][0] == _plain(target, MSGS[2], 20)[1]
+    r = client.post("/v1/chat/completions", json={"messages": MSGS[0], "max_tokens": 8, "temperature": 0})
+    assert r.json()["draftsmith"]["drafter_version"] == "v000002" and svc.batch_sizes == [3, 1]
+
+
+def test_a_bad_request_fails_alone_in_its_batch(target, tmp_path, service):
+    svc = service(target, log_dir=tmp_path / "logs", max_batch=4, start=False)
+    client = TestClient(create_app(svc))
+    bodies = [{"messages": MSGS[0], "max_tokens": 12, "temperature": 0},
+              {"messages": MSGS[1], "max_tokens": 5000, "temperature": 0},  # too long for the context
+              {"messages": MSGS[2], "max_tokens": 12, "temperature": 0, "stream": True}]
+    results, threads = {}, []
+    for i, body in enumerate(bodies):
+        threads.append(_post_in_thread(client, body, results, i))
+        _wait_queued(svc, i + 1)
+    svc.start()
+    for th in threads:
+        th.join(120)
+    assert results[1][0] == 400 and "context" in results[1][1]["detail"]
+    assert results[0][1]["choices"][0]["message"]["content"] == _plain(target, MSGS[0], 12)[1]
+    assert results[2][1][0] == _plain(target, MSGS[2], 12)[1]
+    assert svc.batch_sizes == [2] and len(_log_records(target, tmp_path / "logs")) == 2
+
+
+def kangaroo_checkpoint(target, path):
+    r = parse_recipe({"name": "kg", "output_dir": str(path.parent / "kg-run"), "seed": 3,
+                      "drafter": {"kind": "kangaroo", "exit_layer": 1, "threshold": 0.5, "max_draft_len": 4}})
+    return save_checkpoint(path, build_drafter(r, target), target, recipe=r.model_dump(mode="json"))
+
+
+@pytest.mark.parametrize("case", ["kangaroo", "dynamic-tree"])
+def test_unbatchable_drafter_falls_back_to_one_at_a_time(target, tmp_path, service, caplog, case):
+    """A drafter the batched decoder refuses is served one request at a time by the batching thread, with a
+    log line when it is loaded; responses still equal plain greedy decoding and every request is logged."""
+    store = PublishStore(tmp_path / "pub")
+    if case == "kangaroo":
+        store.publish(kangaroo_checkpoint(target, tmp_path / "k1"))
+    else:
+        store.publish(medusa_checkpoint(target, tmp_path / "c1", seed=1))
+    with caplog.at_level(logging.WARNING, logger="draftsmith.serve.app"):
+        svc = service(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", max_batch=4, start=False,
+                      tree="chain" if case == "kangaroo" else "dynamic:6,3,2")
+    assert svc.version == "v000001" and svc.batched is None
+    assert any("cannot be batched" in m and "one request at a time" in m for m in caplog.messages), caplog.messages
+    client = TestClient(create_app(svc))
+    results, threads = {}, []
+    for i in range(3):
+        threads.append(_post_in_thread(client, {"messages": MSGS[i], "max_tokens": 16, "temperature": 0,
+                                                "stream": i == 1}, results, i))
+        _wait_queued(svc, i + 1)
+    svc.start()
+    for th in threads:
+        th.join(120)
+    for i in range(3):
+        text = _plain(target, MSGS[i], 16)[1]
+        assert (results[i][1][0] if i == 1 else results[i][1]["choices"][0]["message"]["content"]) \
+            == text
+    assert svc.batch_sizes == [] and svc.unbatched == 3
+    recs = _log_records(target, tmp_path / "logs")
+    assert len(recs) == 3 and all(r.drafter_version == "v000001" and r.steps for r in recs)
