@@ -128,9 +128,20 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
             api_key_env=srv.api_key_env, check=srv.check, timeout_s=srv.timeout_s,
             **{k: v for k, v in kw.items() if k not in ("batch_size", "engine", "max_rows")})
     elif d.regenerate:
+        fused, why = fused_cache_plan(recipe)
+        if fused:
+            c = recipe.cache
+            kw["fused"] = generate.FusedCache(recipe.out / "cache" / "train", dtype=c.dtype,
+                                              shard_tokens=c.shard_tokens)
+            log.info("data.fused_cache: the training cache is written during generation (%s)", why)
+        elif d.fused_cache:
+            log.info("data.fused_cache: not fused, the cache stage runs its separate pass: %s", why)
         gstats = generate.regenerate(target, convs, out / "train.jsonl", **kw)
+        kw.pop("fused", None)
     else:
         gstats = write_as_is(convs, out / "train.jsonl", d.max_turns)
+    if d.fused_cache and (not d.regenerate or d.server is not None):
+        log.info("data.fused_cache: not fused, the cache stage runs its separate pass: %s", fused_cache_plan(recipe)[1])
     gen_s = time.time() - t_gen
     gstats["generation_seconds"] = round(gen_s, 1)
     gstats["response_tokens_per_s"] = round(gstats["response_tokens"] / max(gen_s, 1e-9), 1)
@@ -177,26 +188,34 @@ def write_as_is(convs: list[sources.Conversation], out_path: Path, max_turns: in
 
 
 def load_sequences(path: Path, tokenizer, max_seq_len: int, stats: Counter | None = None) -> list[dict]:
-    """Rendered conversations ({id, ids, mask}) from a regenerated JSONL file."""
-    seqs = []
+    """Rendered conversations ({id, ids, mask}) from a regenerated JSONL file, in the file's order."""
     stats = stats if stats is not None else Counter()
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            row = json.loads(line)
-            msgs = ([{"role": "system", "content": row["system"]}] if row.get("system") else []) + row["messages"]
-            ids, mask = generate.render_example(tokenizer, msgs, row["finished"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            stats["corrupt_rows"] += 1
-            log.warning("%s:%d skipped (%s)", path.name, n, e)
-            continue
-        if len(ids) > max_seq_len:
-            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-            stats["truncated_to_max_seq_len"] += 1
-        if sum(mask) == 0:
-            stats["no_assistant_tokens"] += 1
-            continue
-        seqs.append({"id": row["id"], "ids": ids, "mask": mask})
-    return seqs
+    seqs = (generate.sequence_from_line(line, tokenizer, max_seq_len, stats, where=f"{path.name}:{n}")
+            for n, line in enumerate(path.read_text().splitlines(), 1))
+    return [s for s in seqs if s is not None]
+
+
+def fused_cache_plan(recipe: Recipe) -> tuple[bool, str]:
+    """Whether the data stage writes the training cache from its generator's states, and why not."""
+    d = recipe.data
+    if not d.fused_cache:
+        return False, "data.fused_cache is off"
+    if _trains_on_text(recipe):
+        return False, f"a {recipe.drafter.kind} drafter trains on text and needs no cached states"
+    if not d.regenerate:
+        return False, "data.regenerate is off: nothing is generated"
+    if d.server is not None:
+        return False, "data.server generates remotely: no states here"
+    if d.engine != "batched":
+        return False, f"data.engine {d.engine!r}: only the batched engine keeps its states"
+    needs = cache_needs(recipe)
+    if needs != ["final"]:
+        return False, (f"the cache needs {needs} ({recipe.drafter.kind}"
+                       f"{' + cache.extra_states' if recipe.cache.extra_states else ''}); the generator keeps "
+                       "only the final hidden state")
+    if (recipe.out / "cache" / "train" / "index.json").exists():
+        return False, "cache/train is already complete"
+    return True, "the batched engine keeps the final hidden states it computes"
 
 
 def cache_needs(recipe: Recipe) -> list[str]:
@@ -237,6 +256,10 @@ def stage_cache(recipe: Recipe, target: Target) -> dict:
         res[split] = build_cache(target, seqs, needs, out, dtype=recipe.cache.dtype,
                                  batch_tokens=recipe.cache.batch_tokens, shard_tokens=recipe.cache.shard_tokens,
                                  provenance={"source": str(src), **stats})
+        st = res[split]["provenance"]["states"]
+        if st["from_generation"]:
+            print(f"cache/{split}: states of {st['from_generation']}/{len(seqs)} sequences from the data stage's "
+                  f"generation; computed here: {st['forward'] or 'none'}")
     return res
 
 

@@ -60,6 +60,10 @@ class DataConfig(_Strict):
     heldout_mtbench: bool = Field(True, description="target answers to MT-Bench first turns form the held-out set")
     heldout_max_new_tokens: int = Field(128, ge=1)
     magpie_max_new_tokens: int = Field(64, ge=1)
+    fused_cache: bool = Field(True, description="engine batched, drafters that need only the final hidden state: "
+                              "the generator keeps the states it computes and the data stage writes the training "
+                              "cache from them (no second pass over the data); conversations whose re-tokenised "
+                              "text differs from the generated tokens get the cache stage's forward, counted")
 
 
 class CacheConfig(_Strict):

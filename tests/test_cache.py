@@ -87,3 +87,17 @@ def test_alignment_on_real_target(real_target, tmp_path):
         ref = torch.softmax(real_target.model(torch.tensor([ids])).logits[0], -1)
     shifted = torch.softmax(teacher_logits(real_target, c.states(0, "final"))[1:], -1)
     assert float((ref[:-1] - shifted).abs().max()) > 0.1
+
+
+def test_a_finished_shard_holding_other_sequences_is_recomputed(tiny_target, tmp_path):
+    """A resumed cache pass keeps only shards that hold the sequences it expects (the data stage may have
+    written some from its generator); any other shard is computed again."""
+    seqs = _seqs(tiny_target, n=4)
+    build_cache(tiny_target, seqs, ["final"], tmp_path / "c", dtype="float32", shard_tokens=40)
+    other = _seqs(tiny_target, n=4, seed=1)
+    (tmp_path / "c" / "index.json").unlink()
+    idx = build_cache(tiny_target, other, ["final"], tmp_path / "c", dtype="float32", shard_tokens=40)
+    assert idx["provenance"]["states"]["forward"] == {"shard_mismatch": len(other)}
+    assert _max_prob_diff(tiny_target, HiddenCache(tmp_path / "c"), other) < 1e-5
+    again = build_cache(tiny_target, other, ["final", "layer:1"], tmp_path / "c", dtype="float32", shard_tokens=40)
+    assert again["provenance"]["states"]["forward"] == {"shard_mismatch": len(other)}  # a field was missing

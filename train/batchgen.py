@@ -19,6 +19,15 @@ growing cache is re-concatenated every step. Here instead:
   travel together when the queue is sorted by prompt length, as
   `generate.regenerate` does).
 
+With ``keep_states`` the engine also keeps every final hidden state it computes (after the final
+norm: the prompt's from the prefill, each fed token's from its decode step), so the data stage can
+write the training cache without a second pass over the data (`draftsmith.train.cache.StreamingCacheWriter`).
+As a row ends, the caller names the token sequence it wants states for (the conversation as the
+cache will hold it, re-tokenised from text); where that sequence shares a prefix with what the row
+computed, the row rewinds to the end of the common prefix and is fed the rest (the chat template's
+tail after the end-of-turn token, or a few re-tokenised tokens) in the following steps, its sampled
+tokens ignored. A longer difference, or a sequence past the row's capacity, is reported, not fed.
+
 Greedy rows give the tokens the reference path gives (fp32; the products are
 the same up to accumulation order, so a flip needs a near-tie, which the tests
 and `bench_pipeline` count). Sampling draws each row's tokens from its own
@@ -50,11 +59,31 @@ class Job:
 
 
 @dataclass
+class Captured:
+    """What a ``keep_states`` row hands its caller: the states of the wanted sequence, or why there are none.
+
+    ``states``: [len(wanted), hidden] on the CPU in the generator's ``state_dtype``, position t being the
+    state after token t; ``reason``: ``"retokenised"`` (the wanted sequence leaves the generated one more
+    than ``max_feed`` tokens before its end) or ``"over_capacity"`` (it does not fit the row); ``fed``:
+    tokens fed after the row ended; ``rewound``: positions of generated tokens dropped because the wanted
+    sequence differs there.
+    """
+
+    states: torch.Tensor | None
+    reason: str | None = None
+    fed: int = 0
+    rewound: int = 0
+
+
+@dataclass
 class _Row:
     job: Job
     length: int  # entries in the cache (the prompt plus every generated token but the pending one)
     out: list[int] = field(default_factory=list)
     gen: torch.Generator | None = None
+    feed: deque | None = None  # ended row being fed the rest of its wanted sequence (tokens after the pending one)
+    finished: bool = False
+    captured: Captured | None = None
 
 
 
@@ -174,10 +203,14 @@ class BatchGenerator:
       capacity: the longest prompt + response a row can hold.
       temperature, top_p: 0 = greedy.
       prefill_tokens: padded prompt tokens per prefill forward (admitted prompts are split to fit).
+      keep_states: keep the final hidden states (see the module docstring and `run`'s ``want``).
+      state_dtype: the dtype they are kept in (the cache's: rounding from the fp32 forward as the cache pass does).
+      max_feed: at most this many tokens are fed to an ended row to complete its wanted sequence.
     """
 
     def __init__(self, model: torch.nn.Module, eos_ids: Iterable[int], *, max_rows: int = 96, capacity: int = 1024,
-                 temperature: float = 0.0, top_p: float = 1.0, prefill_tokens: int = 4096):
+                 temperature: float = 0.0, top_p: float = 1.0, prefill_tokens: int = 4096,
+                 keep_states: bool = False, state_dtype: torch.dtype = torch.float16, max_feed: int = 32):
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.model, self.body, self.head = model, model.get_decoder(), model.get_output_embeddings()
@@ -188,12 +221,17 @@ class BatchGenerator:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.cache: RaggedCache | None = None
+        self.keep_states, self.state_dtype, self.max_feed = bool(keep_states), state_dtype, int(max_feed)
+        self.states: torch.Tensor | None = None  # [rows, capacity, hidden]: row r's state at each cache slot
         self.stats = {"forwards": 0, "prefill_forwards": 0, "generated_tokens": 0, "prompt_tokens": 0,
-                      "row_steps": 0, "compactions": 0}
+                      "row_steps": 0, "compactions": 0, "fed_tokens": 0}
 
     def _ensure_cache(self) -> RaggedCache:
         if self.cache is None:
             self.cache = RaggedCache(self.model.config, self.max_rows, self.capacity, self.dtype, self.device)
+        if self.keep_states and self.states is None:
+            self.states = torch.zeros((self.max_rows, self.capacity, self.model.config.hidden_size),
+                                      dtype=self.state_dtype, device=self.device)
         return self.cache
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -216,6 +254,8 @@ class BatchGenerator:
         cache.set_prefill(row0)
         h = self.body(input_ids=ids.to(self.device), position_ids=pos, attention_mask=mask,
                       past_key_values=cache, use_cache=True).last_hidden_state
+        if self.states is not None:  # padding positions hold garbage, past every row's length
+            self.states[row0:row0 + k, :width] = h.to(self.state_dtype)
         last = torch.tensor([len(r.job.prompt) - 1 for r in rows], device=self.device)
         self.stats["prefill_forwards"] += 1
         self.stats["prompt_tokens"] += sum(len(r.job.prompt) for r in rows)
@@ -233,48 +273,91 @@ class BatchGenerator:
         cache.set_decode(lens, span)
         h = self.body(input_ids=torch.tensor(pending, device=self.device)[:, None], position_ids=lens[:, None],
                       attention_mask=mask, past_key_values=cache, use_cache=True).last_hidden_state[:, 0]
+        if self.states is not None:
+            self.states[torch.arange(n, device=self.device), lens] = h.to(self.state_dtype)
         self.stats["forwards"] += 1
         self.stats["row_steps"] += n
         return pick_tokens(self._logits(h), rows, self.temperature, self.top_p)
 
-    def run(self, jobs: Iterable[Job], on_done: Callable[[Job, list[int], bool], Iterable[Job] | None]) -> None:
+    def run(self, jobs: Iterable[Job], on_done: Callable[..., Iterable[Job] | None],
+            want: Callable[[Job, list[int], bool], list[int] | None] | None = None) -> None:
         """Generate every job; ``on_done(job, tokens, finished)`` is called as each ends and may return
         follow-up jobs (e.g. the next turn of a conversation), which join the queue's front.
 
         ``tokens`` stop at (and include) the first end-of-sequence token; ``finished`` is False when
         the job's ``max_new_tokens`` cut it.
+
+        With ``keep_states``, ``on_done(job, tokens, finished, captured)`` gets a `Captured` (or None when
+        ``want`` asked for nothing): as a row ends, ``want(job, tokens, finished)`` names the token
+        sequence whose states the caller wants (None: none). The row computed the states of
+        ``prompt + tokens[:-1]``; where the wanted sequence agrees with that up to position L and at most
+        ``max_feed`` tokens remain, the row rewinds to L and is fed the remaining tokens one step at a time
+        (the causal model makes those states exactly what a forward over the wanted sequence gives).
         """
         queue = deque(jobs)
         for j in queue:
             self._check(j)
         rows: list[_Row] = []
         pending: list[int] = []
+        states = self.keep_states
 
         def finish(i: int, finished: bool) -> None:
             r = rows[i]
             last = len(rows) - 1
             if i != last:  # keep live rows at [0, n): move the last row into the hole
                 self.cache.move_row(last, i, rows[last].length)
+                if self.states is not None:
+                    self.states[i, :rows[last].length] = self.states[last, :rows[last].length]
                 rows[i], pending[i] = rows[last], pending[last]
                 self.stats["compactions"] += 1
             rows.pop()
             pending.pop()
-            follow = on_done(r.job, r.out, finished)
+            follow = on_done(r.job, r.out, finished, r.captured) if states else on_done(r.job, r.out, finished)
             for j in reversed(list(follow or [])):
                 self._check(j)
                 queue.appendleft(j)
 
+        def end(i: int, finished: bool) -> bool:
+            """Row i generated its last token: feed it the rest of its wanted sequence, or finish it."""
+            r = rows[i]
+            wanted = want(r.job, r.out, finished) if states and want is not None else None
+            if wanted is not None:
+                have = r.job.prompt + r.out[:-1]  # the tokens whose states the row holds (r.length of them)
+                n = min(len(have), len(wanted))
+                common = next((t for t in range(n) if have[t] != wanted[t]), n)
+                rest = len(wanted) - common
+                if len(wanted) > self.capacity:
+                    r.captured = Captured(None, "over_capacity")
+                elif rest > self.max_feed:
+                    r.captured = Captured(None, "retokenised")
+                elif rest == 0:
+                    r.captured = Captured(self.states[i, :len(wanted)].cpu().clone(), rewound=r.length - common)
+                else:
+                    r.captured = Captured(None, fed=rest, rewound=r.length - common)
+                    r.length, r.finished = common, finished
+                    r.feed = deque(wanted[common + 1:])
+                    pending[i] = wanted[common]
+                    self.stats["fed_tokens"] += rest
+                    return False
+            finish(i, finished)
+            return True
+
         def advance(i: int, tok: int) -> bool:
             """Record a generated token for row i; True if the row ended (and was removed)."""
             r = rows[i]
+            if r.feed is not None:  # an ended row being fed: its sampled token is not used
+                if r.feed:
+                    pending[i] = r.feed.popleft()
+                    return False
+                r.captured.states = self.states[i, :r.length].cpu().clone()
+                finish(i, r.finished)
+                return True
             r.out.append(tok)
             self.stats["generated_tokens"] += 1
             if tok in self.eos:
-                finish(i, True)
-                return True
+                return end(i, True)
             if len(r.out) >= r.job.max_new_tokens:
-                finish(i, False)
-                return True
+                return end(i, False)
             pending[i] = tok
             return False
 
@@ -291,7 +374,7 @@ class BatchGenerator:
                     queue.popleft()
                     width = w
                     if j.max_new_tokens <= 0:
-                        follow = on_done(j, [], False)
+                        follow = on_done(j, [], False, None) if states else on_done(j, [], False)
                         for f in reversed(list(follow or [])):
                             self._check(f)
                             queue.appendleft(f)

@@ -9,7 +9,11 @@
 * ``synthesize_prompts``: Magpie-style prompts: the instruct model is given only
   its chat template's user-turn prefix and writes the question itself.
 * ``render_example``: a conversation as token ids plus a loss mask over the
-  assistant tokens (the end-of-turn token included when the turn finished).
+  assistant tokens (the end-of-turn token included when the turn finished);
+  ``sequence_from_line``: a written JSONL line as the cache stage reads it.
+* ``FusedCache`` (``data.fused_cache``): the batched engine also keeps the final
+  hidden states it computes, and the training cache is written from them as
+  conversations are written (`draftsmith.train.cache.StreamingCacheWriter`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import time
 import zlib
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -27,7 +32,8 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.target import Target
-from draftsmith.train.batchgen import BatchGenerator, Job, suggested_rows
+from draftsmith.train.batchgen import BatchGenerator, Captured, Job, suggested_rows
+from draftsmith.train.cache import StreamingCacheWriter
 from draftsmith.train.sources import Conversation, normalise
 
 ENGINES = ("batched", "hf")
@@ -133,6 +139,45 @@ def _resume(out_path: Path, stats: Counter) -> set[str]:
     return done
 
 
+@dataclass
+class FusedCache:
+    """Where the data stage writes the training cache from the generator's states (``data.fused_cache``).
+
+    Only the final hidden state is kept (kinds whose ``cache_needs`` are ``["final"]``). A conversation
+    whose rendered tokens (`sequence_from_line`, what the cache stage reads) leave the generated ones more
+    than ``max_feed`` tokens before their end, or do not fit the row, is written without states and
+    counted by reason; the cache stage computes those with its normal forward.
+    """
+
+    out_dir: Path
+    dtype: str = "float16"
+    shard_tokens: int = 200_000
+    max_feed: int = 32
+    margin: int = 16  # row capacity beyond prompt + budget: the template's tail after the end-of-turn token
+
+
+def sequence_from_line(line: str, tokenizer, max_seq_len: int, stats: Counter, where: str = "",
+                       warn: bool = True) -> dict | None:
+    """One training-file line as the cache holds it: {id, ids, mask} (truncated to ``max_seq_len``), or
+    None (counted in ``stats``) for a corrupt row or one without assistant tokens."""
+    try:
+        row = json.loads(line)
+        msgs = ([{"role": "system", "content": row["system"]}] if row.get("system") else []) + row["messages"]
+        ids, mask = render_example(tokenizer, msgs, row["finished"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        stats["corrupt_rows"] += 1
+        if warn:
+            log.warning("%s skipped (%s)", where, e)
+        return None
+    if len(ids) > max_seq_len:
+        ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+        stats["truncated_to_max_seq_len"] += 1
+    if sum(mask) == 0:
+        stats["no_assistant_tokens"] += 1
+        return None
+    return {"id": row["id"], "ids": ids, "mask": mask}
+
+
 def _row(c: Conversation, replies: list[str], finished: list[bool]) -> dict:
     return {"id": c.id, "source": c.source, "system": c.system,
             "messages": _messages(c.system, c.user_turns[: len(replies)], replies)[1 if c.system else 0:],
@@ -147,7 +192,7 @@ def job_seed(seed: int, key: str, turn: int) -> int:
 def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max_new_tokens: int,
                max_turns: int, batch_size: int, max_seq_len: int, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, on_long_prompt: str = "error", engine: str = "batched",
-               max_rows: int = 96) -> Counter:
+               max_rows: int = 96, fused: FusedCache | None = None) -> Counter:
     """Rewrite every assistant turn with the target; resumable.
 
     Finished conversations are appended to ``out_path`` (JSONL); on restart
@@ -156,11 +201,23 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
     sequences in flight, a conversation's next turn queued as soon as its
     previous reply ends. ``engine="hf"``: the reference path, Hugging Face
     ``generate`` on padded batches of ``batch_size`` in lock-step turns.
+
+    ``fused`` (batched engine only): the training cache is written as conversations are (`FusedCache`);
+    on a resumed run the conversations already in ``out_path`` keep the shards they filled, and those
+    after the last full shard are left to the cache stage's forward.
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown generation engine {engine!r}; choose one of {ENGINES}")
+    if fused is not None and engine != "batched":
+        raise ValueError(f"a fused cache needs the batched engine, not {engine!r}")
     stats: Counter = Counter()
     done = _resume(out_path, stats)
+    writer = None
+    if fused is not None:
+        lines = out_path.read_text().splitlines() if out_path.exists() else []
+        prior = [sequence_from_line(x, target.tokenizer, max_seq_len, Counter(), warn=False) for x in lines]
+        writer = StreamingCacheWriter(fused.out_dir, target.hidden_size, dtype=fused.dtype,
+                                      shard_tokens=fused.shard_tokens, prior=[p for p in prior if p is not None])
     todo = [c for c in convs if c.id not in done]
     stats["resumed"] = len(convs) - len(todo)
     # Similar lengths in one batch waste less padding (and attention span in the batched engine).
@@ -170,7 +227,9 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
     if engine == "hf":
         _regenerate_hf(target, todo, out_path, stats, batch_size=batch_size, **kw)
     else:
-        _regenerate_batched(target, todo, out_path, stats, max_rows=max_rows, **kw)
+        _regenerate_batched(target, todo, out_path, stats, max_rows=max_rows, fused=fused, writer=writer, **kw)
+    if writer is not None:
+        stats.update({f"fused_{k}": v for k, v in writer.close().items()})
     return stats
 
 
@@ -191,7 +250,8 @@ def _turn_prompt(tok, c: Conversation, turn: int, replies: list[str], budget: in
 
 def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path, stats: Counter, *,
                         max_new_tokens: int, max_turns: int, max_seq_len: int, temperature: float, top_p: float,
-                        seed: int, on_long_prompt: str, max_rows: int) -> None:
+                        seed: int, on_long_prompt: str, max_rows: int, fused: FusedCache | None = None,
+                        writer: StreamingCacheWriter | None = None) -> None:
     tok = target.tokenizer
     budget = min(max_seq_len, target.context_length)
     replies: dict[int, list[str]] = {}
@@ -206,24 +266,43 @@ def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path
         return
     # A row holds at most `budget` entries; single-turn jobs need only their own length.
     capacity = budget if max_turns > 1 else max(len(j.prompt) for j in jobs) + max_new_tokens
+    if fused is not None:
+        capacity += fused.margin  # the template's tokens after the reply are fed to the row for their states
     p = next(target.model.parameters())
     rows = suggested_rows(target.model.config, capacity, p.dtype, KV_BUDGET_BYTES, max_rows)
     gen = BatchGenerator(target.model, target.eos_token_ids, max_rows=rows, capacity=capacity,
-                         temperature=temperature, top_p=top_p)
+                         temperature=temperature, top_p=top_p, keep_states=fused is not None,
+                         state_dtype=getattr(torch, fused.dtype) if fused else torch.float16,
+                         max_feed=fused.max_feed if fused else 0)
     bar = tqdm(total=len(jobs), desc="self-distill", unit="conv")
     last_sync = [time.time()]
+    follows: dict[tuple, Job | None] = {}  # a turn's follow-up, decided when the row ended (fused)
+    lines: dict[int, str] = {}
+    seqs: dict[int, dict | None] = {}
     with out_path.open("a") as f:
-        def write(i: int) -> None:
+        def write(i: int, captured: Captured | None) -> None:
             if replies[i]:
-                f.write(json.dumps(_row(todo[i], replies[i], finished[i])) + "\n")
+                line = lines.pop(i, None) or json.dumps(_row(todo[i], replies[i], finished[i]))
+                f.write(line + "\n")
                 stats["conversations"] += 1
+                if writer is not None:
+                    seq = seqs.pop(i) if i in seqs else sequence_from_line(line, tok, max_seq_len, Counter(), warn=False)
+                    if seq is not None:
+                        f.flush()  # a shard never holds a conversation the file does not
+                        if captured is not None and captured.states is not None:
+                            writer.add(seq, captured.states)
+                            stats["fused_fed_tokens"] += captured.fed
+                            stats["fused_rewound"] += int(captured.rewound > 0)
+                        else:
+                            writer.add(seq, None, captured.reason if captured is not None else "no_states")
             bar.update(1)
             if time.time() - last_sync[0] > 10:  # a kill loses at most ~10 s of conversations
                 f.flush()
                 os.fsync(f.fileno())
                 last_sync[0] = time.time()
 
-        def on_done(job: Job, out: list[int], fin: bool):
+        def close_turn(job: Job, out: list[int], fin: bool) -> Job | None:
+            """Record a reply; the conversation's next turn, or None when it is complete."""
             i, turn = job.key
             replies[i].append(tok.decode(out, skip_special_tokens=True))
             finished[i].append(fin)
@@ -234,11 +313,27 @@ def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path
             if fin and turn + 1 < min(max_turns, len(c.user_turns)):
                 ids = _turn_prompt(tok, c, turn + 1, replies[i], budget, max_new_tokens, on_long_prompt, stats)
                 if ids is not None:
-                    return [Job((i, turn + 1), ids, max_new_tokens, job_seed(seed, c.id, turn + 1))]
-            write(i)
+                    return Job((i, turn + 1), ids, max_new_tokens, job_seed(seed, c.id, turn + 1))
             return None
 
-        gen.run(jobs, on_done)
+        def want(job: Job, out: list[int], fin: bool) -> list[int] | None:
+            """The token ids the cache will hold for a complete conversation (its last turn's row has them)."""
+            nxt = follows[job.key] = close_turn(job, out, fin)
+            if nxt is not None:
+                return None
+            i = job.key[0]
+            lines[i] = json.dumps(_row(todo[i], replies[i], finished[i]))
+            seqs[i] = seq = sequence_from_line(lines[i], tok, max_seq_len, Counter(), warn=False)
+            return None if seq is None else seq["ids"]
+
+        def on_done(job: Job, out: list[int], fin: bool, captured: Captured | None = None):
+            nxt = follows.pop(job.key) if job.key in follows else close_turn(job, out, fin)
+            if nxt is not None:
+                return [nxt]
+            write(job.key[0], captured)
+            return None
+
+        gen.run(jobs, on_done, want=want if fused is not None else None)
         f.flush()
         os.fsync(f.fileno())
     bar.close()
