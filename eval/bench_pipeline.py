@@ -12,6 +12,12 @@ Prints and writes (``--out``, JSON):
   * caching-pass tokens/s over a bare target forward on the same tokens and
     batches (goal >= 0.9x);
   * the share of head-training wall time spent outside model math (goal <= 10%).
+
+``--fused-cache`` times the data and cache stages together instead, on the same conversations: (a) the
+batched engine + the separate cache pass, (b) the batched engine writing the cache from its own states
+(``data.fused_cache``; the cache stage then only checks the shards), (c) Hugging Face ``generate`` + the
+separate cache pass (the old pipeline); response tokens/s over the whole of each, and the ratios. The
+caches of (a) and (b) are compared (tokens exactly, states' largest difference).
 Prompts are MT-Bench first turns (timing only; nothing is trained on them
 except inside this throw-away benchmark directory).
 """
@@ -53,6 +59,54 @@ def _data_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeats
     return res
 
 
+def _fused_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeats: int, batch_tokens: int,
+                shard_tokens: int) -> dict:
+    """Generation + cache stage, three ways, alternating (the order rotates per repeat); best of each kept."""
+    import numpy as np
+    from draftsmith.pipeline import load_sequences
+    from draftsmith.train.cache import HiddenCache, build_cache
+    from draftsmith.train.generate import FusedCache, regenerate
+    modes = ["batched+cache", "fused", "hf+cache"]
+    best: dict = {}
+    res: dict = {"conversations": len(convs), "max_new_tokens": new_tokens, "hf_batch": hf_batch, "rows": rows}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):
+            for mode in modes[r % 3:] + modes[:r % 3]:
+                d = Path(tmp) / f"{mode}{r}"
+                d.mkdir()
+                t0 = time.perf_counter()
+                st = regenerate(target, convs, d / "train.jsonl", max_new_tokens=new_tokens, max_turns=1,
+                                batch_size=hf_batch, max_seq_len=4096, on_long_prompt="skip",
+                                engine="hf" if mode == "hf+cache" else "batched", max_rows=rows,
+                                fused=FusedCache(d / "cache", shard_tokens=shard_tokens) if mode == "fused" else None)
+                t1 = time.perf_counter()
+                seqs = load_sequences(d / "train.jsonl", target.tokenizer, 4096)
+                idx = build_cache(target, seqs, ["final"], d / "cache", dtype="float16", batch_tokens=batch_tokens,
+                                  shard_tokens=shard_tokens)
+                t2 = time.perf_counter()
+                row = {"generation_s": t1 - t0, "cache_s": t2 - t1, "total_s": t2 - t0,
+                       "response_tokens": st["response_tokens"], "cache_tokens": idx["tokens"],
+                       "response_tokens_per_s": st["response_tokens"] / (t2 - t0),
+                       "states": idx["provenance"]["states"],
+                       "fallbacks": {k: v for k, v in st.items() if k.startswith("fused_fallback_")}}
+                if mode not in best or row["response_tokens_per_s"] > best[mode]["response_tokens_per_s"]:
+                    best[mode] = {**row, "dir": str(d / "cache")}
+        a, b = HiddenCache(best["batched+cache"]["dir"]), HiddenCache(best["fused"]["dir"])
+        same = len(a) == len(b) and all(np.array_equal(a.tokens(i), b.tokens(i)) and np.array_equal(a.mask(i), b.mask(i))
+                                        for i in range(len(a)))
+        diff = max(float((a.states(i, "final") - b.states(i, "final")).abs().max()) for i in range(len(a))) if same else None
+    for v in best.values():
+        v.pop("dir")
+    res.update(best)
+    res.update({"fused_over_batched_cache": best["fused"]["response_tokens_per_s"] /
+                best["batched+cache"]["response_tokens_per_s"],
+                "fused_over_hf_cache": best["fused"]["response_tokens_per_s"] / best["hf+cache"]["response_tokens_per_s"],
+                "batched_cache_over_hf_cache": best["batched+cache"]["response_tokens_per_s"] /
+                best["hf+cache"]["response_tokens_per_s"],
+                "fused_cache_tokens_identical": same, "fused_cache_max_state_diff": diff})
+    return res
+
+
 def _gen_tokens_per_s(target, prompts, new_tokens, batched: bool) -> tuple[float, list]:
     from draftsmith.train.generate import generate_batch
     t0 = time.perf_counter()
@@ -88,6 +142,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--hf-batch", type=int, default=32, help="reference engine's batch (the recipes' data.batch_size)")
     ap.add_argument("--rows", type=int, default=96, help="batched engine's rows in flight")
     ap.add_argument("--only-data", action="store_true", help="run only the data-path comparison")
+    ap.add_argument("--fused-cache", action="store_true", help="run only the data+cache comparison: batched "
+                    "generation + separate cache pass vs fused generation+cache vs HF generate + separate cache pass")
+    ap.add_argument("--shard-tokens", type=int, default=200_000, help="--fused-cache: tokens per cache shard")
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats of each pair; best of each kept")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     ap.add_argument("--out", default=None)
@@ -117,6 +174,23 @@ def main(argv=None) -> dict:
         if normalise(c.user_turns[0]) not in seen:
             seen.add(normalise(c.user_turns[0]))
             pool.append(Conversation(c.id, c.source, c.user_turns[:1]))
+    if args.fused_cache:
+        f = res["fused_cache"] = _fused_path(target, pool[: args.data_prompts], args.data_new_tokens, args.hf_batch,
+                                             args.rows, args.repeats, args.batch_tokens, args.shard_tokens)
+        for mode in ("batched+cache", "fused", "hf+cache"):
+            m = f[mode]
+            print(f"{mode:14s} {m['response_tokens_per_s']:7.1f} response tok/s over data+cache "
+                  f"({m['response_tokens']} response tokens, {m['cache_tokens']} cached tokens; generation "
+                  f"{m['generation_s']:.1f} s + cache stage {m['cache_s']:.1f} s = {m['total_s']:.1f} s; states from "
+                  f"generation {m['states']['from_generation']}, computed {m['states']['forward'] or 'none'})")
+        print(f"fused / batched+cache {f['fused_over_batched_cache']:.2f}x; fused / hf+cache "
+              f"{f['fused_over_hf_cache']:.2f}x; batched+cache / hf+cache {f['batched_cache_over_hf_cache']:.2f}x; "
+              f"fused cache tokens identical: {f['fused_cache_tokens_identical']}, largest state difference "
+              f"{f['fused_cache_max_state_diff']}; {f['conversations']} conversations x <= {f['max_new_tokens']} "
+              f"tokens, {res['threads']} threads", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+        return res
     d = res["data_path"] = _data_path(target, pool[: args.data_prompts], args.data_new_tokens, args.hf_batch,
                                       args.rows, args.repeats)
     print(f"data path:  continuous batching {d['batched_tokens_per_s']:.1f} response tok/s ({d['rows']} rows) vs "
