@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", default=None, help="output directory (default: next to the traces, predictors/)")
     pr.add_argument("--max-len", type=int, default=8, help="the longest round the policies may draft")
     pr.add_argument("--epochs", type=int, default=20, help="SpecDec++ head epochs")
+    mg = sub.add_parser("merge", help="data + caches of several finished data runs as one directory (for shared_data)")
+    mg.add_argument("out", help="new directory (then train with shared_data=OUT)")
+    mg.add_argument("runs", nargs="+", help="run directories whose data and cache stages finished")
     im = sub.add_parser("import", help="a vLLM-Medusa or original-Medusa / TGI directory -> draftsmith checkpoint")
     im.add_argument("source", help="directory with config.json and model.safetensors or medusa_lm_head.safetensors")
     im.add_argument("--out", required=True, help="new checkpoint directory")
@@ -242,11 +245,17 @@ def main(argv: list[str] | None = None) -> int:
             return _export_import(args)
         if args.cmd in ("traces", "predictors"):
             return _predictors(args)
+        if args.cmd == "merge":
+            from draftsmith.pipeline import merge_runs
+            m = merge_runs(Path(args.out), [Path(r) for r in args.runs])
+            print(f"merged {len(args.runs)} runs -> {args.out}: {m['cache_sequences']} sequences, "
+                  f"{m['cache_tokens']} tokens ({m['sources']}); train with shared_data={args.out}")
+            return 0
         if args.cmd == "quickstart":
             args.recipe = "quickstart"
             return _run_stages(args, STAGES)
         return _run_stages(args, STAGES if args.cmd == "run" else (args.cmd,))
-    except (RecipeError, TargetMismatchError, FileNotFoundError, ValueError) as e:
+    except (RecipeError, TargetMismatchError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"draftsmith: error: {e}", file=sys.stderr)
         return 2
 

@@ -13,6 +13,7 @@ Every stage is resumable and skipped when its output is complete.
 from __future__ import annotations
 
 import json
+import os
 import logging
 import shutil
 import time
@@ -367,3 +368,56 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     figures["command"], figures["environment"] = command_line(), environment()
     (recipe.out / "bench.json").write_text(json.dumps(figures, indent=2))
     return figures
+
+
+def merge_runs(out: Path, runs: list[Path]) -> dict:
+    """Data and cache of several finished data runs as one (for ``shared_data``): train.jsonl concatenated,
+    the training caches merged by linking their shards (`merge_caches`), the held-out split of the first
+    run (every run must hold the same one). Prompts found in more than one run are counted, not removed
+    (their cached shards are shared)."""
+    from draftsmith.train.cache import merge_caches
+    out, runs = Path(out), [Path(r) for r in runs]
+    for r in runs:
+        for need in ("data/meta.json", "data/train.jsonl", "cache/train/index.json"):
+            if not (r / need).exists():
+                raise FileNotFoundError(f"{r} has no {need}: run its data and cache stages first")
+    held = [r / "cache" / "heldout" / "index.json" for r in runs]
+    if held[0].exists():
+        toks = [json.loads(h.read_text())["tokens"] if h.exists() else None for h in held]
+        if any(t != toks[0] for t in toks):
+            raise ValueError(f"the runs' held-out caches differ ({toks} tokens): they must share one held-out set")
+    if (out / "data" / "meta.json").exists():
+        raise FileExistsError(f"{out} already holds merged data; merge into a new directory")
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    index = merge_caches(out / "cache" / "train", [r / "cache" / "train" for r in runs])
+    if held[0].exists():
+        link = out / "cache" / "heldout"
+        if not link.exists():
+            link.symlink_to(os.path.relpath((runs[0] / "cache" / "heldout").resolve(), link.parent.resolve()),
+                            target_is_directory=True)
+        shutil.copyfile(runs[0] / "data" / "heldout.jsonl", out / "data" / "heldout.jsonl")
+    seen: set[str] = set()
+    ids: set[str] = set()
+    stats = Counter()
+    with (out / "data" / "train.jsonl").open("w") as f:
+        for r in runs:
+            for line in (r / "data" / "train.jsonl").read_text().splitlines():
+                row = json.loads(line)
+                if row["id"] in ids:
+                    raise ValueError(f"conversation id {row['id']!r} appears in two runs; they cannot be merged")
+                ids.add(row["id"])
+                key = json.dumps([m["content"] for m in row["messages"] if m["role"] == "user"])
+                stats["prompts_in_more_than_one_run"] += key in seen
+                seen.add(key)
+                f.write(line + "\n")
+    metas = [json.loads((r / "data" / "meta.json").read_text()) for r in runs]
+    gen = Counter()
+    for m in metas:
+        for k, v in m.get("generation", {}).items():
+            if isinstance(v, (int, float)) and not k.endswith("per_s"):
+                gen[k] += v
+    meta = {"merged_from": [str(r) for r in runs], "runs": metas, "generation": dict(gen),
+            "sources": dict(stats), "target_fingerprint": metas[0].get("target_fingerprint"),
+            "cache_sequences": index["sequences"], "cache_tokens": index["tokens"]}
+    (out / "data" / "meta.json").write_text(json.dumps(meta, indent=2))
+    return meta

@@ -101,3 +101,39 @@ def test_a_finished_shard_holding_other_sequences_is_recomputed(tiny_target, tmp
     assert _max_prob_diff(tiny_target, HiddenCache(tmp_path / "c"), other) < 1e-5
     again = build_cache(tiny_target, other, ["final", "layer:1"], tmp_path / "c", dtype="float32", shard_tokens=40)
     assert again["provenance"]["states"]["forward"] == {"shard_mismatch": len(other)}  # a field was missing
+
+
+def test_merged_caches_read_as_one_in_order_and_refuse_mismatches(tiny_target, tmp_path):
+    import json
+
+    from draftsmith.pipeline import merge_runs
+    from draftsmith.train.cache import merge_caches
+
+    a, b = _seqs(tiny_target, 4, seed=1), _seqs(tiny_target, 3, seed=2)
+    for name, seqs in (("a", a), ("b", b)):
+        run = tmp_path / name
+        build_cache(tiny_target, seqs, ["final"], run / "cache" / "train", dtype="float32", shard_tokens=40)
+        build_cache(tiny_target, a[:2], ["final"], run / "cache" / "heldout", dtype="float32")
+        (run / "data").mkdir()
+        (run / "data" / "meta.json").write_text(json.dumps({"generation": {"response_tokens": 10 * len(seqs)}}))
+        (run / "data" / "heldout.jsonl").write_text("")
+        (run / "data" / "train.jsonl").write_text("".join(
+            json.dumps({"id": f"{name}{i}", "messages": [{"role": "user", "content": "same" if i == 0 else f"{name}{i}"}]})
+            + "\n" for i in range(len(seqs))))
+    meta = merge_runs(tmp_path / "m", [tmp_path / "a", tmp_path / "b"])
+    assert meta["sources"]["prompts_in_more_than_one_run"] == 1 and meta["generation"]["response_tokens"] == 70
+    cache = HiddenCache(tmp_path / "m" / "cache" / "train", tiny_target)
+    assert len(cache) == 7
+    for i, s in enumerate(a + b):
+        assert cache.tokens(i).tolist() == s["ids"] and cache.mask(i).tolist() == s["mask"]
+    src = HiddenCache(tmp_path / "b" / "cache" / "train")
+    torch.testing.assert_close(cache.states(5, "final"), src.states(1, "final"))
+    assert len(HiddenCache(tmp_path / "m" / "cache" / "heldout")) == 2
+    # another dtype (or target, or states) cannot be merged; an existing cache is never overwritten
+    build_cache(tiny_target, b, ["final"], tmp_path / "c16", dtype="float16")
+    with pytest.raises(ValueError, match="dtype"):
+        merge_caches(tmp_path / "x", [tmp_path / "a" / "cache" / "train", tmp_path / "c16"])
+    with pytest.raises(FileExistsError):
+        merge_runs(tmp_path / "m", [tmp_path / "a"])
+    with pytest.raises(FileNotFoundError, match="no index.json"):
+        merge_caches(tmp_path / "y", [tmp_path / "nothing"])

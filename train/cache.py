@@ -410,3 +410,47 @@ class HiddenCache:
         if self.dtype == "bfloat16":
             t = t.view(torch.bfloat16)
         return t.float()
+
+
+def merge_caches(out_dir: str | Path, sources: list[str | Path]) -> dict:
+    """One cache over the shards of several finished caches (same target, states and dtype), in order.
+
+    Shards are linked, not copied (relative symlinks ``shard-NNNNN`` -> the source shard), so merging
+    the data of several runs costs nothing; the index lists them and sums the counts. Used to train on
+    data made by several data runs (e.g. two single-core jobs side by side): `draftsmith merge`.
+    """
+    out_dir = Path(out_dir)
+    if not sources:
+        raise ValueError("merge_caches needs at least one source cache")
+    idx = []
+    for s in sources:
+        p = Path(s) / "index.json"
+        if not p.exists():
+            raise FileNotFoundError(f"{s} is not a finished cache (no index.json)")
+        idx.append((Path(s), json.loads(p.read_text())))
+    first = idx[0][1]
+    for s, ix in idx[1:]:
+        for key in ("target_fingerprint", "needs", "dtype", "hidden_size"):
+            if ix[key] != first[key]:
+                raise ValueError(f"cannot merge {s}: its {key} {ix[key]!r} differs from {idx[0][0]}'s {first[key]!r}")
+    if (out_dir / "index.json").exists():
+        raise FileExistsError(f"{out_dir} already holds a cache (index.json); merge into a new directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = []
+    for s, ix in idx:
+        for sh in ix["shards"]:
+            name = f"shard-{len(names):05d}"
+            link = out_dir / name
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(os.path.relpath((s / sh).resolve(), out_dir.resolve()), target_is_directory=True)
+            names.append(name)
+    total = lambda k: sum(int(ix[k]) for _, ix in idx)  # noqa: E731
+    index = {key: first[key] for key in ("target_fingerprint", "needs", "dtype", "hidden_size")}
+    index.update({"shards": names, "sequences": total("sequences"), "tokens": total("tokens"),
+                  "loss_tokens": total("loss_tokens"), "bytes": total("bytes"),
+                  "bytes_per_token": total("bytes") / max(total("tokens"), 1), "seconds": 0.0,
+                  "provenance": {"merged": [{"cache": str(s), "sequences": ix["sequences"], "tokens": ix["tokens"],
+                                             "provenance": ix.get("provenance", {})} for s, ix in idx]}})
+    (out_dir / "index.json").write_text(json.dumps(index, indent=2))
+    return index
