@@ -164,6 +164,35 @@ def test_greedy_kangaroo_equals_plain(tgt, make):
     assert res.tau > 1.05  # drafts were accepted, so accepted paths were committed
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_fused_prompt_gets_the_decoders_mask_for_the_attention_kernel(attn):
+    """The first step's layers over the fused prompt get the decoder's own mask: none under sdpa (its causal
+    kernel on the KV heads as they are; the explicit mask made HF copy keys/values to every query head and
+    cost more than the skipped layer), the explicit one under eager, which does not mask by itself."""
+    t = tiny(vocab=12, seed=2, std=0.5, layers=4)
+    t.model.set_attn_implementation(attn)
+    plain = SpeculativeDecoder(t).generate(PROMPT * 3, 40).tokens
+    masks = []
+    hook = t.model.get_decoder().layers[-1].register_forward_pre_hook(
+        lambda m, a, kw: masks.append(kw.get("attention_mask")), with_kwargs=True)
+    try:
+        res = SpeculativeDecoder(t, kangaroo(t)).generate(PROMPT * 3, 40)
+    finally:
+        hook.remove()
+    assert res.tokens == plain and res.tau > 1.05
+    assert (masks[0] is None) == (attn == "sdpa")  # the first verification: prompt + root + drafts from slot 0
+
+
+def test_layers_get_the_cache_under_its_current_name(tgt):
+    """No deprecated-argument shim (a rename and a warning) per layer call on the verification path."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        SpeculativeDecoder(tgt, kangaroo(tgt)).generate(PROMPT, 10)
+    assert not [w for w in caught if "DecoderLayer" in str(w.message)]
+
+
 @pytest.fixture(scope="module")
 def enum_tgt():
     return tiny(vocab=6, seed=0, std=0.5, layers=3, dtype=torch.float64)
@@ -324,3 +353,26 @@ def test_heldout_metrics_of_the_known_answer(tmp_path):
     assert m["positions"] == 3 * 22  # positions 7..28 predict the assistant tokens 8..29
     assert m["expected_acceptance"] > 1 - 1e-4 and m["greedy_acceptance"] == 1.0
     assert m["predicted_chain_tau"] == 4.0
+
+
+@pytest.mark.real
+def test_real_target_skip_and_full_verification_equal_plain(real_target):
+    """On the default target with kangaroo-large's adapter shape (l=1, MLP, 8192 kept ids, random outputs):
+    verification from the layer-1 states (fused prompt without a mask under sdpa) and the full-depth forward
+    give plain decoding's greedy tokens."""
+    from draftsmith.eval.mtbench import mtbench_prompts
+
+    t = real_target
+    a = KangarooAdapter.for_target(t, exit_layer=1, adapter_mlp=True, vocab_keep=8192)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        a.o.weight.normal_(0, 0.002)
+        a.down.weight.normal_(0, 0.002)
+    skip = a.to(next(t.model.parameters()).dtype).eval().decoder_drafter(t, t.fingerprint)
+    decs = [SpeculativeDecoder(t), SpeculativeDecoder(t, skip), SpeculativeDecoder(t, skip.variant(full_verify=True))]
+    drafted = 0
+    for p in mtbench_prompts(t.tokenizer, 2, spread=True):
+        plain, *ours = [d.generate(p.ids, 24, seed=0) for d in decs]
+        assert all(r.tokens == plain.tokens for r in ours)
+        drafted += sum(s.drafted for s in ours[0].steps)
+    assert drafted > 0
