@@ -10,13 +10,14 @@ call emits tokens, the prompt's included, as with ours), so tau is defined
 identically for every method.
 
 Every method is warmed up once, then for each prompt every method runs in
-turn (interleaved, so machine noise hits all methods alike; the order rotates per prompt). Figures come
+turn (interleaved, so machine noise hits all methods alike; the order is shuffled per prompt). Figures come
 from engine/metrics.py; speedups always name their baseline.
 """
 
 from __future__ import annotations
 
 import copy
+import random
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -114,10 +115,12 @@ def run_bench(methods: list[Method], prompts: list, max_new_tokens: int, seed: i
         m.run(prompts[0].ids, min(warmup_tokens, max_new_tokens), seed)
     per: dict[str, list[DecodeResult]] = {m.name: [] for m in methods}
     for k, pr in enumerate(prompts):
-        # the order rotates per prompt: no method always runs right after the same one (a method that leaves
-        # the allocator or the CPU caches in a worse state would otherwise bias one neighbour every time)
-        r = k % len(methods)
-        for m in methods[r:] + methods[:r]:
+        # a seeded shuffle per prompt: no method always runs right after the same one (a method that leaves
+        # the allocator or the CPU caches in a worse state would otherwise bias one neighbour every time;
+        # a plain rotation keeps the same neighbours)
+        order = list(methods)
+        random.Random(seed * 7919 + k).shuffle(order)
+        for m in order:
             per[m.name].append(m.run(pr.ids, max_new_tokens, seed + k))
         if log:
             log(f"[{k + 1}/{len(prompts)}] q{pr.question_id} ({pr.category}): " + ", ".join(

@@ -40,8 +40,9 @@ def test_time_shares_speedup_and_summary():
     assert summ["step_ms"] == pytest.approx({"draft": 100.0, "verify": 300.0, "other": 100.0})
 
 
-def test_bench_rotates_method_order_per_prompt():
-    """Interleaved, with the order rotating per prompt: no method always runs right after the same one."""
+def test_bench_shuffles_method_order_per_prompt():
+    """Interleaved, with a seeded shuffle per prompt: every method runs once per prompt, the orders differ,
+    and no method always runs right after the same one."""
     from types import SimpleNamespace
 
     from draftsmith.eval.bench import Method, run_bench
@@ -55,8 +56,14 @@ def test_bench_rotates_method_order_per_prompt():
                                 steps=[StepStats(1, 0, 0, 0, 0.0, 0.01, 0.0)] * n, wall_s=0.01 * n)
         return run
 
-    methods = [Method(m, runner(m)) for m in "abc"]
-    prompts = [SimpleNamespace(ids=[0, 1], question_id=i, category="x") for i in range(3)]
+    methods = [Method(m, runner(m)) for m in "abcd"]
+    prompts = [SimpleNamespace(ids=[0, 1], question_id=i, category="x") for i in range(12)]
     run_bench(methods, prompts, 2, log=None)
-    per_prompt = [calls[3 + 3 * k: 6 + 3 * k] for k in range(3)]  # the first 3 calls are the warm-up
-    assert per_prompt == [list("abc"), list("bca"), list("cab")]
+    per_prompt = [calls[4 + 4 * k: 8 + 4 * k] for k in range(12)]  # the first 4 calls are the warm-up
+    assert all(sorted(p) == list("abcd") for p in per_prompt)
+    assert len({tuple(p) for p in per_prompt}) >= 6
+    follows = {m: {p[p.index(m) - 1] for p in per_prompt if p.index(m) > 0} for m in "abcd"}
+    assert all(len(f) >= 2 for f in follows.values()), follows
+    calls.clear()
+    run_bench(methods, prompts, 2, log=None)
+    assert [calls[4 + 4 * k: 8 + 4 * k] for k in range(12)] == per_prompt  # seeded: the same run twice
