@@ -85,9 +85,13 @@ class GoodputTable:
         c = self.cost(b, k)
         return b * expected_tokens(self.acceptance, k) / c if c else 0.0
 
-    def best_k(self, b: int) -> int:
-        """The K of highest goodput at batch size b (ties: the shorter draft)."""
-        return max(self.ks(), key=lambda k: (self.goodput(b, k), -k))
+    def best_k(self, b: int, margin: float = 0.0) -> int:
+        """The K of highest goodput at batch size b (ties: the shorter draft); speculation (K > 0) only
+        if its goodput beats plain decoding's by more than ``margin`` (relative), else K = 0."""
+        best = max(self.ks(), key=lambda k: (self.goodput(b, k), -k))
+        if best and self.goodput(b, best) <= (1.0 + margin) * self.goodput(b, 0):
+            return 0
+        return best
 
     def to_dict(self) -> dict:
         return {"costs": {str(b): {str(k): c for k, c in row.items()} for b, row in self.costs.items()},
@@ -117,13 +121,20 @@ class BatchAwareLength:
     """Chain length per step from the live batch size (``choose(b)``), by the measured goodput table."""
 
     table: GoodputTable
+    # speculate only where the measured gain over plain decoding exceeds this share: step costs measured
+    # over a few short runs on a shared machine are noisy, and a wrong K > 0 loses where plain was as good
+    margin: float = 0.05
+
+    def __post_init__(self):
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
 
     @property
     def max_len(self) -> int:
         return max(self.table.ks())
 
     def choose(self, batch_size: int) -> int:
-        return self.table.best_k(batch_size)
+        return self.table.best_k(batch_size, self.margin)
 
     def plan(self, batch_sizes: Sequence[int]) -> dict[int, int]:
         return {b: self.choose(b) for b in batch_sizes}

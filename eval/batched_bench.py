@@ -100,7 +100,7 @@ def run(a) -> dict:
     calib_s = time.perf_counter() - t0
     Path(a.out).mkdir(parents=True, exist_ok=True)
     table.save(Path(a.out) / "goodput_table.json")  # now, so a stopped run can be redone with --policy-table
-    policy = BatchAwareLength(table)
+    policy = BatchAwareLength(table, margin=a.margin)
     print(f"calibration {calib_s:.0f} s; acceptance by depth {[round(x, 3) for x in table.acceptance]}; "
           f"K by batch size {policy.plan(sizes)}", flush=True)
     ours = {PLAIN: plain_batched_decoder(target, sampling), f"spec K={a.k}": make(a.k),
@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--calib-ks", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="K values calibrated")
     ap.add_argument("--calib-tokens", type=int, default=16, help="new tokens per calibration run")
     ap.add_argument("--calib-repeats", type=int, default=2)
+    ap.add_argument("--margin", type=float, default=0.05,
+                    help="the batch-aware policy speculates only where its measured goodput beats plain "
+                         "by more than this share")
     ap.add_argument("--policy-table", default=None, help="a goodput_table.json to reuse instead of calibrating")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)

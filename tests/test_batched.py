@@ -283,6 +283,16 @@ def test_policy_picks_plain_where_speculation_loses(tgt, reference):
     assert len({s.k for s in res.steps}) >= 2
 
 
+def test_policy_speculates_only_beyond_its_margin():
+    # K = 2 measured 3% better than plain at b = 1 and 30% better at b = 2 (E(2) = 1.75)
+    t = GoodputTable({1: {0: 1.0, 2: 1.75 / 1.03}, 2: {0: 1.0, 2: 1.75 / 1.3}}, [0.5, 0.5])
+    assert BatchAwareLength(t, margin=0.0).plan([1, 2]) == {1: 2, 2: 2}
+    assert BatchAwareLength(t).plan([1, 2]) == {1: 0, 2: 2}  # default margin 5%: a 3% gain is noise
+    assert BatchAwareLength(t, margin=0.5).plan([1, 2]) == {1: 0, 2: 0}
+    with pytest.raises(ValueError, match="margin"):
+        BatchAwareLength(t, margin=1.5)
+
+
 def test_calibration_measures_every_cell(tgt, tmp_path):
     d = first_layers_drafter(tgt, 2)
     table = calibrate(lambda k: BatchedSpeculativeDecoder(tgt, d if k else None, k=max(k, 1)),
