@@ -54,7 +54,8 @@ def collect_prompts(recipe: Recipe, target: Target, skips: sources.SkipLog, stat
     for n, src in enumerate(recipe.data.sources):
         name = f"{src.type}{n}"
         if src.type == "magpie":
-            it = iter(_magpie(recipe, target, n, src.count or 100, holdout, stats))
+            it = iter(_magpie(recipe, target, n, src.count or 100, holdout, stats,
+                              generate.resolve_openers(src.openers)))
         else:
             if not src.path:
                 raise ValueError(f"data.sources[{n}] ({src.type}) needs a path")
@@ -77,7 +78,7 @@ def collect_prompts(recipe: Recipe, target: Target, skips: sources.SkipLog, stat
 
 
 def _magpie(recipe: Recipe, target: Target, n: int, count: int, holdout: set[str],
-            stats: Counter) -> list[sources.Conversation]:
+            stats: Counter, openers: list[str] | None = None) -> list[sources.Conversation]:
     """Synthesised prompts, saved as they come (``data/magpie{n}.jsonl`` and its ``.state.json``), so a
     restarted data stage continues the draws instead of redoing them."""
     path = recipe.out / "data" / f"magpie{n}.jsonl"
@@ -96,7 +97,8 @@ def _magpie(recipe: Recipe, target: Target, n: int, count: int, holdout: set[str
     got, mstats = generate.synthesize_prompts(
         target, count, batch_size=recipe.data.batch_size, max_new_tokens=recipe.data.magpie_max_new_tokens,
         seed=recipe.seed + n, exclude=holdout, engine=recipe.data.engine, max_rows=recipe.data.max_rows,
-        done=done, draws_done=draws, on_round=save if recipe.data.engine == "batched" else None)
+        done=done, draws_done=draws, on_round=save if recipe.data.engine == "batched" else None,
+        openers=openers)
     stats.update({f"magpie_{k}": v for k, v in mstats.items()})
     if recipe.data.engine != "batched":
         path.write_text("".join(json.dumps({"id": c.id, "prompt": c.user_turns[0]}) + "\n" for c in got))

@@ -25,6 +25,10 @@ class SourceConfig(_Strict):
     max_conversations: Optional[int] = Field(None, ge=1, description="keep at most this many from the source")
     count: Optional[int] = Field(None, ge=1, description="magpie: number of prompts to synthesise")
     split: Optional[str] = Field(None, description="hf_dataset: split name")
+    openers: Optional[Union[Literal["builtin:tasks"], list[str]]] = Field(
+        None, description="magpie: words the user turn starts with, one per draw in turn (the target writes the "
+        "rest), for prompts of more kinds of tasks; 'builtin:tasks' = generic task openers (writing, role-play, "
+        "reasoning, maths, code, extraction, explanation); '' in a list = unsteered")
 
 
 class ServerConfig(_Strict):

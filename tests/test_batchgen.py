@@ -168,6 +168,26 @@ def test_magpie_batched_prompts_do_not_depend_on_rows(peaky):
     assert sa == sb
 
 
+@pytest.mark.parametrize("engine", ["batched", "hf"])
+def test_magpie_openers_start_each_draws_prompt(peaky, engine):
+    openers = ["Solve", "Write a", ""]
+    got, _ = generate.synthesize_prompts(peaky, 9, max_new_tokens=12, seed=5, min_chars=1, max_rows=4,
+                                         openers=openers, engine=engine, batch_size=4)
+    assert len(got) >= 6  # (the hf path gives up after a fixed number of batches of unfinished draws)
+    starts = [next((o for o in openers[:2] if c.user_turns[0].startswith(o)), "") for c in got]
+    assert {"Solve", "Write a"} <= set(starts)  # every steered draw starts with its opener
+    steered, _ = generate.synthesize_prompts(peaky, 9, max_new_tokens=12, seed=5, min_chars=1, max_rows=4,
+                                             openers=["Solve"], engine=engine, batch_size=4)
+    assert steered and all(c.user_turns[0].startswith("Solve") for c in steered)
+    plain, _ = generate.synthesize_prompts(peaky, 9, max_new_tokens=12, seed=5, min_chars=1, max_rows=4,
+                                           engine=engine, batch_size=4)
+    assert sum(c.user_turns[0].startswith("Solve") for c in plain) < len(plain)
+    assert generate.resolve_openers("builtin:tasks") == list(generate.TASK_OPENERS)
+    for bad in ("Solve", [], [3]):
+        with pytest.raises(ValueError, match="openers"):
+            generate.resolve_openers(bad)
+
+
 def test_unknown_engine_is_a_clear_error(peaky, tmp_path):
     with pytest.raises(ValueError, match="unknown generation engine 'vllm'"):
         generate.regenerate(peaky, _convs(1), tmp_path / "x.jsonl", max_new_tokens=4, max_turns=1, batch_size=1,

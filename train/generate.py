@@ -390,12 +390,41 @@ def user_prefix_ids(tokenizer) -> list[int]:
     return tokenizer(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
 
 
+# Generic openers of instruction-following tasks (self-instruct style task verbs): a user turn that starts
+# with one of them makes the target write a prompt of that kind of task, where plain Magpie prompts of a
+# small model are mostly "Can you help me with ..." requests. '' keeps some draws unsteered.
+TASK_OPENERS = (
+    "", "Write a", "Write a short story about", "Compose an email to", "Write a poem about", "Draft a",
+    "Pretend you are", "Imagine you are a", "Act as a", "Solve", "Calculate", "What is the value of", "If a",
+    "Suppose", "How many", "Write a Python function that", "Implement a", "Write a program that", "Fix the bug in",
+    "Write a SQL query", "Extract", "Summarize the following", "Given the following", "Classify", "Explain how",
+    "Explain why", "What is the difference between", "Describe the", "How does", "Discuss the", "Compare",
+    "What are the main", "List", "Give me", "Rewrite the following", "Edit", "Create a", "Help me", "Evaluate",
+    "Analyze", "Provide", "Why do", "Translate",
+)
+
+
+def resolve_openers(openers) -> list[str] | None:
+    """A magpie source's ``openers``: None, 'builtin:tasks' or a list of strings."""
+    if openers is None:
+        return None
+    if openers == "builtin:tasks":
+        return list(TASK_OPENERS)
+    if isinstance(openers, str) or not openers or not all(isinstance(o, str) for o in openers):
+        raise ValueError(f"magpie openers must be 'builtin:tasks' or a non-empty list of strings, got {openers!r}")
+    return list(openers)
+
+
 def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_new_tokens: int = 64,
                        temperature: float = 1.0, top_p: float = 0.99, seed: int = 0,
                        exclude: set[str] = frozenset(), min_chars: int = 12, engine: str = "batched",
                        max_rows: int = 96, done: list[Conversation] | None = None, draws_done: int = 0,
-                       on_round=None, round_size: int = 512) -> tuple[list[Conversation], Counter]:
+                       on_round=None, round_size: int = 512,
+                       openers: list[str] | None = None) -> tuple[list[Conversation], Counter]:
     """Magpie-style prompts written by the target from its user-turn prefix.
+
+    With ``openers``, draw k's user turn starts with ``openers[k % len(openers)]`` and the target writes
+    the rest (the prompt is the opener plus what it wrote).
 
     With the batched engine every draw has its own seed (``job_seed(seed, "magpie", draw)``), so the
     prompts do not depend on the batch size, and draws are made in rounds of at most ``round_size``:
@@ -405,13 +434,18 @@ def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_
     if engine not in ENGINES:
         raise ValueError(f"unknown generation engine {engine!r}; choose one of {ENGINES}")
     prefix = user_prefix_ids(target.tokenizer)
+    opener_ids = [target.tokenizer(o, add_special_tokens=False)["input_ids"] if o else [] for o in openers or [""]]
+
+    def start(draw: int) -> list[int]:
+        return prefix + opener_ids[draw % len(opener_ids)]
+
     out: list[Conversation] = list(done or [])
     seen: set[str] = {normalise(c.user_turns[0]) for c in out}
     stats: Counter = Counter()
     bar = tqdm(total=count, initial=min(len(out), count), desc="magpie prompts", unit="prompt")
 
-    def take(ids: list[int], fin: bool) -> None:
-        text = target.tokenizer.decode(ids, skip_special_tokens=True).strip()
+    def take(ids: list[int], fin: bool, draw: int = 0) -> None:
+        text = target.tokenizer.decode(opener_ids[draw % len(opener_ids)] + ids, skip_special_tokens=True).strip()
         key = normalise(text)
         reason = ("unfinished" if not fin else "too_short" if len(text) < min_chars else
                   "duplicate" if key in seen else "mtbench" if key in exclude else None)
@@ -425,27 +459,30 @@ def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_
     if engine == "hf":
         attempt = 0
         while len(out) < count and attempt < 8 * (count // batch_size + 1):
-            res = generate_batch(target, [prefix] * batch_size, max_new_tokens, temperature, top_p,
+            draws = [attempt * batch_size + i for i in range(batch_size)]
+            res = generate_batch(target, [start(d) for d in draws], max_new_tokens, temperature, top_p,
                                  seed=seed * 7919 + attempt)
             attempt += 1
-            for ids, fin in res:
+            for d, (ids, fin) in zip(draws, res):
                 if len(out) < count:
-                    take(ids, fin)
+                    take(ids, fin, d)
     else:
         gen = BatchGenerator(target.model, target.eos_token_ids, max_rows=max_rows,
-                             capacity=len(prefix) + max_new_tokens, temperature=temperature, top_p=top_p)
+                             capacity=len(prefix) + max(map(len, opener_ids)) + max_new_tokens,
+                             temperature=temperature, top_p=top_p)
         draws = draws_done
         limit = draws_done + 8 * (count - len(out)) + 64  # a target that cannot write prompts stops somewhere
         while len(out) < count and draws < limit:
             # ask for what is missing plus a margin for rejections; results taken in draw order
             n = min(round_size, int((count - len(out)) * 1.3) + 8)
             got: dict[int, tuple[list[int], bool]] = {}
-            jobs = [Job(draws + k, prefix, max_new_tokens, job_seed(seed, "magpie", draws + k)) for k in range(n)]
+            jobs = [Job(draws + k, start(draws + k), max_new_tokens, job_seed(seed, "magpie", draws + k))
+                    for k in range(n)]
             gen.run(jobs, lambda j, ids, fin: got.__setitem__(j.key, (ids, fin)))
             before = len(out)
             for k in sorted(got):
                 if len(out) < count:
-                    take(*got[k])
+                    take(*got[k], k)
             draws += n
             if on_round is not None:
                 on_round(out[before:], draws)
