@@ -203,6 +203,9 @@ class TrainConfig(_Strict):
     tree_budgets: list[int] = Field([8, 16], description="node budgets of the trees built after training")
     save_every: int = Field(200, ge=1)
     log_every: int = Field(10, ge=1)
+    init_from: Optional[str] = Field(None, description="start from this checkpoint's weights (same kind and shape, "
+                                     "same target; fresh optimizer and schedule), e.g. to go on training a drafter "
+                                     "on more data; a pruned head keeps the checkpoint's kept ids")
     tracker: Literal["wandb", "none"] = Field("wandb", description="wandb runs offline unless WANDB_MODE says otherwise")
 
 

@@ -83,3 +83,31 @@ def test_predicted_chain_tau():
     assert predicted_chain_tau([]) == 1.0
     assert predicted_chain_tau([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
     assert predicted_chain_tau([1.0, 0.0, 1.0]) == 2.0
+
+
+def test_init_from_starts_where_a_checkpoint_ended_and_refuses_another_shape(tiny_target, cached, tmp_path):
+    from draftsmith.checkpoint import CheckpointError
+    first = _recipe(tmp_path / "a", epochs=6, lr=2e-2)
+    ck, _ = train(first, tiny_target, cached, first.out)
+    trained = load_file(str(ck / "model.safetensors"))
+    # zero steps of learning on top (lr tiny): the weights are the checkpoint's, not a fresh init
+    more = _recipe(tmp_path / "b", max_steps=1, lr=1e-12, warmup_steps=0, init_from=str(ck))
+    got = load_file(str(train(more, tiny_target, cached, more.out)[0] / "model.safetensors"))
+    assert got.keys() == trained.keys()
+    for k in got:
+        torch.testing.assert_close(got[k], trained[k], rtol=0, atol=1e-6)
+    fresh = _recipe(tmp_path / "c", max_steps=1, lr=1e-12, warmup_steps=0)
+    scratch = load_file(str(train(fresh, tiny_target, cached, fresh.out)[0] / "model.safetensors"))
+    assert any(not torch.allclose(scratch[k], trained[k]) for k in got)  # (the test can fail)
+    other = parse_recipe({"name": "t", "output_dir": str(tmp_path / "d"), "seed": 3,
+                          "drafter": {"kind": "medusa", "num_heads": 2, "num_layers": 1},
+                          "train": {"max_steps": 1, "batch_size": 4, "chunk_len": 16, "tracker": "none",
+                                    "init_from": str(ck)}})
+    with pytest.raises(CheckpointError, match="do not fit"):
+        train(other, tiny_target, cached, other.out)
+    kind = parse_recipe({"name": "t", "output_dir": str(tmp_path / "e"), "seed": 3,
+                         "drafter": {"kind": "hydra", "num_heads": 3, "num_layers": 1},
+                         "train": {"max_steps": 1, "batch_size": 4, "chunk_len": 16, "tracker": "none",
+                                   "init_from": str(ck)}})
+    with pytest.raises(ValueError, match="holds a 'medusa' drafter"):
+        train(kind, tiny_target, cached, kind.out)

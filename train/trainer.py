@@ -75,6 +75,29 @@ def set_draft_vocab(model: torch.nn.Module, cache: HiddenCache, exclude: set[int
     return {"kept": len(ids), "vocab": dh.vocab_size, "assistant_token_coverage": hit / max(total, 1)}
 
 
+def init_weights(model: torch.nn.Module, recipe: Recipe, target, path: str | Path) -> None:
+    """Load ``path``'s drafter weights into ``model`` (train.init_from): the checkpoint must be of this
+    target, kind and shape; a clear error names what differs."""
+    from draftsmith.checkpoint import CheckpointError, read_json, read_manifest, read_safetensors
+    from draftsmith.target import check_fingerprint
+    path = Path(path)
+    manifest = read_manifest(path)
+    check_fingerprint(manifest["target"]["fingerprint"], target, what=f"train.init_from checkpoint {path}")
+    if manifest["kind"] != recipe.drafter.kind:
+        raise ValueError(f"train.init_from {path} holds a {manifest['kind']!r} drafter, this recipe trains "
+                         f"{recipe.drafter.kind!r}")
+    sd = read_safetensors(path / "model.safetensors", f"{manifest['kind']} weights")
+    own = model.state_dict()
+    bad = sorted(k for k in sd if k not in own or own[k].shape != sd[k].shape)
+    missing = sorted(k for k, v in own.items() if k not in sd and not any(
+        k == s or k.startswith(s + ".") for s in getattr(model, "shared_with_target", ())))
+    if bad or missing:
+        cfg = read_json(path / "config.json", "drafter config")
+        raise CheckpointError(f"train.init_from {path}: its weights do not fit this recipe's drafter (config "
+                              f"{cfg}); differing: {bad[:4]}, missing: {missing[:4]}")
+    model.load_state_dict(sd, strict=False)
+
+
 def make_objective(recipe: Recipe, cache: HiddenCache, target):
     t = recipe.train
     exclude = calibration_split(len(cache), t.calibration_every)
@@ -149,6 +172,10 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
         fitted = fit(cache, target, calibration_split(len(cache), t.calibration_every))
         if fitted and acc.is_main_process:
             print(f"fitted to the training data: {fitted}")
+    if t.init_from and (latest_checkpoint(run_dir) is None or not resume):
+        init_weights(model, recipe, target, t.init_from)
+        if acc.is_main_process:
+            print(f"weights from {t.init_from}" + (" (with its draft vocabulary)" if vocab else ""))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     world, rank = acc.num_processes, acc.process_index
