@@ -26,7 +26,7 @@ import numpy as np
 
 from draftsmith.classifiers.features import DISCO_FEATURES, distribution_features, safe_log
 from draftsmith.classifiers.traces import TraceError, Traces, check_same_drafter
-from draftsmith.classifiers.tuning import best_fixed, calibration_rounds, quality, tune_threshold
+from draftsmith.classifiers.tuning import best_fixed, calibration_rounds, quality, tune_threshold_and_cap
 from draftsmith.engine.policies import DraftSignal
 from draftsmith.target import check_fingerprint
 
@@ -102,13 +102,14 @@ def fit(train: Traces, cal: Traces, *, max_len: int, min_len: int = 1, c: float 
         return out
 
     grid = np.unique(np.quantile(pred, np.linspace(0, 1, 101)))
-    tuned = {m: tune_threshold(lambda t, m=m: lengths(t, m), grid, rounds, ratio, cost) for m in MODES}
+    tuned = {m: tune_threshold_and_cap(lambda t, m=m: lengths(t, m), grid, rounds, ratio, cost, k) for m in MODES}
     mode = max(MODES, key=lambda m: tuned[m]["simulated"]["tokens_per_cost"])
     model.threshold = tuned[mode]["threshold"]
     model.meta = {"mode": mode, "calibration": {"quality": quality(pred, ratio), "tuning": tuned[mode],
                                                 "tuning_other_mode": tuned[MODES[1 - MODES.index(mode)]],
                                                 "fixed": best_fixed(rounds, ratio, cost, k)},
-                  "train_rows": len(train), "max_len": max_len, "min_len": min_len, "C": c}
+                  "train_rows": len(train), "max_len": max_len, "cap": tuned[mode]["cap"], "min_len": min_len,
+                  "C": c}
     return model
 
 
@@ -148,8 +149,10 @@ class DiscoStop:
     and a 5-feature dot product per candidate.
     """
 
-    def __init__(self, model: DiscoModel, max_len: int = 8, min_len: int = 1, threshold: float | None = None,
-                 mode: str | None = None):
+    def __init__(self, model: DiscoModel, max_len: int | None = None, min_len: int = 1,
+                 threshold: float | None = None, mode: str | None = None):
+        if max_len is None:  # the cap tuned with the threshold (older models: 8)
+            max_len = int(model.meta.get("cap", 8))
         if max_len < 1 or not 0 <= min_len <= max_len:
             raise ValueError(f"need max_len >= 1 and 0 <= min_len <= max_len, got {max_len}, {min_len}")
         self.mode = mode or model.meta.get("mode", "before")

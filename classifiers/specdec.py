@@ -35,7 +35,7 @@ from torch import nn
 from draftsmith.checkpoint import (CheckpointError, read_json, read_manifest, read_safetensors, save_checkpoint)
 from draftsmith.classifiers.features import last_row
 from draftsmith.classifiers.traces import TraceError, Traces, check_same_drafter
-from draftsmith.classifiers.tuning import best_fixed, calibration_rounds, quality, tune_threshold
+from draftsmith.classifiers.tuning import best_fixed, calibration_rounds, quality, tune_threshold_and_cap
 from draftsmith.engine.policies import DraftSignal
 from draftsmith.target import Target, check_fingerprint
 
@@ -157,10 +157,10 @@ def tune(head: AcceptanceHead, cal: Traces, max_len: int) -> dict:
         return out
 
     grid = np.linspace(0.0, 0.99, 100)
-    tuned = {lag: tune_threshold(lambda t, lag=lag: lengths_at(t, lag), grid, rounds, ratio, cost)
+    k = min(max_len, int(cal.columns["position"].max()))
+    tuned = {lag: tune_threshold_and_cap(lambda t, lag=lag: lengths_at(t, lag), grid, rounds, ratio, cost, k)
              for lag in (True, False)}
     lag = max(tuned, key=lambda m: tuned[m]["simulated"]["tokens_per_cost"] + (1e-9 if m else 0.0))
-    k = min(max_len, int(cal.columns["position"].max()))
     return {"quality": quality(a, y) if len(a) else None, "lag": lag, "tuning": tuned[lag],
             "tuning_other_lag": tuned[not lag], "fixed": best_fixed(rounds, ratio, cost, k)}
 
@@ -169,7 +169,7 @@ def save(out: str | Path, head: AcceptanceHead, target: Target, *, drafter: dict
          threshold: float, calibration: dict, traces: str, lag: bool = True) -> Path:
     return save_checkpoint(out, head, target, metrics={"calibration": calibration},
                            extra={"drafter": drafter, "temperature": temperature, "threshold": threshold,
-                                  "lag": lag, "traces": traces})
+                                  "lag": lag, "cap": int(calibration["tuning"].get("cap", 8)), "traces": traces})
 
 
 def load(path: str | Path, target: Target) -> tuple[AcceptanceHead, dict]:

@@ -144,7 +144,7 @@ def _headline(cal: dict) -> dict:
     q = cal.get("quality") or {}
     fx = cal["fixed"]
     return {"mode": cal.get("mode") or ("lag" if cal.get("lag", True) else "no lag"),
-            "threshold": cal["tuning"]["threshold"], "roc_auc": q.get("roc_auc"), "ece": q.get("ece"),
+            "threshold": cal["tuning"]["threshold"], "cap": cal["tuning"].get("cap"), "roc_auc": q.get("roc_auc"), "ece": q.get("ece"),
             "brier": q.get("brier"), "simulated_tokens_per_cost": cal["tuning"]["simulated"]["tokens_per_cost"],
             "simulated_mean_draft_len": cal["tuning"]["simulated"]["mean_draft_len"],
             "best_fixed_k": fx["best_k"], "best_fixed_tokens_per_cost": fx["best"]["tokens_per_cost"],
@@ -153,12 +153,13 @@ def _headline(cal: dict) -> dict:
 
 
 def format_summary(result: dict) -> str:
-    lines = ["temperature  predictor  mode     threshold  ROC AUC  ECE     sim. gain vs best fixed K (K)"]
+    lines = ["temperature  predictor  mode     threshold  cap  ROC AUC  ECE     sim. gain vs best fixed K (K)"]
     for t, res in result.items():
         for kind, h in res.items():
             auc = "-" if h["roc_auc"] is None else f"{h['roc_auc']:.3f}"
             g = h["simulated_gain_over_best_fixed"]
-            lines.append(f"{t:<12} {kind:<10} {h['mode']:<8} {h['threshold']:<10.3f} {auc:<8} {h['ece']:<7.3f} "
+            lines.append(f"{t:<12} {kind:<10} {h['mode']:<8} {h['threshold']:<10.3f} {h.get('cap') or '-':<4} "
+                         f"{auc:<8} {h['ece']:<7.3f} "
                          f"{'-' if g is None else f'{100 * g:+.1f}%'} ({h['best_fixed_k']})")
     return "\n".join(lines)
 

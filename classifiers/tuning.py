@@ -59,6 +59,22 @@ def tune_threshold(lengths_at: Callable[[float], list[tuple[int, int]]], grid: n
             "curve": [{"threshold": a, **b} for a, b in scores[:: max(1, len(scores) // 25)]]}
 
 
+def tune_threshold_and_cap(lengths_at: Callable[[float], list[tuple[int, int]]], grid: np.ndarray, rounds, ratio,
+                           cost: dict, k_max: int) -> dict:
+    """`tune_threshold` jointly with the policy's cap on drafts per round (1..k_max): a round the policy
+    would draft past the cap stops there, as a fixed length does. With a threshold that never stops,
+    cap K is fixed length K, so the tuned policy is never worse than the best fixed K on these rounds."""
+    best = None
+    for cap in range(1, max(1, k_max) + 1):
+        def capped(t, cap=cap):
+            return [(min(n, cap), min(f, cap)) for n, f in lengths_at(t)]
+        r = tune_threshold(capped, grid, rounds, ratio, cost)
+        r["cap"] = cap
+        if best is None or r["simulated"]["tokens_per_cost"] > best["simulated"]["tokens_per_cost"] + 1e-12:
+            best = r
+    return best
+
+
 def quality(pred: np.ndarray, ratio: np.ndarray, bins: int = 10) -> dict:
     """ROC AUC (soft labels: each row counts as accepted with weight ratio, rejected with 1 - ratio),
     Brier score, and calibration (expected calibration error and a reliability table over ``bins``)."""

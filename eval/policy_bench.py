@@ -73,12 +73,13 @@ def policies(a, target, drafter, ident: dict, temperature: float) -> list[tuple[
         if (where / "disco").exists():
             m = disco.load(where / "disco")
             disco.check_for(m, target, ident, temperature, f"DISCO {where / 'disco'}")
-            out.append(("DISCO", disco.DiscoStop(m, max_len)))
+            out.append(("DISCO", disco.DiscoStop(m, min(max_len, int(m.meta.get("cap", max_len))))))
         if (where / "specdec").exists():
             head, man = specdec.load(where / "specdec", target)
             specdec.check_for(man, ident, temperature, f"SpecDec++ {where / 'specdec'}")
             head.to(next(target.model.parameters()).device)
-            out.append(("SpecDec++", specdec.SpecDecStop(head, float(man["threshold"]), max_len,
+            out.append(("SpecDec++", specdec.SpecDecStop(head, float(man["threshold"]),
+                                                          min(max_len, int(man.get("cap", max_len))),
                                                           lag=bool(man.get("lag", True)))))
         if len(out) == len(ks) + 2:
             raise FileNotFoundError(f"{where}: no disco/ or specdec/ predictor for temperature {temperature}")

@@ -272,6 +272,29 @@ def test_tuning_helpers():
         quality(np.zeros(0), np.zeros(0))
 
 
+def test_tuned_cap_makes_policies_at_least_the_best_fixed_k():
+    """Tuning the cap with the threshold: cap K with a threshold that never stops is fixed length K, so the
+    tuned DISCO and SpecDec++ policies simulate at least the best fixed K on the calibration rounds."""
+    from draftsmith.classifiers.tuning import tune_threshold, tune_threshold_and_cap
+
+    t = tiny(vocab=12, seed=9, std=0.5)
+    tr, cal = synthetic(d=t.hidden_size), synthetic(d=t.hidden_size, seed=1, split="calibration")
+    m = disco.fit(tr, cal, max_len=6)
+    c = m.meta["calibration"]
+    assert 1 <= m.meta["cap"] <= 6 and c["tuning"]["cap"] == m.meta["cap"]
+    assert c["tuning"]["simulated"]["tokens_per_cost"] >= c["fixed"]["best"]["tokens_per_cost"] - 1e-9
+    assert disco.DiscoStop(m).max_len == m.meta["cap"]
+    fig = specdec.tune(specdec.train_head(tr, epochs=1), cal, 6)
+    assert fig["tuning"]["simulated"]["tokens_per_cost"] >= fig["fixed"]["best"]["tokens_per_cost"] - 1e-9
+    # a policy that always drafts everything, with costs that make long rounds lose: the cap finds K = 1
+    rounds, ratio = [np.arange(i * 4, i * 4 + 4) for i in range(5)], np.full(20, 0.3)
+    cost = {"verify": [1.0, 1.5, 2.0, 2.5, 3.0]}
+    full = lambda thr: [(4, 4)] * 5  # noqa: E731
+    assert tune_threshold_and_cap(full, np.array([0.5]), rounds, ratio, cost, 4)["cap"] == 1
+    assert tune_threshold_and_cap(full, np.array([0.5]), rounds, ratio, cost, 4)["simulated"]["tokens_per_cost"] > \
+        tune_threshold(full, np.array([0.5]), rounds, ratio, cost)["simulated"]["tokens_per_cost"]
+
+
 # ---------------------------------------------------------------------------- lossless with every policy
 def _policies(t, max_len=5):
     tr, cal = synthetic(d=t.hidden_size), synthetic(d=t.hidden_size, seed=1, split="calibration")
