@@ -75,6 +75,7 @@ class HeadRows:
         for j, (s, t, (a, b)) in enumerate(zip(states, trees, ranges)):
             if s.hidden is None:
                 continue
+            self._unread(s)
             bases[j] = self.drafter._base(s, s.drafter_state)
             for i in range(a, b):
                 by_depth.setdefault(t.depth[i], []).append((j, i))
@@ -96,13 +97,27 @@ class HeadRows:
 
     def history(self, state, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         """The target's hidden states the drafter has yet to read, ending at length-1: a prefix layer
-        (Hydra++) reads every committed position, including those of steps that drafted nothing (K = 0)."""
+        (Hydra++) reads every committed position, including those of steps that drafted nothing (K = 0).
+        Those are kept as one chunk per step and joined only when the drafter next reads them
+        (`_unread`): a K = 0 step costs a list append, not a copy of every position still unread."""
         if not self.drafter.has_prefix or old is None:
             return new
-        need = state.length - state.drafter_state.fed
-        if need <= new.shape[0]:
+        ds = state.drafter_state
+        if state.length - ds.fed <= new.shape[0]:
+            ds.pending = None
             return new
-        return torch.cat([old, new])[-need:]
+        if ds.pending is None:
+            ds.pending = [old]
+        ds.pending.append(new)
+        return new
+
+    @staticmethod
+    def _unread(state) -> None:
+        """Join the chunks `history` kept into the row's fresh hidden states (positions fed..length-1)."""
+        ds = state.drafter_state
+        if ds.pending:
+            state.fresh_hidden = torch.cat(ds.pending)[-(state.length - ds.fed):]
+            ds.pending = None
 
     def move_row(self, src: int, dst: int, src_state) -> None:
         pass  # per-row state lives in the row's DecodeState

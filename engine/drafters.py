@@ -96,6 +96,7 @@ class _HeadState:
     fed: int = 0  # Hydra++: positions [0, fed) went through the prefix layer
     past: tuple | None = None  # Hydra++: the prefix layer's keys and values (replaced, never mutated)
     hidden: torch.Tensor | None = None  # Hydra: the last head states computed (features for length policies)
+    pending: list | None = None  # batched Hydra++: unread hidden states, one chunk per step (joined when read)
 
 
 class HeadDrafter:

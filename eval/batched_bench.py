@@ -9,7 +9,8 @@ speculative batch-aware}, on MT-Bench first turns, one interleaved run.
 Steps: the batch-aware policy is calibrated first on this machine (`engine.batch_policy.calibrate`:
 step cost per batch size and K, acceptance from the same runs), then for every batch size b the
 prompts (sorted by length, so HF's left padding wastes little) are cut into groups of b, and every
-group runs through every method in turn (interleaved, so machine noise hits all alike). Figures:
+group runs through every method in turn, in an order shuffled per group with a seeded generator
+(interleaved, so machine noise and the position in the sequence hit all alike). Figures:
 tokens/s (generated tokens, prefill included in the time), tau (tokens per row-forward, our methods;
 HF has no drafts), speedups over plain batched (ours) and over HF at the same b, the K the policy chose,
 and greedy rows identical to plain batched decoding (counted). Writes ``OUT/batched_bench.json``.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from pathlib import Path
 
@@ -85,6 +87,8 @@ def run(a) -> dict:
     prompts = sorted(prompts, key=lambda p: len(p.ids))
     ids = [p.ids for p in prompts]
     sizes = sorted(set(a.batch_sizes))
+    if a.passes < 1:
+        raise SystemExit(f"--passes must be >= 1, got {a.passes}")
     if max(sizes) > len(ids):
         raise SystemExit(f"--prompts {len(ids)} is fewer than the largest batch size {max(sizes)}")
 
@@ -113,8 +117,9 @@ def run(a) -> dict:
         for n, dec in ours.items():  # warm-up at this batch size (allocation, first calls)
             dec.generate(groups[0], 4)
         hf_batched(target, groups[0], 4, sampling, a.seed)
-        for g, grp in enumerate(groups):
-            for n in names:
+        order = random.Random(a.seed)
+        for g, grp in enumerate(groups * a.passes):
+            for n in order.sample(names, len(names)):
                 if n == HF:
                     rows, wall = hf_batched(target, grp, a.max_new_tokens, sampling, a.seed + g)
                     acc[n]["tokens"] += sum(len(r) for r in rows)
@@ -127,7 +132,7 @@ def run(a) -> dict:
                 acc[n]["row_forwards"] += res.row_forwards
                 acc[n]["k"] += [s.k for s in res.steps]
                 acc[n]["rows"] += [r.tokens for r in res.rows]
-            print(f"b={b} group {g + 1}/{len(groups)}: " + ", ".join(
+            print(f"b={b} group {g + 1}/{len(groups) * a.passes}: " + ", ".join(
                 f"{n} {acc[n]['tokens'] / acc[n]['wall_s']:.1f} tok/s" for n in names), flush=True)
         row = {}
         for n in names:
@@ -184,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--calib-ks", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="K values calibrated")
     ap.add_argument("--calib-tokens", type=int, default=16, help="new tokens per calibration run")
     ap.add_argument("--calib-repeats", type=int, default=2)
+    ap.add_argument("--passes", type=int, default=1,
+                    help="run every group this many times (more samples per cell; one group at b = prompts)")
     ap.add_argument("--margin", type=float, default=0.05,
                     help="the batch-aware policy speculates only where its measured goodput beats plain "
                          "by more than this share")

@@ -283,6 +283,36 @@ def test_policy_picks_plain_where_speculation_loses(tgt, reference):
     assert len({s.k for s in res.steps}) >= 2
 
 
+def test_hydra_prefix_catches_up_after_plain_steps(tgt, reference):
+    """Hydra++ under the batch-aware policy: K = 0 while 4+ rows are live, K = 3 after. The prefix layer
+    reads every committed position, also those of the K = 0 steps (kept per step, joined when read):
+    each time it is fed, the hidden states it gets are the target's own at exactly the unread positions."""
+    table = GoodputTable({1: {0: 1.0, 3: 1.1}, 3: {0: 1.0, 3: 1.2}, 4: {0: 1.0, 3: 6.0}}, [0.8, 0.7, 0.6])
+    pol = BatchAwareLength(table)
+    assert pol.plan([1, 2, 3, 4, 5]) == {1: 3, 2: 3, 3: 3, 4: 0, 5: 0}
+    drafter = _drafters(tgt)["hydra++"]()
+    body = tgt.model.get_decoder()
+    base, fed = drafter._base, []
+
+    def checked(state, ds):
+        L, n = state.length, state.length - ds.fed
+        if n > 0:
+            want = body(input_ids=torch.tensor([state.tokens[:L]])).last_hidden_state[0, ds.fed:L]
+            got = state.fresh_hidden[-n:]
+            assert got.shape == want.shape and torch.allclose(got, want, atol=1e-8)
+            fed.append(n)
+        return base(state, ds)
+
+    drafter._base = checked
+    res = BatchedSpeculativeDecoder(tgt, drafter, k=pol).generate(PROMPTS, N_NEW)
+    assert [r.tokens for r in res.rows] == [r.tokens for r in reference]
+    ks = [s.k for s in res.steps]
+    assert ks[0] == 0 and 3 in ks and all(s.k == pol.choose(s.live) for s in res.steps)
+    first = ks.index(3)
+    assert first >= 8  # the prefix layer first runs after 8+ plain steps: a long catch-up
+    assert max(fed) >= first + len(PROMPTS[0]) - 1
+
+
 def test_policy_speculates_only_beyond_its_margin():
     # K = 2 measured 3% better than plain at b = 1 and 30% better at b = 2 (E(2) = 1.75)
     t = GoodputTable({1: {0: 1.0, 2: 1.75 / 1.03}, 2: {0: 1.0, 2: 1.75 / 1.3}}, [0.5, 0.5])
