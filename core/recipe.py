@@ -226,6 +226,11 @@ class OnlineConfig(_Strict):
     osd_weight: int = Field(1, ge=0, description="OSD emphasis: each rejected position adds this many copies of a "
                             "short window ending at it to the update's chunks (0 = off; logs without acceptance "
                             "data get none)")
+    osd_max_share: Optional[float] = Field(
+        1.0, ge=0, description="at most this many emphasis windows per training chunk of the update (a seeded "
+        "sample when there are more; None = no cap). At acceptance ~0.4 a reply has a rejected position every "
+        "few tokens: uncapped, the windows outnumbered the chunks 27 to 1 on the real target and the update "
+        "memorised its records")
     lr: float = Field(1e-4, gt=0, description="constant learning rate of an update (OSD: 1e-4)")
     epochs: float = Field(1.0, gt=0, description="passes over an update's chunks")
     max_steps: Optional[int] = Field(None, ge=1, description="cap on optimizer steps per update")

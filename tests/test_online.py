@@ -316,3 +316,13 @@ def test_cli_rollback_and_status(target, tmp_path, capsys):
     Ledger(tmp_path / "state")
     assert main(["online", "status", "--state", str(tmp_path / "state"), "--publish", str(tmp_path / "pub")]) == 0
     assert '"current": "v000001"' in capsys.readouterr().out
+
+
+def test_emphasis_windows_are_capped_per_chunk():
+    from draftsmith.train.online import cap_emphasis
+    w = [(i % 3, i, i + 10) for i in range(100)]
+    assert cap_emphasis(w, 200, 1.0, 0) == w and cap_emphasis(w, 5, None, 0) == w
+    got = cap_emphasis(w, 20, 1.0, 0)
+    assert len(got) == 20 and set(got) <= set(w) and got == sorted(got, key=w.index)
+    assert cap_emphasis(w, 20, 1.0, 0) == got and cap_emphasis(w, 20, 1.0, 1) != got  # seeded
+    assert len(cap_emphasis(w, 20, 0.5, 0)) == 10 and cap_emphasis(w, 20, 0.0, 0) == []

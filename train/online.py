@@ -22,6 +22,10 @@ of the chunk ``[p - 9, p + 1)`` of that sequence to the objective's chunks, so
 the positions whose predictions target token p (head k at p-k-1; a
 next-token drafter at p-1) are sampled ``osd_weight`` more times. It works
 with any kind, since every objective trains on ``(sequence, lo, hi)`` chunks.
+The windows are capped at ``osd_max_share`` per training chunk (a seeded
+sample): at low acceptance nearly every position is a rejection, and
+uncapped windows swamped the chunks (27 to 1 on the real target; both
+candidates memorised their records and the gate refused them).
 """
 
 from __future__ import annotations
@@ -75,6 +79,14 @@ def emphasis_chunks(cache: HiddenCache, rejected: dict[int, list[int]], weight: 
     return out
 
 
+def cap_emphasis(windows: list, chunks: int, share: float | None, seed: int) -> list:
+    """At most ``share * chunks`` of the emphasis windows (a seeded sample, order kept); None: all."""
+    if share is None or len(windows) <= int(share * chunks):
+        return windows
+    keep = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))[: int(share * chunks)]
+    return [windows[i] for i in sorted(keep.tolist())]
+
+
 def update_module(module: torch.nn.Module, recipe: Recipe, target, cache_dir: Path,
                   rejected: dict[int, list[int]], *, seed: int) -> dict:
     """Train ``module`` in place on a cache (constant lr, fresh AdamW); returns the update's stats."""
@@ -87,7 +99,10 @@ def update_module(module: torch.nn.Module, recipe: Recipe, target, cache_dir: Pa
     except ValueError as e:  # no trainable positions
         return {"steps": 0, "skipped": str(e)}
     base = len(obj.chunks)
-    obj.chunks = list(obj.chunks) + emphasis_chunks(cache, rejected, o.osd_weight)
+    emph = emphasis_chunks(cache, rejected, o.osd_weight)
+    found = len(emph)
+    emph = cap_emphasis(emph, base, o.osd_max_share, seed + 1)
+    obj.chunks = list(obj.chunks) + emph
     steps = max(1, math.ceil(o.epochs * len(obj.chunks) / o.batch_size))
     if o.max_steps:
         steps = min(steps, o.max_steps)
@@ -108,7 +123,7 @@ def update_module(module: torch.nn.Module, recipe: Recipe, target, cache_dir: Pa
         opt.step()
         losses.append(float(loss.detach()))
     module.eval()
-    return {"steps": steps, "chunks": base, "emphasis_chunks": len(obj.chunks) - base,
+    return {"steps": steps, "chunks": base, "emphasis_chunks": len(obj.chunks) - base, "emphasis_found": found,
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 
