@@ -231,6 +231,11 @@ class OnlineConfig(_Strict):
         "sample when there are more; None = no cap). At acceptance ~0.4 a reply has a rejected position every "
         "few tokens: uncapped, the windows outnumbered the chunks 27 to 1 on the real target and the update "
         "memorised its records")
+    anchor_data: Optional[str] = Field(
+        None, description="a regenerated conversations JSONL (a data stage's data/train.jsonl, e.g. the one the "
+        "drafter was trained on): anchor_ratio x the new records' count of its conversations join every update, "
+        "a seeded sample, against forgetting the general traffic while adapting to the new")
+    anchor_ratio: float = Field(0.5, ge=0, description="anchor conversations per new record (with anchor_data)")
     lr: float = Field(1e-4, gt=0, description="constant learning rate of an update (OSD: 1e-4)")
     epochs: float = Field(1.0, gt=0, description="passes over an update's chunks")
     max_steps: Optional[int] = Field(None, ge=1, description="cap on optimizer steps per update")

@@ -94,10 +94,32 @@ def plot(curve: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def recheck_mtbench(out: Path, prompts: int, max_new_tokens: int) -> dict:
+    """The MT-Bench comparison of a finished run again, on more first turns: the initial drafter (the run's
+    --init) against its final published version. Writes OUT/mtbench_recheck.json."""
+    from draftsmith.eval.mtbench import mtbench_prompts
+    res = json.loads((out / "results.json").read_text())
+    recipe = load_recipe("online", [])
+    target = load_target(res["recipe"].get("target") or recipe.target, device=default_device(None))
+    store = PublishStore(out / "publish")
+    ps = [(p.ids, max_new_tokens) for p in mtbench_prompts(target.tokenizer, prompts, spread=True)]
+    r = {"initial": decode_acceptance(target, Path(res["init"]), ps),
+         "final": decode_acceptance(target, store.current_path(), ps), "final_version": store.current(),
+         "prompts": len(ps), "max_new_tokens": max_new_tokens, "margin": res["recipe"]["online"]["margin"]}
+    r["change"] = r["final"]["acceptance"] - r["initial"]["acceptance"]
+    (out / "mtbench_recheck.json").write_text(json.dumps(r, indent=2, default=str))
+    print(f"MT-Bench ({len(ps)} first turns x {max_new_tokens} tokens) acceptance {r['initial']['acceptance']:.3f} -> "
+          f"{r['final']['acceptance']:.3f} ({r['change']:+.3f}; gate margin {r['margin']}), tau "
+          f"{r['initial']['tau']:.3f} -> {r['final']['tau']:.3f}; wrote {out / 'mtbench_recheck.json'}")
+    return r
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--init", required=True, help="drafter checkpoint trained on general chat ('fresh': none)")
+    ap.add_argument("--init", help="drafter checkpoint trained on general chat ('fresh': none)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--recheck-mtbench", action="store_true",
+                    help="only re-measure a finished run's initial vs final drafter on --mtbench first turns")
     ap.add_argument("--recipe", default="online")
     ap.add_argument("overrides", nargs="*", help="recipe overrides, e.g. online.every_records=16")
     ap.add_argument("--traffic", type=int, default=100, help="HumanEval problems served as traffic")
@@ -113,6 +135,10 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.recheck_mtbench:
+        return recheck_mtbench(Path(a.out), a.mtbench, a.eval_max_new_tokens)
+    if not a.init:
+        ap.error("--init is required (a checkpoint, or 'fresh')")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     overrides = list(a.overrides) + ([f"online.init={a.init}"] if a.init != "fresh" else [])

@@ -326,3 +326,25 @@ def test_emphasis_windows_are_capped_per_chunk():
     assert len(got) == 20 and set(got) <= set(w) and got == sorted(got, key=w.index)
     assert cap_emphasis(w, 20, 1.0, 0) == got and cap_emphasis(w, 20, 1.0, 1) != got  # seeded
     assert len(cap_emphasis(w, 20, 0.5, 0)) == 10 and cap_emphasis(w, 20, 0.0, 0) == []
+
+
+def test_anchor_conversations_join_every_update(target, tmp_path):
+    conv = {"system": None, "messages": [{"role": "user", "content": "hi there"},
+                                         {"role": "assistant", "content": "hello to you, friend"}], "finished": [True]}
+    anchors = tmp_path / "anchors.jsonl"
+    anchors.write_text("\n".join([json.dumps({**conv, "id": f"a{i}"}) for i in range(6)] + ["{broken"]) + "\n")
+    r = online_recipe(tmp_path, every_records=100, anchor_data=str(anchors), anchor_ratio=1.0)
+    logs = tmp_path / "logs"
+    _write(logs, [_record(target, i) for i in range(8)])
+    job = OnlineJob(r, target, logs, state_dir=tmp_path / "state", publish_dir=tmp_path / "pub")
+    got, skipped = job.anchor_sample(7, uid=3)  # every line: the corrupt one is counted, not trained on
+    assert len(got) == 6 and skipped == {"corrupt_rows": 1}
+    assert all(sum(s["mask"]) > 0 and len(s["ids"]) == len(s["mask"]) for s in got)
+    assert job.anchor_sample(3, uid=3)[0] == job.anchor_sample(3, uid=3)[0]  # seeded per update
+    res = job.run(once=True)
+    t = res[0]["train"]
+    assert 0 < t["anchors"] <= res[0]["new"]
+    assert t["anchors"] + sum(t["anchor_rows_skipped"].values()) == min(res[0]["new"], 7)
+    missing = online_recipe(tmp_path, anchor_data=str(tmp_path / "nope.jsonl"))
+    with pytest.raises(FileNotFoundError, match="online.anchor_data .*nope.jsonl: no such file"):
+        OnlineJob(missing, target, logs, state_dir=tmp_path / "state2", publish_dir=tmp_path / "pub2")

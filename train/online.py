@@ -36,6 +36,7 @@ import logging
 import math
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,7 @@ from draftsmith.publish import PublishStore
 from draftsmith.recipe import Recipe
 from draftsmith.traffic import RecordError, parse_record
 from draftsmith.train.cache import HiddenCache, build_cache
+from draftsmith.train.generate import sequence_from_line
 from draftsmith.train.ledger import Ledger, Pending, PendingRecord, Tailer, fsync_tree
 from draftsmith.train.trainer import build_drafter, make_objective, set_draft_vocab
 
@@ -173,7 +175,35 @@ class OnlineJob:
         self.pending = Pending()
         self.needs = kind.cache_needs(recipe.drafter.model_dump())
         self.crash_at = crash_at
+        self.anchors = self._load_anchors()
         self._sync_quarantine_file()
+
+    def _load_anchors(self) -> list[str]:
+        """The lines of ``online.anchor_data`` (parsed when sampled); a missing or empty file is a clear error."""
+        if not self.o.anchor_data:
+            return []
+        path = Path(self.o.anchor_data)
+        if not path.is_file():
+            raise FileNotFoundError(f"online.anchor_data {path}: no such file (a data stage's data/train.jsonl)")
+        lines = [x for x in path.read_text().splitlines() if x.strip()]
+        if not lines:
+            raise ValueError(f"online.anchor_data {path}: empty file")
+        return lines
+
+    def anchor_sample(self, n: int, uid: int) -> tuple[list[dict], dict]:
+        """``n`` anchor conversations for update ``uid`` (seeded), as {ids, mask}; skipped rows counted."""
+        if not self.anchors or n <= 0:
+            return [], {}
+        rng = np.random.default_rng(self.recipe.seed * 1_000_033 + uid)
+        picks = rng.choice(len(self.anchors), size=min(n, len(self.anchors)), replace=False)
+        stats: Counter = Counter()
+        out = []
+        for i in sorted(picks.tolist()):
+            s = sequence_from_line(self.anchors[i], self.target.tokenizer, self.o.max_record_tokens, stats,
+                                   where=f"{self.o.anchor_data}:{i + 1}")
+            if s is not None:
+                out.append({"ids": s["ids"], "mask": s["mask"]})
+        return out, dict(stats)
 
     # ------------------------------------------------------------------ helpers
     def _start_checkpoint(self, recipe: Recipe) -> Path | None:
@@ -277,6 +307,8 @@ class OnlineJob:
         seqs = [{"ids": r.ids, "mask": [0] * r.prompt_len + [1] * (len(r.ids) - r.prompt_len)} for r in new]
         seqs += [{"ids": r["ids"], "mask": [0] * r["prompt_len"] + [1] * (len(r["ids"]) - r["prompt_len"])}
                  for r in replay]
+        anchors, anchor_skips = self.anchor_sample(round(self.o.anchor_ratio * len(new)), uid) if new else ([], {})
+        seqs += anchors  # after new + replay: the rejected positions below index those
         rejected = {i: r.rejected for i, r in enumerate(new) if r.rejected}
         rejected.update({len(new) + i: r["rejected"] for i, r in enumerate(replay) if r["rejected"]})
         prev = self.ledger.meta("model")
@@ -292,6 +324,7 @@ class OnlineJob:
                 module, _ = load_checkpoint(self.state / "models" / prev, self.target)
             train_stats = update_module(module, self.recipe, self.target, work / "cache", rejected,
                                         seed=self.recipe.seed * 7919 + uid)
+            train_stats.update({"anchors": len(anchors), "anchor_rows_skipped": anchor_skips})
             self._crash("after_train")
             applied = applied_before + len(new)
             tmp = self.state / "models" / f".tmp-{out_name}"
