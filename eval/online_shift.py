@@ -14,6 +14,8 @@
 4. After every update: acceptance and tau of the published drafter on --eval-prompts held-out coding
    prompts (never served), so the curve is acceptance against records seen.
 5. MT-Bench first turns (--mtbench): the initial and the final drafter, to show what general chat lost.
+``--recheck-mtbench --out DIR --mtbench 80``: only step 5 again, on more first turns, for a finished run
+(DIR/mtbench_recheck.json).
 Writes DIR/results.json and DIR/acceptance.png (DIR/curve.json and the plot after every update too). Greedy responses are checked against plain decoding
 for the first --check-greedy requests.
 """
@@ -103,7 +105,8 @@ def recheck_mtbench(out: Path, prompts: int, max_new_tokens: int) -> dict:
     target = load_target(res["recipe"].get("target") or recipe.target, device=default_device(None))
     store = PublishStore(out / "publish")
     ps = [(p.ids, max_new_tokens) for p in mtbench_prompts(target.tokenizer, prompts, spread=True)]
-    r = {"initial": decode_acceptance(target, Path(res["init"]), ps),
+    init = None if res["init"] == "fresh" else Path(res["init"])  # fresh: plain decoding (acceptance 0)
+    r = {"initial": decode_acceptance(target, init, ps),
          "final": decode_acceptance(target, store.current_path(), ps), "final_version": store.current(),
          "prompts": len(ps), "max_new_tokens": max_new_tokens, "margin": res["recipe"]["online"]["margin"]}
     r["change"] = r["final"]["acceptance"] - r["initial"]["acceptance"]
