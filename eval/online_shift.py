@@ -96,23 +96,25 @@ def plot(curve: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def recheck_mtbench(out: Path, prompts: int, max_new_tokens: int) -> dict:
-    """The MT-Bench comparison of a finished run again, on more first turns: the initial drafter (the run's
-    --init) against its final published version. Writes OUT/mtbench_recheck.json."""
+def compare_mtbench(target, init: Path | None, store: PublishStore, prompts: int, max_new_tokens: int) -> dict:
+    """Acceptance on MT-Bench first turns: the initial drafter (None: plain) against the published current one."""
     from draftsmith.eval.mtbench import mtbench_prompts
-    res = json.loads((out / "results.json").read_text())
-    recipe = load_recipe("online", [])
-    target = load_target(res["recipe"].get("target") or recipe.target, device=default_device(None))
-    store = PublishStore(out / "publish")
     ps = [(p.ids, max_new_tokens) for p in mtbench_prompts(target.tokenizer, prompts, spread=True)]
-    init = None if res["init"] == "fresh" else Path(res["init"])  # fresh: plain decoding (acceptance 0)
-    r = {"initial": decode_acceptance(target, init, ps),
-         "final": decode_acceptance(target, store.current_path(), ps), "final_version": store.current(),
-         "prompts": len(ps), "max_new_tokens": max_new_tokens, "margin": res["recipe"]["online"]["margin"]}
+    return {"initial": decode_acceptance(target, init, ps), "final": decode_acceptance(target, store.current_path(), ps),
+            "final_version": store.current(), "prompts": len(ps), "max_new_tokens": max_new_tokens}
+
+
+def recheck_mtbench(out: Path, prompts: int, max_new_tokens: int) -> dict:
+    """The MT-Bench comparison of a finished run again, on more first turns. Writes OUT/mtbench_recheck.json."""
+    res = json.loads((out / "results.json").read_text())
+    target = load_target(res["recipe"]["target"], device=default_device(None))
+    init = None if res["init"] == "fresh" else Path(res["init"])
+    r = compare_mtbench(target, init, PublishStore(out / "publish"), prompts, max_new_tokens)
+    r["margin"] = res["recipe"]["online"]["margin"]
     r["change"] = r["final"]["acceptance"] - r["initial"]["acceptance"]
     (out / "mtbench_recheck.json").write_text(json.dumps(r, indent=2, default=str))
-    print(f"MT-Bench ({len(ps)} first turns x {max_new_tokens} tokens) acceptance {r['initial']['acceptance']:.3f} -> "
-          f"{r['final']['acceptance']:.3f} ({r['change']:+.3f}; gate margin {r['margin']}), tau "
+    print(f"MT-Bench ({r['prompts']} first turns x {max_new_tokens} tokens) acceptance {r['initial']['acceptance']:.3f} "
+          f"-> {r['final']['acceptance']:.3f} ({r['change']:+.3f}; gate margin {r['margin']}), tau "
           f"{r['initial']['tau']:.3f} -> {r['final']['tau']:.3f}; wrote {out / 'mtbench_recheck.json'}")
     return r
 
@@ -191,12 +193,10 @@ def main(argv: list[str] | None = None) -> dict:
     server.should_exit = True
     mt = {}
     if a.mtbench:
-        from draftsmith.eval.mtbench import mtbench_prompts
-        prompts = [(p.ids, a.eval_max_new_tokens) for p in mtbench_prompts(target.tokenizer, a.mtbench, spread=True)]
         first = store.path(store.versions()[0]) if store.versions() and a.init != "fresh" else None
-        mt = {"initial": decode_acceptance(target, Path(a.init) if a.init != "fresh" else None, prompts),
-              "final": decode_acceptance(target, store.current_path(), prompts), "final_version": store.current(),
-              "initial_version": first.name if first else None}
+        mt = compare_mtbench(target, Path(a.init) if a.init != "fresh" else None, store, a.mtbench,
+                             a.eval_max_new_tokens)
+        mt["initial_version"] = first.name if first else None
     res = {"init": a.init, "traffic": len(traffic), "heldout_eval_prompts": len(held_prompts),
            "curve": curve, "gain": (curve[-1]["acceptance"] or 0) - (curve[0]["acceptance"] or 0),
            "mtbench": mt, "greedy_equal_plain": greedy_ok, "served": svc.served, "swaps": svc.swaps,

@@ -319,7 +319,7 @@ def test_cli_rollback_and_status(target, tmp_path, capsys):
 
 
 def test_emphasis_windows_are_capped_per_chunk():
-    from draftsmith.train.online import cap_emphasis
+    from draftsmith.train.online_update import cap_emphasis
     w = [(i % 3, i, i + 10) for i in range(100)]
     assert cap_emphasis(w, 200, 1.0, 0) == w and cap_emphasis(w, 5, None, 0) == w
     got = cap_emphasis(w, 20, 1.0, 0)

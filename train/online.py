@@ -16,16 +16,7 @@ One cycle of `OnlineJob`:
      switch, `draftsmith.publish`) if its acceptance is not worse than current's
      by more than ``margin``.
 
-OSD emphasis (a choice stated once): for every rejected position p of a record
-(see `TrafficRecord.rejected_positions`) the update adds ``osd_weight`` copies
-of the chunk ``[p - 9, p + 1)`` of that sequence to the objective's chunks, so
-the positions whose predictions target token p (head k at p-k-1; a
-next-token drafter at p-1) are sampled ``osd_weight`` more times. It works
-with any kind, since every objective trains on ``(sequence, lo, hi)`` chunks.
-The windows are capped at ``osd_max_share`` per training chunk (a seeded
-sample): at low acceptance nearly every position is a rejection, and
-uncapped windows swamped the chunks (27 to 1 on the real target; both
-candidates memorised their records and the gate refused them).
+The update itself (OSD emphasis, its cap, anchor conversations): `train/online_update.py`.
 """
 
 from __future__ import annotations
@@ -33,13 +24,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import shutil
 import time
-from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from draftsmith import registry
@@ -51,12 +39,11 @@ from draftsmith.publish import PublishStore
 from draftsmith.recipe import Recipe
 from draftsmith.traffic import RecordError, parse_record
 from draftsmith.train.cache import HiddenCache, build_cache
-from draftsmith.train.generate import sequence_from_line
 from draftsmith.train.ledger import Ledger, Pending, PendingRecord, Tailer, fsync_tree
-from draftsmith.train.trainer import build_drafter, make_objective, set_draft_vocab
+from draftsmith.train.online_update import load_anchor_lines, sample_anchors, update_module
+from draftsmith.train.trainer import build_drafter, set_draft_vocab
 
 log = logging.getLogger(__name__)
-EMPHASIS_BEFORE = 9  # positions before a rejected token covered by its emphasis window
 
 
 class Crash(Exception):
@@ -66,67 +53,6 @@ class Crash(Exception):
 def is_holdout(src: str, every: int) -> bool:
     """Deterministic hold-back choice: every ``every``-th record by a hash of its id."""
     return int(hashlib.sha1(src.encode()).hexdigest()[:8], 16) % every == 0
-
-
-def emphasis_chunks(cache: HiddenCache, rejected: dict[int, list[int]], weight: int) -> list[tuple[int, int, int]]:
-    """``weight`` copies of ``[p - 9, p + 1)`` for every rejected position p of cached sequence i."""
-    out = []
-    if weight <= 0:
-        return out
-    for i, ps in rejected.items():
-        n, m = len(cache.tokens(i)), cache.mask(i)
-        for p in ps:
-            if 2 <= p < n and m[p] > 0:
-                out += [(i, max(0, p - EMPHASIS_BEFORE), p + 1)] * weight
-    return out
-
-
-def cap_emphasis(windows: list, chunks: int, share: float | None, seed: int) -> list:
-    """At most ``share * chunks`` of the emphasis windows (a seeded sample, order kept); None: all."""
-    if share is None or len(windows) <= int(share * chunks):
-        return windows
-    keep = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))[: int(share * chunks)]
-    return [windows[i] for i in sorted(keep.tolist())]
-
-
-def update_module(module: torch.nn.Module, recipe: Recipe, target, cache_dir: Path,
-                  rejected: dict[int, list[int]], *, seed: int) -> dict:
-    """Train ``module`` in place on a cache (constant lr, fresh AdamW); returns the update's stats."""
-    o = recipe.online
-    # every cached sequence trains: held-back records never reach the cache
-    r = recipe.model_copy(update={"train": recipe.train.model_copy(update={"calibration_every": 0})})
-    cache = HiddenCache(cache_dir, target)
-    try:
-        obj = make_objective(r, cache, target)
-    except ValueError as e:  # no trainable positions
-        return {"steps": 0, "skipped": str(e)}
-    base = len(obj.chunks)
-    emph = emphasis_chunks(cache, rejected, o.osd_weight)
-    found = len(emph)
-    emph = cap_emphasis(emph, base, o.osd_max_share, seed + 1)
-    obj.chunks = list(obj.chunks) + emph
-    steps = max(1, math.ceil(o.epochs * len(obj.chunks) / o.batch_size))
-    if o.max_steps:
-        steps = min(steps, o.max_steps)
-    params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=recipe.train.weight_decay)
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(obj.chunks), generator=g).tolist()
-    losses = []
-    module.train()
-    for s in range(steps):
-        lo = (s * o.batch_size) % len(order)
-        ids = (order + order)[lo: lo + o.batch_size]
-        batch = obj.prepare(ids)
-        loss, _ = obj.loss(module, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, recipe.train.max_grad_norm)
-        opt.step()
-        losses.append(float(loss.detach()))
-    module.eval()
-    return {"steps": steps, "chunks": base, "emphasis_chunks": len(obj.chunks) - base, "emphasis_found": found,
-            "loss_first": losses[0], "loss_last": losses[-1]}
 
 
 def decode_acceptance(target, checkpoint: Path | None, prompts: list[tuple[list[int], int]]) -> dict:
@@ -175,35 +101,13 @@ class OnlineJob:
         self.pending = Pending()
         self.needs = kind.cache_needs(recipe.drafter.model_dump())
         self.crash_at = crash_at
-        self.anchors = self._load_anchors()
+        self.anchors = load_anchor_lines(self.o.anchor_data)
         self._sync_quarantine_file()
-
-    def _load_anchors(self) -> list[str]:
-        """The lines of ``online.anchor_data`` (parsed when sampled); a missing or empty file is a clear error."""
-        if not self.o.anchor_data:
-            return []
-        path = Path(self.o.anchor_data)
-        if not path.is_file():
-            raise FileNotFoundError(f"online.anchor_data {path}: no such file (a data stage's data/train.jsonl)")
-        lines = [x for x in path.read_text().splitlines() if x.strip()]
-        if not lines:
-            raise ValueError(f"online.anchor_data {path}: empty file")
-        return lines
 
     def anchor_sample(self, n: int, uid: int) -> tuple[list[dict], dict]:
         """``n`` anchor conversations for update ``uid`` (seeded), as {ids, mask}; skipped rows counted."""
-        if not self.anchors or n <= 0:
-            return [], {}
-        rng = np.random.default_rng(self.recipe.seed * 1_000_033 + uid)
-        picks = rng.choice(len(self.anchors), size=min(n, len(self.anchors)), replace=False)
-        stats: Counter = Counter()
-        out = []
-        for i in sorted(picks.tolist()):
-            s = sequence_from_line(self.anchors[i], self.target.tokenizer, self.o.max_record_tokens, stats,
-                                   where=f"{self.o.anchor_data}:{i + 1}")
-            if s is not None:
-                out.append({"ids": s["ids"], "mask": s["mask"]})
-        return out, dict(stats)
+        return sample_anchors(self.anchors, n, self.recipe.seed * 1_000_033 + uid, self.target.tokenizer,
+                              self.o.max_record_tokens, str(self.o.anchor_data))
 
     # ------------------------------------------------------------------ helpers
     def _start_checkpoint(self, recipe: Recipe) -> Path | None:
