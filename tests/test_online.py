@@ -195,6 +195,11 @@ from pathlib import Path
 tmp = Path(sys.argv[1])
 r = online_recipe(tmp, every_records=int(sys.argv[3]), max_steps=1, holdout_window=2, eval_max_new_tokens=4)
 job = OnlineJob(r, make_tiny_target(init_std=0.3), sys.argv[2], state_dir=tmp / "state", publish_dir=tmp / "pub")
+_crash = job._crash
+def announce(point):  # tell the parent where the job is, so its kill lands inside an update
+    print("AT", point, flush=True)
+    _crash(point)
+job._crash = announce
 job.run(once=True)
 print("DONE", json.dumps(job.ledger.counts()))
 """
@@ -210,11 +215,18 @@ def test_exactly_once_under_kill9(target, tmp_path):
     rnd = random.Random(0)
     kills = 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    points = ["after_cache", "after_train", "before_commit", "after_commit"]  # reached by every update
     for attempt in range(12):
         p = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path), str(logs), "6", str(REPO)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         if attempt < 3:
-            time.sleep(rnd.uniform(3.0, 7.0))  # imports take ~3 s: kill somewhere in the updates
+            # kill -9 once the job reaches a randomly chosen point of an update, plus a random delay
+            # (so the kill lands anywhere from that point on, not only at the named point itself)
+            want = rnd.choice(points)
+            for line in p.stdout:
+                if line.startswith("AT " + want):
+                    time.sleep(rnd.uniform(0.0, 0.3))
+                    break
             if p.poll() is None:
                 p.kill()
                 kills += 1
@@ -224,7 +236,7 @@ def test_exactly_once_under_kill9(target, tmp_path):
         assert p.returncode == 0, err[-3000:]
         if "DONE" in out:
             break
-    assert kills >= 1
+    assert kills >= 1, kills
     led = Ledger(tmp_path / "state")
     c = led.counts()
     assert c["applied"] + c["held_back"] == n
