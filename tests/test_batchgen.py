@@ -37,14 +37,15 @@ def _prompts(n, seed=0):
             for _ in range(n)]
 
 
+@pytest.mark.parametrize("attention", ["masked", "rows"])
 @pytest.mark.parametrize("rows", [1, 3, 16])
-def test_greedy_rows_equal_one_at_a_time(peaky, rows):
+def test_greedy_rows_equal_one_at_a_time(peaky, rows, attention):
     model = peaky.model
     eos = {2, 7, 11}  # frequent stops: rows end at very different steps, so refills and compaction happen
     prompts = _prompts(9)
     budgets = [1, 5, 12, 20, 3, 17, 8, 25, 2]
     got = {}
-    gen = BatchGenerator(model, eos, max_rows=rows, capacity=64)
+    gen = BatchGenerator(model, eos, max_rows=rows, capacity=64, attention=attention)
     gen.run([Job(i, p, b) for i, (p, b) in enumerate(zip(prompts, budgets))],
             lambda j, toks, fin: got.__setitem__(j.key, (toks, fin)))
     for i, (p, b) in enumerate(zip(prompts, budgets)):
@@ -52,6 +53,39 @@ def test_greedy_rows_equal_one_at_a_time(peaky, rows):
     assert gen.stats["generated_tokens"] == sum(len(v[0]) for v in got.values())
     if rows == 3:
         assert gen.stats["compactions"] > 0  # the hole-filling path was exercised
+    assert (gen.stats["row_attention_steps"] == gen.stats["forwards"] > 0) == (attention == "rows")
+    assert model.config._attn_implementation != "draftsmith_ragged"  # switched back after every step
+
+
+def test_row_attention_keeps_the_same_states_as_the_masked_step(peaky):
+    """Per-row attention reads each row's own slots [0, length]: the kept final states equal the masked
+    call's (fp32 tolerance) at every position, prompts of very different lengths in flight together."""
+    model = peaky.model
+    prompts = [p * 3 for p in _prompts(6, seed=4)]  # lengths ~6..90: the masked call pads most rows a lot
+    caps = {}
+    for attention in ("masked", "rows"):
+        gen = BatchGenerator(model, set(), max_rows=6, capacity=160, keep_states=True, state_dtype=torch.float32,
+                             attention=attention)
+        got = {}
+        gen.run([Job(i, p, 12) for i, p in enumerate(prompts)],
+                lambda j, toks, fin, cap: got.__setitem__(j.key, (toks, cap)),
+                want=lambda j, toks, fin: j.prompt + toks)
+        caps[attention] = got
+    for i in range(len(prompts)):
+        assert caps["rows"][i][0] == caps["masked"][i][0]
+        a, b = caps["rows"][i][1].states, caps["masked"][i][1].states
+        assert a.shape == b.shape == (len(prompts[i]) + 12, model.config.hidden_size)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_row_attention_rule_and_bad_mode(peaky):
+    gen = BatchGenerator(peaky.model, set(), max_rows=4, capacity=64, row_attention_gap=100)
+    assert gen.row_attention([10, 400], 401)       # mean 205: 196 masked slots a row past the mean
+    assert not gen.row_attention([300, 310], 311)  # similar lengths: one masked call
+    assert BatchGenerator(peaky.model, set(), attention="rows").row_attention([5, 5], 6)
+    assert not BatchGenerator(peaky.model, set(), attention="masked").row_attention([1, 900], 901)
+    with pytest.raises(ValueError, match="unknown decode attention 'fast'"):
+        BatchGenerator(peaky.model, set(), attention="fast")
 
 
 def test_follow_up_jobs_run_and_zero_budget_jobs_end_at_once(peaky):

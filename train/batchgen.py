@@ -15,8 +15,10 @@ growing cache is re-concatenated every step. Here instead:
 * newly admitted prompts are prefilled together in one forward (right
   padded, causal, so padding never reaches a real position), and only their
   last real positions go through the LM head;
-* each step attends over the longest live row only (rows of similar length
-  travel together when the queue is sorted by prompt length, as
+* a decode step's attention reads each row's own entries only (one SDPA call
+  per row, `_ragged_attention`) when rows' lengths differ widely; with similar
+  lengths one masked call over the longest live row's span is cheaper (rows of
+  similar length travel together when the queue is sorted by prompt length, as
   `generate.regenerate` does).
 
 With ``keep_states`` the engine also keeps every final hidden state it computes (after the final
@@ -42,10 +44,45 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+import threading
+
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from draftsmith.engine.kvcache import PreallocatedLayer, kv_dims
+
+# --- per-row attention for decode steps -----------------------------------------------------------------
+# A decode step's single masked attention call reads every row's cache up to the longest live row's span.
+# With rows of mixed lengths (ShareGPT prompts: median ~36 tokens, a few of 400+) most of what it reads is
+# masked out, and reading the cache is what a one-token attention costs. `RAGGED_ATTENTION` is the name of
+# an attention function that, while a `BatchGenerator` decode step runs, attends row by row over each row's
+# own entries (one SDPA call per row, no mask: the row's slots [0, length] are exactly its causal past) and
+# falls back to Hugging Face's SDPA otherwise. The generator switches the model's attention implementation
+# to it only for that forward (`_ragged_forward`).
+RAGGED_ATTENTION = "draftsmith_ragged"
+_ragged = threading.local()
+
+
+def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    lens = getattr(_ragged, "lens", None)
+    if lens is None or query.shape[2] != 1 or len(lens) != query.shape[0]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    n, heads, _, d = query.shape
+    kv = key.shape[1]
+    q = query.reshape(n, kv, heads // kv, d)  # one query token: GQA without repeating keys (pack_gqa)
+    out = torch.empty_like(q)
+    for i, length in enumerate(lens):
+        out[i] = F.scaled_dot_product_attention(q[i:i + 1], key[i:i + 1, :, :length + 1],
+                                                value[i:i + 1, :, :length + 1], scale=scaling)[0]
+    return out.reshape(n, heads, 1, d).transpose(1, 2), None
+
+
+AttentionInterface.register(RAGGED_ATTENTION, _ragged_attention)
+ATTENTION_MODES = ("auto", "rows", "masked")
 
 
 @dataclass
@@ -206,13 +243,19 @@ class BatchGenerator:
       keep_states: keep the final hidden states (see the module docstring and `run`'s ``want``).
       state_dtype: the dtype they are kept in (the cache's: rounding from the fp32 forward as the cache pass does).
       max_feed: at most this many tokens are fed to an ended row to complete its wanted sequence.
+      attention: decode-step attention, ``"auto"`` (per row when lengths differ by more than
+        ``row_attention_gap`` slots from the longest, see `row_attention`), ``"rows"`` or ``"masked"``.
     """
 
     def __init__(self, model: torch.nn.Module, eos_ids: Iterable[int], *, max_rows: int = 96, capacity: int = 1024,
                  temperature: float = 0.0, top_p: float = 1.0, prefill_tokens: int = 4096,
-                 keep_states: bool = False, state_dtype: torch.dtype = torch.float16, max_feed: int = 32):
+                 keep_states: bool = False, state_dtype: torch.dtype = torch.float16, max_feed: int = 32,
+                 attention: str = "auto", row_attention_gap: int = 150):
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"unknown decode attention {attention!r}; choose one of {ATTENTION_MODES}")
+        self.attention, self.row_attention_gap = attention, int(row_attention_gap)
         self.model, self.body, self.head = model, model.get_decoder(), model.get_output_embeddings()
         self.eos = frozenset(int(e) for e in eos_ids)
         self.max_rows, self.capacity = int(max_rows), int(capacity)
@@ -224,7 +267,7 @@ class BatchGenerator:
         self.keep_states, self.state_dtype, self.max_feed = bool(keep_states), state_dtype, int(max_feed)
         self.states: torch.Tensor | None = None  # [rows, capacity, hidden]: row r's state at each cache slot
         self.stats = {"forwards": 0, "prefill_forwards": 0, "generated_tokens": 0, "prompt_tokens": 0,
-                      "row_steps": 0, "compactions": 0, "fed_tokens": 0}
+                      "row_steps": 0, "compactions": 0, "fed_tokens": 0, "row_attention_steps": 0}
 
     def _ensure_cache(self) -> RaggedCache:
         if self.cache is None:
@@ -261,6 +304,29 @@ class BatchGenerator:
         self.stats["prompt_tokens"] += sum(len(r.job.prompt) for r in rows)
         return pick_tokens(self._logits(h[torch.arange(k, device=self.device), last]), rows, self.temperature, self.top_p)
 
+    def row_attention(self, lengths: list[int], span: int) -> bool:
+        """Attend row by row in this decode step? ``attention="rows"``: always; ``"masked"``: never;
+        ``"auto"``: when the padded span exceeds the rows' mean length by ``row_attention_gap`` slots (one
+        SDPA call per row costs ~25-50 us of dispatch on this CPU, worth it once the masked call reads ~150
+        masked slots per row more than the rows hold; `bench_pipeline --only-data` measures both engines)."""
+        if self.attention == "masked" or self.device.type != "cpu":
+            return False
+        if self.attention == "rows":
+            return True
+        return span - sum(lengths) / len(lengths) > self.row_attention_gap
+
+    def _ragged_forward(self, ids, lens, mask, cache, lengths: list[int]) -> torch.Tensor:
+        cfg = self.model.config
+        before = cfg._attn_implementation
+        _ragged.lens = lengths
+        cfg._attn_implementation = RAGGED_ATTENTION
+        try:
+            return self.body(input_ids=ids, position_ids=lens[:, None], attention_mask=mask,
+                             past_key_values=cache, use_cache=True).last_hidden_state
+        finally:
+            cfg._attn_implementation = before
+            _ragged.lens = None
+
     @torch.no_grad()
     def _decode(self, rows: list[_Row], pending: list[int]) -> list[int]:
         cache = self._ensure_cache()
@@ -271,8 +337,15 @@ class BatchGenerator:
         mask = torch.zeros((n, 1, 1, span), dtype=self.dtype, device=self.device)
         mask.masked_fill_(~allowed[:, None, None], torch.finfo(self.dtype).min)
         cache.set_decode(lens, span)
-        h = self.body(input_ids=torch.tensor(pending, device=self.device)[:, None], position_ids=lens[:, None],
-                      attention_mask=mask, past_key_values=cache, use_cache=True).last_hidden_state[:, 0]
+        ids = torch.tensor(pending, device=self.device)[:, None]
+        lengths = [r.length for r in rows]
+        if self.row_attention(lengths, span):
+            h = self._ragged_forward(ids, lens, mask, cache, lengths)
+            self.stats["row_attention_steps"] += 1
+        else:
+            h = self.body(input_ids=ids, position_ids=lens[:, None], attention_mask=mask, past_key_values=cache,
+                          use_cache=True).last_hidden_state
+        h = h[:, 0]
         if self.states is not None:
             self.states[torch.arange(n, device=self.device), lens] = h.to(self.state_dtype)
         self.stats["forwards"] += 1
