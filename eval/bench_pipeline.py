@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--train-steps", type=int, default=30)
     ap.add_argument("--data-prompts", type=int, default=128, help="conversations for the data-path comparison "
-                    "(ShareGPT sample, then MT-Bench first turns; timing only)")
+                    "(ShareGPT sample, MT-Bench first turns, then HumanEval: up to 296; timing only)")
     ap.add_argument("--data-new-tokens", type=int, default=128)
     ap.add_argument("--hf-batch", type=int, default=32, help="reference engine's batch (the recipes' data.batch_size)")
     ap.add_argument("--rows", type=int, default=96, help="batched engine's rows in flight")
@@ -182,8 +182,13 @@ def main(argv=None) -> dict:
     # 0. the data stage's generation: reference engine vs continuous batching
     from draftsmith.train.sources import Conversation, SkipLog, normalise, read_sharegpt, resolve_path
     pool, seen = [], set()
+    try:  # after the first 128 (ShareGPT sample, MT-Bench): HumanEval's 164 problems, for --data-prompts up to 296
+        from draftsmith.eval.online_shift import humaneval_messages
+        coding = [Conversation(f"humaneval:{k}", "humaneval", [m[0]["content"]]) for k, m in humaneval_messages()]
+    except ImportError:
+        coding = []
     for c in list(read_sharegpt(resolve_path("builtin:sharegpt-dummy"), "sharegpt", SkipLog())) + [
-            Conversation(f"mtbench:{q['question_id']}", "mtbench", [q["turns"][0]]) for q in mtbench_questions()]:
+            Conversation(f"mtbench:{q['question_id']}", "mtbench", [q["turns"][0]]) for q in mtbench_questions()] + coding:
         if normalise(c.user_turns[0]) not in seen:
             seen.add(normalise(c.user_turns[0]))
             pool.append(Conversation(c.id, c.source, c.user_turns[:1]))
