@@ -280,3 +280,42 @@ def test_sampler_draws_the_nucleus_distribution(head, top_p):
     n = counts.sum()
     stat = chisquare(counts[keep].numpy(), (want[keep] * n).numpy())
     assert stat.pvalue > 1e-3, (counts, want)
+
+
+def _with_prefix(prompts, prefix):
+    return [prefix + p for p in prompts]
+
+
+@pytest.mark.parametrize("rows", [2, 16])
+def test_shared_prefix_prefill_gives_the_same_tokens_and_states(peaky, rows):
+    """Prompts that start with one system prompt: the prefix is computed once and copied into each row;
+    tokens equal one-at-a-time greedy decoding, kept states equal a run without sharing (fp32 tolerance)."""
+    model = peaky.model
+    prefix = torch.randint(3, 90, (12,), generator=torch.Generator().manual_seed(7)).tolist()
+    prompts = _with_prefix(_prompts(7, seed=5), prefix) + [prefix[:5] + [4, 4]]  # the last shares only 5 tokens
+    eos = {2, 7}
+    got = {}
+    for share in (True, False):
+        gen = BatchGenerator(model, eos, max_rows=rows, capacity=80, keep_states=True, state_dtype=torch.float32,
+                             shared_prefix=share)
+        res = {}
+        gen.run([Job(i, p, 10) for i, p in enumerate(prompts)],
+                lambda j, toks, fin, cap: res.__setitem__(j.key, (toks, fin, cap)),
+                want=lambda j, toks, fin: j.prompt + toks)
+        got[share] = res
+        assert (gen.stats["prefix_tokens_reused"] > 0) == share
+    for i, p in enumerate(prompts):
+        toks, fin, cap = got[True][i]
+        assert (toks, fin) == _reference(model, p, 10, eos), f"job {i}"
+        assert toks == got[False][i][0]
+        torch.testing.assert_close(cap.states, got[False][i][2].states, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefix_is_never_a_whole_prompt(peaky):
+    """One job (its whole prompt is the 'common prefix'): the row still prefills its last prompt token."""
+    gen = BatchGenerator(peaky.model, set(), max_rows=2, capacity=40)
+    p = _prompts(1, seed=9)[0] + [5, 6, 7]
+    got = {}
+    gen.run([Job(0, p, 6)], lambda j, toks, fin: got.__setitem__(0, (toks, fin)))
+    assert got[0] == _reference(peaky.model, p, 6, set())
+    assert gen.stats["prefix_tokens_reused"] == len(p) - 1

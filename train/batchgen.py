@@ -129,11 +129,14 @@ class _RaggedLayer(PreallocatedLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         o = self.owner
         if o.mode == "prefill":
-            # rows [r0, r0 + k), slots [0, width): the new entries are the whole context
-            r0, k, w = o.row0, key_states.shape[0], key_states.shape[-2]
-            self.keys[r0:r0 + k, :, :w] = key_states
-            self.values[r0:r0 + k, :, :w] = value_states
-            return key_states, value_states
+            # rows [r0, r0 + k), slots [offset, offset + width): the new entries; slots [0, offset) already
+            # hold the shared prefix (copied in by `set_prefill`), so the context is slots [0, offset + width)
+            r0, k, w, off = o.row0, key_states.shape[0], key_states.shape[-2], o.offset
+            self.keys[r0:r0 + k, :, off:off + w] = key_states
+            self.values[r0:r0 + k, :, off:off + w] = value_states
+            if off == 0:
+                return key_states, value_states
+            return self.keys[r0:r0 + k, :, :off + w], self.values[r0:r0 + k, :, :off + w]
         # decode: one entry per row, at that row's own slot
         n = key_states.shape[0]
         self.keys[o.rows[:n], :, o.slots] = key_states[:, :, 0]
@@ -166,7 +169,7 @@ class RaggedCache(Cache):
         layers_n, n_kv, head_dim = kv_dims(config)
         shape = (int(rows), n_kv, int(capacity), head_dim)
         self.capacity, self.n_rows = int(capacity), int(rows)
-        self.mode, self.row0, self.span = "decode", 0, 0
+        self.mode, self.row0, self.span, self.offset = "decode", 0, 0, 0
         self.rows = torch.arange(rows, device=device)
         self.slots = torch.zeros(0, dtype=torch.long, device=device)
         layers = [_RaggedLayer(self, torch.zeros(shape, dtype=dtype, device=device),
@@ -181,8 +184,16 @@ class RaggedCache(Cache):
         el = torch.empty(0, dtype=dtype).element_size()
         return 2 * layers_n * rows * n_kv * capacity * head_dim * el
 
-    def set_prefill(self, row0: int) -> None:
-        self.mode, self.row0 = "prefill", int(row0)
+    def set_prefill(self, row0: int, k: int = 0, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                    offset: int = 0) -> None:
+        """The next forward writes rows [row0, row0 + k) from slot ``offset``; with ``offset > 0`` the first
+        ``offset`` entries of ``prefix`` (per layer: keys, values [1, kv_heads, >= offset, head_dim]) are
+        copied into those rows' slots [0, offset) first."""
+        self.mode, self.row0, self.offset = "prefill", int(row0), int(offset)
+        if offset:
+            for layer, (pk, pv) in zip(self.layers, prefix):
+                layer.keys[row0:row0 + k, :, :offset] = pk[:, :, :offset]
+                layer.values[row0:row0 + k, :, :offset] = pv[:, :, :offset]
 
     def set_decode(self, slots: torch.Tensor, span: int) -> None:
         if span > self.capacity:
@@ -243,6 +254,9 @@ class BatchGenerator:
       keep_states: keep the final hidden states (see the module docstring and `run`'s ``want``).
       state_dtype: the dtype they are kept in (the cache's: rounding from the fp32 forward as the cache pass does).
       max_feed: at most this many tokens are fed to an ended row to complete its wanted sequence.
+      shared_prefix: the token prefix every queued prompt starts with (the chat template's system prompt and
+        user header, ~25 tokens for SmolLM2; all of a Magpie prompt but its opener) is computed once and
+        its cache entries copied into each admitted row, whose prefill then runs its own tokens only.
       attention: decode-step attention, ``"auto"`` (per row when lengths differ by more than
         ``row_attention_gap`` slots from the longest, see `row_attention`), ``"rows"`` or ``"masked"``.
     """
@@ -250,7 +264,7 @@ class BatchGenerator:
     def __init__(self, model: torch.nn.Module, eos_ids: Iterable[int], *, max_rows: int = 96, capacity: int = 1024,
                  temperature: float = 0.0, top_p: float = 1.0, prefill_tokens: int = 4096,
                  keep_states: bool = False, state_dtype: torch.dtype = torch.float16, max_feed: int = 32,
-                 attention: str = "auto", row_attention_gap: int = 150):
+                 attention: str = "auto", row_attention_gap: int = 150, shared_prefix: bool = True):
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         if attention not in ATTENTION_MODES:
@@ -261,13 +275,18 @@ class BatchGenerator:
         self.max_rows, self.capacity = int(max_rows), int(capacity)
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.prefill_tokens = int(prefill_tokens)
+        self.shared_prefix = bool(shared_prefix)
+        self._prefix: list[int] = []  # the prompts' common prefix, its KV per layer and final states
+        self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._prefix_states: torch.Tensor | None = None
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.cache: RaggedCache | None = None
         self.keep_states, self.state_dtype, self.max_feed = bool(keep_states), state_dtype, int(max_feed)
         self.states: torch.Tensor | None = None  # [rows, capacity, hidden]: row r's state at each cache slot
         self.stats = {"forwards": 0, "prefill_forwards": 0, "generated_tokens": 0, "prompt_tokens": 0,
-                      "row_steps": 0, "compactions": 0, "fed_tokens": 0, "row_attention_steps": 0}
+                      "row_steps": 0, "compactions": 0, "fed_tokens": 0, "row_attention_steps": 0,
+                      "prefix_tokens_reused": 0}
 
     def _ensure_cache(self) -> RaggedCache:
         if self.cache is None:
@@ -284,24 +303,63 @@ class BatchGenerator:
         return self.head(h)
 
     @torch.no_grad()
+    def _set_prefix(self, prompts: list[list[int]]) -> None:
+        """Compute the cache entries and states of the prompts' longest common prefix (kept while the
+        generator lives; a later run whose prompts share less uses the part they share)."""
+        if not self.shared_prefix or not prompts:
+            return
+        common = list(prompts[0])
+        for p in prompts[1:]:
+            n = min(len(common), len(p))
+            common = common[:next((t for t in range(n) if common[t] != p[t]), n)]
+            if not common:
+                return
+        common = common[:min(map(len, prompts)) - 1]  # every row prefills at least its last prompt token
+        if len(common) < 2 or common == self._prefix[:len(common)]:
+            return
+        from transformers import DynamicCache
+        pkv = DynamicCache()
+        ids = torch.tensor([common], device=self.device)
+        h = self.body(input_ids=ids, past_key_values=pkv, use_cache=True).last_hidden_state[0]
+        self._prefix = common
+        self._prefix_kv = [(layer.keys, layer.values) for layer in pkv.layers]
+        self._prefix_states = h
+
+    def _offset(self, rows: list[_Row]) -> int:
+        """Slots of the shared prefix every row of an admitted group starts with (0: none)."""
+        pre = self._prefix
+        if not pre:
+            return 0
+        off = min(len(pre), min(len(r.job.prompt) for r in rows) - 1)
+        for r in rows:
+            p = r.job.prompt
+            off = next((t for t in range(off) if p[t] != pre[t]), off)
+        return off if off >= 2 else 0
+
+    @torch.no_grad()
     def _prefill(self, rows: list[_Row], row0: int) -> list[int]:
         cache = self._ensure_cache()
-        k, width = len(rows), max(len(r.job.prompt) for r in rows)
+        off = self._offset(rows)
+        k, width = len(rows), max(len(r.job.prompt) for r in rows) - off
         ids = torch.zeros((k, width), dtype=torch.long)
         for i, r in enumerate(rows):
-            ids[i, :len(r.job.prompt)] = torch.tensor(r.job.prompt)
+            ids[i, :len(r.job.prompt) - off] = torch.tensor(r.job.prompt[off:])
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-        mask = torch.zeros((k, 1, width, width), dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~causal, torch.finfo(self.dtype).min)
-        pos = torch.arange(width, device=self.device).expand(k, width)
-        cache.set_prefill(row0)
+        allowed = torch.cat([torch.ones(width, off, dtype=torch.bool, device=self.device), causal], dim=1)
+        mask = torch.zeros((k, 1, width, off + width), dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        pos = torch.arange(off, off + width, device=self.device).expand(k, width)
+        cache.set_prefill(row0, k, self._prefix_kv, off)
         h = self.body(input_ids=ids.to(self.device), position_ids=pos, attention_mask=mask,
                       past_key_values=cache, use_cache=True).last_hidden_state
         if self.states is not None:  # padding positions hold garbage, past every row's length
-            self.states[row0:row0 + k, :width] = h.to(self.state_dtype)
-        last = torch.tensor([len(r.job.prompt) - 1 for r in rows], device=self.device)
+            if off:
+                self.states[row0:row0 + k, :off] = self._prefix_states[:off].to(self.state_dtype)
+            self.states[row0:row0 + k, off:off + width] = h.to(self.state_dtype)
+        last = torch.tensor([len(r.job.prompt) - 1 - off for r in rows], device=self.device)
         self.stats["prefill_forwards"] += 1
         self.stats["prompt_tokens"] += sum(len(r.job.prompt) for r in rows)
+        self.stats["prefix_tokens_reused"] += off * k
         return pick_tokens(self._logits(h[torch.arange(k, device=self.device), last]), rows, self.temperature, self.top_p)
 
     def row_attention(self, lengths: list[int], span: int) -> bool:
@@ -370,6 +428,7 @@ class BatchGenerator:
         queue = deque(jobs)
         for j in queue:
             self._check(j)
+        self._set_prefix([j.prompt for j in queue])
         rows: list[_Row] = []
         pending: list[int] = []
         states = self.keep_states

@@ -192,7 +192,8 @@ def job_seed(seed: int, key: str, turn: int) -> int:
 def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max_new_tokens: int,
                max_turns: int, batch_size: int, max_seq_len: int, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, on_long_prompt: str = "error", engine: str = "batched",
-               max_rows: int = 96, fused: FusedCache | None = None, attention: str = "auto") -> Counter:
+               max_rows: int = 96, fused: FusedCache | None = None, attention: str = "auto",
+               shared_prefix: bool = True) -> Counter:
     """Rewrite every assistant turn with the target; resumable.
 
     Finished conversations are appended to ``out_path`` (JSONL); on restart
@@ -228,7 +229,7 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
         _regenerate_hf(target, todo, out_path, stats, batch_size=batch_size, **kw)
     else:
         _regenerate_batched(target, todo, out_path, stats, max_rows=max_rows, fused=fused, writer=writer,
-                            attention=attention, **kw)
+                            attention=attention, shared_prefix=shared_prefix, **kw)
     if writer is not None:
         stats.update({f"fused_{k}": v for k, v in writer.close().items()})
     return stats
@@ -252,7 +253,8 @@ def _turn_prompt(tok, c: Conversation, turn: int, replies: list[str], budget: in
 def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path, stats: Counter, *,
                         max_new_tokens: int, max_turns: int, max_seq_len: int, temperature: float, top_p: float,
                         seed: int, on_long_prompt: str, max_rows: int, fused: FusedCache | None = None,
-                        writer: StreamingCacheWriter | None = None, attention: str = "auto") -> None:
+                        writer: StreamingCacheWriter | None = None, attention: str = "auto",
+                        shared_prefix: bool = True) -> None:
     tok = target.tokenizer
     budget = min(max_seq_len, target.context_length)
     replies: dict[int, list[str]] = {}
@@ -274,7 +276,8 @@ def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path
     gen = BatchGenerator(target.model, target.eos_token_ids, max_rows=rows, capacity=capacity,
                          temperature=temperature, top_p=top_p, keep_states=fused is not None,
                          state_dtype=getattr(torch, fused.dtype) if fused else torch.float16,
-                         max_feed=fused.max_feed if fused else 0, attention=attention)
+                         max_feed=fused.max_feed if fused else 0, attention=attention,
+                         shared_prefix=shared_prefix)
     bar = tqdm(total=len(jobs), desc="self-distill", unit="conv")
     last_sync = [time.time()]
     follows: dict[tuple, Job | None] = {}  # a turn's follow-up, decided when the row ended (fused)
