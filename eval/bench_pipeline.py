@@ -73,6 +73,26 @@ def _data_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeats
     return res
 
 
+@torch.no_grad()
+def _roofline(target, repeats: int = 5) -> dict:
+    """Every linear layer of the target (the LM head included) on random inputs of M tokens, best of
+    ``repeats``: a ceiling on the tokens per second any engine processes in this precision on this machine
+    (attention, norms and sampling taken as free)."""
+    weights = [m.weight for m in target.model.modules() if isinstance(m, torch.nn.Linear)]
+    flop = 2 * sum(w.numel() for w in weights)
+    shapes = []
+    for m in (32, 96, 160, 512):
+        xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for w in weights:
+                xs[w.shape[1]] @ w.T
+            best = min(best, time.perf_counter() - t0)
+        shapes.append({"tokens": m, "tokens_per_s": m / best, "gflops": flop * m / best / 1e9})
+    return {"flop_per_token": flop, "shapes": shapes}
+
+
 def _fused_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeats: int, batch_tokens: int,
                 shard_tokens: int) -> dict:
     """Generation + cache stage, three ways, alternating (the order rotates per repeat); best of each kept."""
@@ -156,6 +176,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--hf-batch", type=int, default=32, help="reference engine's batch (the recipes' data.batch_size)")
     ap.add_argument("--rows", type=int, default=96, help="batched engine's rows in flight")
     ap.add_argument("--only-data", action="store_true", help="run only the data-path comparison")
+    ap.add_argument("--roofline", action="store_true", help="time the target's linear layers alone at 32, 96, 160 "
+                    "and 512 tokens per forward: the most tokens/s any engine could process in this precision")
     ap.add_argument("--fused-cache", action="store_true", help="run only the data+cache comparison: batched "
                     "generation + separate cache pass vs fused generation+cache vs HF generate + separate cache pass")
     ap.add_argument("--shard-tokens", type=int, default=200_000, help="--fused-cache: tokens per cache shard")
@@ -174,6 +196,16 @@ def main(argv=None) -> dict:
     from draftsmith.train.trainer import train
 
     target = load_target(args.target)
+    if args.roofline:
+        res = {"environment": environment(), "threads": torch.get_num_threads(), "roofline": _roofline(target)}
+        for r in res["roofline"]["shapes"]:
+            print(f"linear layers only, {r['tokens']} tokens per forward: {r['tokens_per_s']:.0f} tokens/s "
+                  f"({r['gflops']:.1f} GFLOP/s)")
+        print(f"{res['roofline']['flop_per_token'] / 1e6:.0f} MFLOP of linear layers per token, "
+              f"{res['threads']} threads", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+        return res
     tok = target.tokenizer
     qs = mtbench_questions()[: args.prompts]
     prompts = [prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}]) for q in qs]
