@@ -319,3 +319,27 @@ def test_shared_prefix_is_never_a_whole_prompt(peaky):
     gen.run([Job(0, p, 6)], lambda j, toks, fin: got.__setitem__(0, (toks, fin)))
     assert got[0] == _reference(peaky.model, p, 6, set())
     assert gen.stats["prefix_tokens_reused"] == len(p) - 1
+
+
+def test_another_threads_forward_during_a_row_attention_step_is_plain_sdpa(peaky):
+    """The model's attention name is switched during a per-row step; a forward on another thread meanwhile
+    (2D mask, so masks are built from the name) gives exactly what it gives under plain SDPA."""
+    import threading as th
+    from draftsmith.train import batchgen
+    model = peaky.model
+    ids = torch.tensor([_prompts(1, seed=11)[0] * 2])
+    am = torch.ones_like(ids)
+    am[0, :2] = 0  # left padding: the mask must be built (an all-ones mask may be skipped)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=am).logits
+    before = model.config._attn_implementation
+    model.config._attn_implementation = batchgen.RAGGED_ATTENTION  # as during `_ragged_forward`
+    try:
+        got = {}
+        t = th.Thread(target=lambda: got.setdefault("x", model(input_ids=ids, attention_mask=am).logits))
+        with torch.no_grad():
+            t.start()
+            t.join()
+    finally:
+        model.config._attn_implementation = before
+    torch.testing.assert_close(got["x"].detach(), want, atol=1e-6, rtol=1e-6)

@@ -40,17 +40,17 @@ step.
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
-
-import threading
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from draftsmith.engine.kvcache import PreallocatedLayer, kv_dims
 
@@ -61,7 +61,8 @@ from draftsmith.engine.kvcache import PreallocatedLayer, kv_dims
 # an attention function that, while a `BatchGenerator` decode step runs, attends row by row over each row's
 # own entries (one SDPA call per row, no mask: the row's slots [0, length] are exactly its causal past) and
 # falls back to Hugging Face's SDPA otherwise. The generator switches the model's attention implementation
-# to it only for that forward (`_ragged_forward`).
+# to it only for that forward (`_ragged_forward`). Another thread's forward on the same model meanwhile
+# (the attention state is thread-local) gets plain SDPA and SDPA's masks: the name is registered for both.
 RAGGED_ATTENTION = "draftsmith_ragged"
 _ragged = threading.local()
 
@@ -82,6 +83,7 @@ def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 AttentionInterface.register(RAGGED_ATTENTION, _ragged_attention)
+AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
 ATTENTION_MODES = ("auto", "rows", "masked")
 
 
@@ -257,8 +259,9 @@ class BatchGenerator:
       shared_prefix: the token prefix every queued prompt starts with (the chat template's system prompt and
         user header, ~25 tokens for SmolLM2; all of a Magpie prompt but its opener) is computed once and
         its cache entries copied into each admitted row, whose prefill then runs its own tokens only.
-      attention: decode-step attention, ``"auto"`` (per row when lengths differ by more than
-        ``row_attention_gap`` slots from the longest, see `row_attention`), ``"rows"`` or ``"masked"``.
+      attention: decode-step attention on CPU, ``"auto"`` (per row when the longest live row's span exceeds
+        the rows' mean length by ``row_attention_gap`` slots, see `row_attention`), ``"rows"`` or
+        ``"masked"``; elsewhere always one masked call.
     """
 
     def __init__(self, model: torch.nn.Module, eos_ids: Iterable[int], *, max_rows: int = 96, capacity: int = 1024,
