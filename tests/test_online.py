@@ -217,8 +217,9 @@ def test_exactly_once_under_kill9(target, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     points = ["after_cache", "after_train", "before_commit", "after_commit"]  # reached by every update
     for attempt in range(12):
+        errf = open(tmp_path / f"stderr{attempt}.txt", "w+")  # a file, not a pipe: stdout is read line by line
         p = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path), str(logs), "6", str(REPO)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                             stdout=subprocess.PIPE, stderr=errf, text=True, env=env)
         if attempt < 3:
             # kill -9 once the job reaches a randomly chosen point of an update, plus a random delay
             # (so the kill lands anywhere from that point on, not only at the named point itself)
@@ -231,8 +232,12 @@ def test_exactly_once_under_kill9(target, tmp_path):
                 p.kill()
                 kills += 1
             p.communicate()
+            errf.close()
             continue
-        out, err = p.communicate(timeout=300)
+        out, _ = p.communicate(timeout=300)
+        errf.seek(0)
+        err = errf.read()
+        errf.close()
         assert p.returncode == 0, err[-3000:]
         if "DONE" in out:
             break
