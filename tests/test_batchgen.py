@@ -333,7 +333,7 @@ def test_another_threads_forward_during_a_row_attention_step_is_plain_sdpa(peaky
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=am).logits
     before = model.config._attn_implementation
-    model.config._attn_implementation = batchgen.RAGGED_ATTENTION  # as during `_ragged_forward`
+    model.config._attn_implementation = batchgen.RAGGED_ATTENTION  # as during `_row_attention_on`
     try:
         got = {}
         t = th.Thread(target=lambda: got.setdefault("x", model(input_ids=ids, attention_mask=am).logits))

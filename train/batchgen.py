@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -61,7 +62,7 @@ from draftsmith.engine.kvcache import PreallocatedLayer, kv_dims
 # an attention function that, while a `BatchGenerator` decode step runs, attends row by row over each row's
 # own entries (one SDPA call per row, no mask: the row's slots [0, length] are exactly its causal past) and
 # falls back to Hugging Face's SDPA otherwise. The generator switches the model's attention implementation
-# to it only for that forward (`_ragged_forward`). Another thread's forward on the same model meanwhile
+# to it only for that forward (`_row_attention_on`). Another thread's forward on the same model meanwhile
 # (the attention state is thread-local) gets plain SDPA and SDPA's masks: the name is registered for both.
 RAGGED_ATTENTION = "draftsmith_ragged"
 _ragged = threading.local()
@@ -80,6 +81,12 @@ def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         out[i] = F.scaled_dot_product_attention(q[i:i + 1], key[i:i + 1, :, :length + 1],
                                                 value[i:i + 1, :, :length + 1], scale=scaling)[0]
     return out.reshape(n, heads, 1, d).transpose(1, 2), None
+
+
+def _shared_len(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(limit, len(a), len(b))
+    return next((t for t in range(n) if a[t] != b[t]), n)
 
 
 AttentionInterface.register(RAGGED_ATTENTION, _ragged_attention)
@@ -313,8 +320,7 @@ class BatchGenerator:
             return
         common = list(prompts[0])
         for p in prompts[1:]:
-            n = min(len(common), len(p))
-            common = common[:next((t for t in range(n) if common[t] != p[t]), n)]
+            common = common[:_shared_len(common, p, len(common))]
             if not common:
                 return
         common = common[:min(map(len, prompts)) - 1]  # every row prefills at least its last prompt token
@@ -335,8 +341,7 @@ class BatchGenerator:
             return 0
         off = min(len(pre), min(len(r.job.prompt) for r in rows) - 1)
         for r in rows:
-            p = r.job.prompt
-            off = next((t for t in range(off) if p[t] != pre[t]), off)
+            off = _shared_len(r.job.prompt, pre, off)
         return off if off >= 2 else 0
 
     @torch.no_grad()
@@ -376,14 +381,15 @@ class BatchGenerator:
             return True
         return span - sum(lengths) / len(lengths) > self.row_attention_gap
 
-    def _ragged_forward(self, ids, lens, mask, cache, lengths: list[int]) -> torch.Tensor:
+    @contextmanager
+    def _row_attention_on(self, lengths: list[int]):
+        """While the block runs, the model attends row by row (`_ragged_attention`) over ``lengths``."""
         cfg = self.model.config
         before = cfg._attn_implementation
         _ragged.lens = lengths
         cfg._attn_implementation = RAGGED_ATTENTION
         try:
-            return self.body(input_ids=ids, position_ids=lens[:, None], attention_mask=mask,
-                             past_key_values=cache, use_cache=True).last_hidden_state
+            yield
         finally:
             cfg._attn_implementation = before
             _ragged.lens = None
@@ -392,21 +398,19 @@ class BatchGenerator:
     def _decode(self, rows: list[_Row], pending: list[int]) -> list[int]:
         cache = self._ensure_cache()
         n = len(rows)
-        lens = torch.tensor([r.length for r in rows], device=self.device)
-        span = int(lens.max()) + 1
+        lengths = [r.length for r in rows]
+        lens = torch.tensor(lengths, device=self.device)
+        span = max(lengths) + 1
         allowed = torch.arange(span, device=self.device)[None] <= lens[:, None]
         mask = torch.zeros((n, 1, 1, span), dtype=self.dtype, device=self.device)
         mask.masked_fill_(~allowed[:, None, None], torch.finfo(self.dtype).min)
         cache.set_decode(lens, span)
         ids = torch.tensor(pending, device=self.device)[:, None]
-        lengths = [r.length for r in rows]
-        if self.row_attention(lengths, span):
-            h = self._ragged_forward(ids, lens, mask, cache, lengths)
-            self.stats["row_attention_steps"] += 1
-        else:
+        per_row = self.row_attention(lengths, span)
+        with self._row_attention_on(lengths) if per_row else nullcontext():
             h = self.body(input_ids=ids, position_ids=lens[:, None], attention_mask=mask, past_key_values=cache,
-                          use_cache=True).last_hidden_state
-        h = h[:, 0]
+                          use_cache=True).last_hidden_state[:, 0]
+        self.stats["row_attention_steps"] += int(per_row)
         if self.states is not None:
             self.states[torch.arange(n, device=self.device), lens] = h.to(self.state_dtype)
         self.stats["forwards"] += 1
