@@ -132,11 +132,22 @@ class RDKMap(nn.Module):
 
 @torch.no_grad()
 def build_rdk(cache: HiddenCache, target, kept_ids: torch.Tensor, exclude: set[int] | None = None,
-              max_positions: int = 20000, topk: int = 16, batch_rows: int = 512) -> tuple[torch.Tensor, torch.Tensor, dict]:
+              max_positions: int = 20000, topk: int = 16, batch_rows: int = 512,
+              weights: str = "conditional", max_row_mass: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Sparse affinity (parent [V], weight [V]) from the target's distributions at the cache's training
-    positions (whose next token is an assistant token), at most ``max_positions`` of them; see the module doc."""
+    positions (whose next token is an assistant token), at most ``max_positions`` of them; see the module doc.
+
+    ``weights``: ``conditional`` (w_j = M*[a(j), j], the dense matrix's entry: each pruned id keeps only the
+    share of its mass that co-occurs with its parent, so the map moves far less mass than the target has
+    off the kept set) or ``column`` (w_j = sum_t p_t(j) / C_a(j): a pruned id's whole average mass is moved
+    through its one parent, so the map moves the target's average off-set mass). A kept id's row gives away
+    at most ``max_row_mass`` (rows above it are scaled down to it)."""
     if topk < 1:
         raise ValueError(f"rdk topk must be >= 1, got {topk}")
+    if not 0.0 < max_row_mass <= 1.0:
+        raise ValueError(f"rdk max_row_mass must be in (0, 1], got {max_row_mass}")
+    if weights not in ("conditional", "column"):
+        raise ValueError(f"rdk weights must be 'conditional' or 'column', got {weights!r}")
     V = target.vocab_size
     kept = kept_ids.long().cpu()
     N = len(kept)
@@ -146,6 +157,7 @@ def build_rdk(cache: HiddenCache, target, kept_ids: torch.Tensor, exclude: set[i
     if pruned_ids.numel() == 0:  # nothing pruned: M is the identity
         return torch.full((V,), -1, dtype=torch.long), torch.zeros(V), {"positions": 0, "attached": 0}
     c_i = torch.zeros(N, dtype=torch.float64)
+    col = torch.zeros(len(pruned_ids), dtype=torch.float64)  # sum_t p_t(j) over the pruned ids, exact
     keys, vals = [], []
     used = 0
     kp, kq = min(topk, len(pruned_ids)), min(topk, N)
@@ -172,6 +184,7 @@ def build_rdk(cache: HiddenCache, target, kept_ids: torch.Tensor, exclude: set[i
             q = p[:, kept]
             q = q / q.sum(-1, keepdim=True).clamp_min(1e-300)
             c_i += q.sum(0)
+            col += p[:, pruned_ids].sum(0)
             qv, qi = q.topk(kq, dim=-1)  # draft ids
             pv, pj = p[:, pruned_ids].topk(kp, dim=-1)  # indices into pruned_ids
             pair = (qi[:, :, None] * len(pruned_ids) + pj[:, None, :]).reshape(-1).numpy()
@@ -194,15 +207,17 @@ def build_rdk(cache: HiddenCache, target, kept_ids: torch.Tensor, exclude: set[i
         has = arg >= 0
         cols = pruned_ids[torch.from_numpy(np.nonzero(has)[0])]
         par_d = torch.from_numpy(arg[has])
-        w = torch.from_numpy(best[has]) / c_i[par_d].clamp_min(1e-300)
+        num = torch.from_numpy(best[has]) if weights == "conditional" else col[torch.from_numpy(np.nonzero(has)[0])]
+        w = num / c_i[par_d].clamp_min(1e-300)
         parent[cols] = kept[par_d]
         weight[cols] = w.float()
-        # Rows stay stochastic in exact arithmetic (docs/rdk.md); float rounding is clipped here.
+        # Conditional rows stay stochastic in exact arithmetic (docs/rdk.md; float rounding is clipped here);
+        # column rows can exceed 1. Rows above max_row_mass are scaled down to it.
         mass = RDKMap.row_mass(kept, parent, weight)
-        over = mass > 1.0
+        over = mass > max_row_mass
         if bool(over.any()):
             scale = torch.ones(N)
-            scale[over] = 1.0 / mass[over]
+            scale[over] = max_row_mass / mass[over]
             t2d = torch.full((V,), -1, dtype=torch.long)
             t2d[kept] = torch.arange(N)
             att = parent >= 0

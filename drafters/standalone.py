@@ -399,12 +399,18 @@ def acceptance(draft_logits: torch.Tensor, target_logits: torch.Tensor, dh: Prun
 def heldout_metrics(model: StandaloneDrafter, cache: HiddenCache, target, windows_per_batch: int = 8) -> dict:
     """Figures over every labelled position of a cache: ``expected_acceptance`` (alpha of a sampled draft at
     T = 1), ``greedy_acceptance`` (argmax q == argmax p), top-1/top-5 on the data's token t+1, and with an
-    RDK map the same two acceptances under q_RDK."""
+    RDK map the same two acceptances under q_RDK. A pruned head also reports ``target_mass_off_kept``: the
+    target's mean probability on the pruned ids, the most any off-set proposal (RDK's) can add to alpha; with an RDK map also the alpha of a perfectly
+    distilled pruned drafter (q' = the target renormalised over the kept ids), drafting from q' alone
+    (``oracle_acceptance``, = 1 - the off-set mass) and from q_RDK (``oracle_acceptance_rdk``)."""
     obj = StandaloneObjective(cache, target, chunk_len=1 << 30)
     dh, rdk = model.draft_head, model.rdk
     sums = {"expected_acceptance": 0.0, "greedy_acceptance": 0.0, "top1": 0.0, "top5": 0.0}
     if rdk is not None:
-        sums.update(expected_acceptance_rdk=0.0, greedy_acceptance_rdk=0.0)
+        sums.update(expected_acceptance_rdk=0.0, greedy_acceptance_rdk=0.0, rdk_mass_off_kept=0.0,
+                    oracle_acceptance=0.0, oracle_acceptance_rdk=0.0)
+    if dh is not None:
+        sums.update(target_mass_off_kept=0.0)
     n = 0
     model.eval()
     for s in range(0, len(obj.chunks), windows_per_batch):
@@ -417,8 +423,15 @@ def heldout_metrics(model: StandaloneDrafter, cache: HiddenCache, target, window
         h = topk_hits(full, b.labels)
         sums["top1"] += h[1][0]
         sums["top5"] += h[5][0]
+        if dh is not None:
+            kept_mass = torch.softmax(b.teacher.float(), -1)[:, dh.kept_ids].sum(-1)
+            sums["target_mass_off_kept"] += float((1 - kept_mass).clamp_min(0).sum())
         if rdk is not None:
             qr = rdk.redistribute(torch.softmax(lg, -1))
+            sums["rdk_mass_off_kept"] += float((1 - qr[:, dh.kept_ids].sum(-1)).clamp_min(0).sum())
+            oracle = b.teacher.float()[:, dh.kept_ids]  # the perfect pruned drafter's logits
+            sums["oracle_acceptance"] += float(acceptance(oracle, b.teacher, dh).sum())
+            sums["oracle_acceptance_rdk"] += float(acceptance(oracle, b.teacher, dh, rdk).sum())
             sums["expected_acceptance_rdk"] += float(acceptance(lg, b.teacher, dh, rdk).sum())
             sums["greedy_acceptance_rdk"] += float((qr.argmax(-1) == tgt_arg).sum())
         n += b.positions

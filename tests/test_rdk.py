@@ -103,3 +103,33 @@ def test_table_alpha_pools_tested_drafts():
     assert pooled_alpha(r) == pytest.approx(5 / (4 + 2 + 1))
     assert draft_ms_per_token(r) == pytest.approx(10.0)
     assert pooled_alpha([NS(steps=[])]) is None
+
+
+def test_column_weights_move_a_pruned_ids_whole_mean_mass_within_the_row_cap(tmp_path):
+    t = make_tiny_target(vocab_size=50, init_std=0.5, layers=2)
+    build_cache(t, _cycle_sequences(n=4, length=30), ["final"], tmp_path / "c", dtype="float32")
+    cache = HiddenCache(tmp_path / "c", t)
+    cond = build_rdk(cache, t, KEEP, topk=64)
+    col_parent, col_w, _ = build_rdk(cache, t, KEEP, topk=64, weights="column")
+    assert torch.equal(col_parent, cond[0])  # the same parents; only the weights differ
+    rows = []
+    for i in range(len(cache)):
+        r = torch.from_numpy((cache.mask(i)[1:] > 0).nonzero()[0])
+        rows.append(torch.softmax(teacher_logits(t, cache.states(i, "final")[r]).double(), -1))
+    p = torch.cat(rows)
+    q = p[:, KEEP] / p[:, KEEP].sum(-1, keepdim=True)
+    att = (col_parent >= 0).nonzero().flatten()
+    t2d = {int(k): n for n, k in enumerate(KEEP)}
+    c_i = q.sum(0)
+    mass = RDKMap.row_mass(KEEP, col_parent, col_w)
+    for j in att.tolist():  # w_j = sum_t p_t(j) / C_a(j), unless its row was scaled down to 1
+        i = t2d[int(col_parent[j])]
+        if float(mass[i]) < 1 - 1e-6:
+            assert float(col_w[j]) == pytest.approx(float(p[:, j].sum() / c_i[i]), rel=1e-4)
+    assert float(mass.max()) <= 1 + 1e-6 and float(col_w.sum()) > float(cond[1].sum())
+    _, capped, _ = build_rdk(cache, t, KEEP, topk=64, weights="column", max_row_mass=0.3)
+    assert float(RDKMap.row_mass(KEEP, col_parent, capped).max()) <= 0.3 + 1e-6
+    RDKMap(KEEP, t.vocab_size).set(KEEP, col_parent, capped)  # a valid map
+    for bad in ({"weights": "dense"}, {"max_row_mass": 0.0}, {"max_row_mass": 1.5}):
+        with pytest.raises(ValueError, match="rdk"):
+            build_rdk(cache, t, KEEP, topk=64, **bad)

@@ -188,6 +188,11 @@ def test_training_improves_acceptance_and_greedy_decoding_is_the_targets(trained
     before, after = fresh.heldout_metrics(cache, t), m.heldout_metrics(cache, t)
     assert after["expected_acceptance"] > before["expected_acceptance"]
     assert 0 <= after["expected_acceptance_rdk"] <= 1
+    # q_RDK moves mass from kept ids to pruned ones, so it gains at most the target's mass off the kept set
+    assert 0 < after["target_mass_off_kept"] < 1 and 0 <= after["rdk_mass_off_kept"] < 1
+    assert after["expected_acceptance_rdk"] <= after["expected_acceptance"] + after["target_mass_off_kept"] + 1e-6
+    assert after["oracle_acceptance"] == pytest.approx(1 - after["target_mass_off_kept"], abs=1e-5)
+    assert 0 < after["oracle_acceptance_rdk"] <= 1
     plain = SpeculativeDecoder(t, None).generate([1, 3, 4, 5], 24).tokens
     for use_rdk in (False, True):
         d = m.decoder_drafter(t, t.fingerprint, use_rdk=use_rdk)
