@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from draftsmith.train import generate
-from draftsmith.train.batchgen import BatchGenerator, Job, RaggedCache, pick_tokens
+from draftsmith.train.batchgen import BatchGenerator, Job, pick_tokens
+from draftsmith.train.batchgen_cache import RaggedCache
 from draftsmith.train.sources import Conversation
 from tests.tiny import make_tiny_target
 
@@ -325,7 +326,7 @@ def test_another_threads_forward_during_a_row_attention_step_is_plain_sdpa(peaky
     """The model's attention name is switched during a per-row step; a forward on another thread meanwhile
     (2D mask, so masks are built from the name) gives exactly what it gives under plain SDPA."""
     import threading as th
-    from draftsmith.train import batchgen
+    from draftsmith.train import batchgen_cache
     model = peaky.model
     ids = torch.tensor([_prompts(1, seed=11)[0] * 2])
     am = torch.ones_like(ids)
@@ -333,7 +334,7 @@ def test_another_threads_forward_during_a_row_attention_step_is_plain_sdpa(peaky
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=am).logits
     before = model.config._attn_implementation
-    model.config._attn_implementation = batchgen.RAGGED_ATTENTION  # as during `_row_attention_on`
+    model.config._attn_implementation = batchgen_cache.RAGGED_ATTENTION  # as during `row_attention`
     try:
         got = {}
         t = th.Thread(target=lambda: got.setdefault("x", model(input_ids=ids, attention_mask=am).logits))
