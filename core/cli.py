@@ -75,11 +75,13 @@ def _run_stages(args, stages) -> int:
         if st == "data":
             pipeline.stage_data(recipe, target)
             meta = json.loads((recipe.out / "data" / "meta.json").read_text())
-            print(f"data: {meta['generation'].get('conversations', 0)} conversations, "
-                  f"{meta['generation'].get('response_tokens', 0)} response tokens; "
-                  f"{meta['sources'].get('held_out_mtbench', 0)} MT-Bench questions removed from training sources, "
-                  f"{meta['heldout_generation'].get('conversations', 0)} MT-Bench answers held out; "
-                  f"skipped {meta['skipped']['total']} bad rows")
+            gen, held = meta.get("generation", {}), meta.get("heldout_generation", {})  # a merged set has no
+            skipped = meta.get("skipped", {}).get("total", sum(r.get("skipped", {}).get("total", 0)  # run-level keys
+                                                                for r in meta.get("runs", [])))
+            print(f"data: {gen.get('conversations', 0)} conversations, {gen.get('response_tokens', 0)} response "
+                  f"tokens; {meta.get('sources', {}).get('held_out_mtbench', 0)} MT-Bench questions removed from "
+                  f"training sources, {held.get('conversations', 0)} MT-Bench answers held out; "
+                  f"skipped {skipped} bad rows")
         elif st == "cache":
             res = pipeline.stage_cache(recipe, target)
             for split, idx in res.items():
