@@ -26,6 +26,12 @@ project's 2-core AMD EPYC (torch 2.13 CPU, MKL, 1 thread, SmolLM2-135M):
     version before each use (a changed or copied weight falls back to
     ``F.linear``), and is never used when gradients are needed. One row
     keeps MKL's product on the column-major weight, which is faster there.
+  * Exactly 2 rows are padded with 2 zero rows: inside a full forward (weights
+    streamed from memory, not cache-resident as in a loop over one matrix)
+    the 2-row product is slower than the 4-row one. Target body over a
+    200-token prefix, 1 thread: 2 rows 57-70 ms unpadded (either kernel), 51-52
+    ms padded to 4; 1 row 47-50 ms; 3 rows 49-54 ms. A 2-row verification is
+    what a chain of one draft (Kangaroo's double early exit, K=1) pays.
 
 The values are unchanged; only the order of floating-point accumulation
 inside the matrix products differs, as it already does between a one-row
@@ -100,6 +106,11 @@ def linear_rows(m: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if (pk is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 2
             and x.numel() >= 2 * x.shape[-1]
             and not (torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad))):
+        if x.numel() == 2 * x.shape[-1]:  # 2 rows: padded to 4 (module doc); the real rows' values are kept
+            flat = x.reshape(2, x.shape[-1])
+            out = torch.ops.mkldnn._linear_pointwise(torch.cat([flat, flat.new_zeros(2, flat.shape[1])]), pk,
+                                                     m.bias, "none", [], "")[:2]
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         return torch.ops.mkldnn._linear_pointwise(x, pk, m.bias, "none", [], "")
     return F.linear(x, m.weight, m.bias)
 

@@ -71,7 +71,7 @@ needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch bui
 
 @needs_onednn
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(1, 16), (2, 16), (1, 5, 16), (9, 16)])
+@pytest.mark.parametrize("shape", [(1, 16), (2, 16), (1, 2, 16), (1, 5, 16), (9, 16)])  # 2 rows: padded to 4
 def test_packed_linears_compute_the_same_product(shape, bias):
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=bias), torch.nn.Linear(32, 8, bias=bias))
