@@ -41,8 +41,11 @@ from draftsmith.eval.mtbench import mtbench_prompts
 from draftsmith.target import default_device, load_target
 
 
-def variants(ckpt: Path, target, k: int, sampling: SamplingParams, hf: bool) -> list[tuple[Method, dict]]:
-    """Our decoder with the checkpoint's drafter (renorm, and rdk when it has a map), and HF assisted."""
+def variants(ckpt: Path, target, ks: int | list[int], sampling: SamplingParams, hf: bool,
+             rdk: bool = True) -> list[tuple[Method, dict]]:
+    """Our decoder with the checkpoint's drafter at each draft length in ``ks`` (renorm, and rdk when it has
+    a map and ``rdk``), and HF assisted at the same lengths."""
+    ks = [ks] if isinstance(ks, int) else list(ks)
     module, manifest = load_checkpoint(ckpt, target, device=next(target.model.parameters()).device)
     if manifest["kind"] != "standalone":
         raise ValueError(f"{ckpt} holds a {manifest['kind']!r} drafter; this table is for standalone drafters")
@@ -50,15 +53,17 @@ def variants(ckpt: Path, target, k: int, sampling: SamplingParams, hf: bool) -> 
     info = {"checkpoint": str(ckpt), "vocab_keep": module.config["vocab_keep"], "vocab": target.vocab_size,
             "divergence": module.config["divergence"], "lora": bool(module.config.get("lora"))}
     out = []
-    for use_rdk in ([False, True] if module.rdk is not None else [False]):
+    for use_rdk in ([False, True] if module.rdk is not None and rdk else [False]):
         d = module.decoder_drafter(target, target.fingerprint, f"{name}/{'rdk' if use_rdk else 'renorm'}",
                                    use_rdk=use_rdk)
-        dec = SpeculativeDecoder(target, d, policy=FixedLength(k), sampling=sampling)
-        out.append((ours(f"{d.name} K={k}", dec), {**info, "rdk": use_rdk, "drafter": d}))
+        for k in ks:
+            dec = SpeculativeDecoder(target, d, policy=FixedLength(k), sampling=sampling)
+            out.append((ours(f"{d.name} K={k}", dec), {**info, "rdk": use_rdk, "draft_len": k, "drafter": d}))
     if hf:
         asst = module.to_hf_model().to(next(target.model.parameters()).device).eval()
-        out.append((hf_assisted(target, asst, k, sampling, name=f"HF assisted {name} K={k}"),
-                    {**info, "rdk": False, "full_head": True}))
+        for k in ks:
+            out.append((hf_assisted(target, asst, k, sampling, name=f"HF assisted {name} K={k}"),
+                        {**info, "rdk": False, "full_head": True, "draft_len": k}))
     return out
 
 
@@ -70,8 +75,9 @@ def pooled_alpha(results) -> float | None:
 
 
 def draft_ms_per_token(results) -> float | None:
+    """Drafting time per drafted token (every token the drafter wrote, tested or not)."""
     steps = [s for r in results for s in r.steps]
-    drafted = sum(s.attempted for s in steps)
+    drafted = sum(s.drafted for s in steps)
     return 1000 * sum(s.draft_s for s in steps) / drafted if drafted else None
 
 
@@ -84,12 +90,13 @@ def run(a) -> dict:
         plain_dec = SpeculativeDecoder(target, None, sampling=sampling)
         methods = [(ours("ours plain", plain_dec), {}), (hf_generate(target, sampling), {})]
         for c in a.checkpoint:
-            methods += variants(Path(c), target, a.draft_len, sampling, a.hf_assisted)
+            methods += variants(Path(c), target, a.draft_len, sampling, a.hf_assisted, rdk=not a.no_rdk)
         for h in a.hf_export:  # an exported directory, loaded as HF loads it
             asst = AutoModelForCausalLM.from_pretrained(h, local_files_only=True).to(
                 next(target.model.parameters()).device).eval()
-            methods.append((hf_assisted(target, asst, a.draft_len, sampling, name=f"HF assisted {h} K={a.draft_len}"),
-                            {"hf_export": h}))
+            for k in a.draft_len:
+                methods.append((hf_assisted(target, asst, k, sampling, name=f"HF assisted {h} K={k}"),
+                                {"hf_export": h, "draft_len": k}))
         apply_cpu_layout(target, *[i["drafter"] for _, i in methods if "drafter" in i])
         for m, _ in methods:  # warm-up: cache allocation and kernels out of the timings
             m.run(prompts[0].ids, 8, a.seed)
@@ -150,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0])
-    ap.add_argument("--draft-len", type=int, default=4)
+    ap.add_argument("--draft-len", type=int, nargs="+", default=[4], help="one or more draft lengths K")
+    ap.add_argument("--no-rdk", action="store_true", help="skip the RDK variants of checkpoints that have a map")
     ap.add_argument("--hf-assisted", action="store_true", help="also HF assisted generation with each exported drafter")
     ap.add_argument("--hf-export", action="append", default=[], metavar="DIR",
                     help="also HF assisted generation with an `draftsmith export --to hf` directory (repeatable)")

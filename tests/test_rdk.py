@@ -97,11 +97,11 @@ def test_table_alpha_pools_tested_drafts():
     """standalone_table's alpha: accepted / tested drafts, a chain testing up to its first rejection."""
     from types import SimpleNamespace as NS
     from draftsmith.eval.standalone_table import draft_ms_per_token, pooled_alpha
-    steps = [NS(attempted=4, accepted=4, draft_s=0.04), NS(attempted=4, accepted=1, draft_s=0.04),
-             NS(attempted=4, accepted=0, draft_s=0.04)]
+    steps = [NS(drafted=4, attempted=4, accepted=4, draft_s=0.04), NS(drafted=4, attempted=2, accepted=1, draft_s=0.04),
+             NS(drafted=4, attempted=1, accepted=0, draft_s=0.04)]
     r = [NS(steps=steps)]
     assert pooled_alpha(r) == pytest.approx(5 / (4 + 2 + 1))
-    assert draft_ms_per_token(r) == pytest.approx(10.0)
+    assert draft_ms_per_token(r) == pytest.approx(10.0)  # per drafted token: 120 ms / 12, not / 7 tested
     assert pooled_alpha([NS(steps=[])]) is None
 
 
