@@ -23,19 +23,8 @@ from transformers.cache_utils import Cache
 from draftsmith.engine.kvcache import PreallocatedLayer, kv_dims
 
 
-
-class _RowsLayer(PreallocatedLayer):
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        o = self.owner
-        rows = o.row_idx[:, None]  # [n, 1]
-        # advanced indices around a slice put their dims first: [n, m, H, D]
-        self.keys[rows, :, o.slots] = key_states.transpose(1, 2)
-        self.values[rows, :, o.slots] = value_states.transpose(1, 2)
-        if o.contiguous is not None:  # live rows [r0, r0 + n): a view, no copy
-            r0, r1 = o.contiguous
-            return self.keys[r0:r1, :, :o.span], self.values[r0:r1, :, :o.span]
-        return self.keys[o.row_idx, :, :o.span], self.values[o.row_idx, :, :o.span]
+class SpanLayer(PreallocatedLayer):
+    """A layer of a many-row cache whose owner attends over slots [0, ``owner.span``) of each row."""
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.span, 0
@@ -48,6 +37,20 @@ class _RowsLayer(PreallocatedLayer):
 
     def reset(self) -> None:
         pass
+
+
+class _RowsLayer(SpanLayer):
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        o = self.owner
+        rows = o.row_idx[:, None]  # [n, 1]
+        # advanced indices around a slice put their dims first: [n, m, H, D]
+        self.keys[rows, :, o.slots] = key_states.transpose(1, 2)
+        self.values[rows, :, o.slots] = value_states.transpose(1, 2)
+        if o.contiguous is not None:  # live rows [r0, r0 + n): a view, no copy
+            r0, r1 = o.contiguous
+            return self.keys[r0:r1, :, :o.span], self.values[r0:r1, :, :o.span]
+        return self.keys[o.row_idx, :, :o.span], self.values[o.row_idx, :, :o.span]
 
 
 class RowsCache(Cache):

@@ -24,7 +24,8 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from draftsmith.engine.kvcache import PreallocatedLayer, kv_dims
+from draftsmith.engine.kvcache import kv_dims
+from draftsmith.engine.ragged import SpanLayer
 
 # --- per-row attention for decode steps -----------------------------------------------------------------
 # A decode step's single masked attention call reads every row's cache up to the longest live row's span.
@@ -73,7 +74,7 @@ def row_attention(model: torch.nn.Module, lengths: list[int]):
         _ragged.lens = None
 
 
-class _RaggedLayer(PreallocatedLayer):
+class _RaggedLayer(SpanLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         o = self.owner
@@ -91,18 +92,6 @@ class _RaggedLayer(PreallocatedLayer):
         self.keys[o.rows[:n], :, o.slots] = key_states[:, :, 0]
         self.values[o.rows[:n], :, o.slots] = value_states[:, :, 0]
         return self.keys[:n, :, :o.span], self.values[:n, :, :o.span]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.span, 0
-
-    def get_seq_length(self) -> int:
-        return self.owner.span
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[-2]
-
-    def reset(self) -> None:
-        pass
 
 
 class RaggedCache(Cache):
