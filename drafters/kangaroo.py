@@ -58,7 +58,7 @@ class KangarooAdapter(nn.Module):
     """The trainable part of a Kangaroo drafter: the adapter, reading the target's layer-l states."""
 
     kind = "kangaroo"
-    supports_trees = False  # its decoder drafter drafts chains (no static trees to build for it)
+    supports_trees = False  # no trees built from head ranks (trees stage); its decoder drafter drafts chains or trees
 
     def __init__(self, hidden_size: int, vocab_size: int, lm_head: nn.Module, rotary: nn.Module, num_layers: int,
                  exit_layer: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
@@ -173,13 +173,16 @@ class KangarooAdapter(nn.Module):
         return x * cos + _rotate_half(x) * sin
 
     def adapt(self, x: torch.Tensor, pos: torch.Tensor,
-              kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0) -> torch.Tensor:
+              kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
         """Layer-l states x [T, d] at positions ``pos`` -> adapter states [T, d] (after the last norm).
 
         Without ``kv`` the rows are one causal sequence. With ``kv`` (keys and
         values [H_kv, capacity, D], pre-allocated) the rows' keys/values are
         written at slots [start, start + T) and row j attends to slots
-        [0, start + j] (decoding; slot = position for chains).
+        [0, start + j] (decoding; slot = position for chains), or to the slots
+        ``mask`` [T, start + T] (bool, True = may attend) allows (tree nodes:
+        the committed prefix, their ancestors and themselves).
         """
         T = x.shape[0]
         h = self.norm1(x)
@@ -193,7 +196,8 @@ class KangarooAdapter(nn.Module):
         rep = self.nh // self.nkv
         kk, vv = (k, v) if rep == 1 else (k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0))
         S = kk.shape[1]
-        mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+        if mask is None and T > 1:
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
         a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
         x = x + self.o(a.transpose(0, 1).reshape(T, self.nh * self.hd))
         if self.mlp:

@@ -1,27 +1,36 @@
 """Kangaroo decoding: a self-drafter for `draftsmith.engine.decoder.SpeculativeDecoder` (methods.md section 4).
 
-Per step (chains only; the decoder refuses a tree with this drafter):
-  * draft: each draft step runs the target's layers 1..l on the last token
-    (the root first, together with any committed tokens not cached yet, e.g.
-    the prompt on the first step), writing the target's OWN KV cache (the
-    decoder's `SlotCache`) for those layers, and keeps the layer-l state; the
-    adapter reads it with its own pre-allocated KV cache; its logits go
-    through the target's LM head. The second early exit is a length policy
-    (`ConfidenceStop(threshold, gamma)`: stop when the next draft's top-1
-    probability is below the threshold, at most gamma drafts), the decoder's
-    default for this drafter. The low-confidence candidate itself is not
-    drafted: its layer-1..l pass already happened (it is the state of the
-    previous draft, which verification needs anyway), so stopping there
-    wastes no shallow work and adds no unlikely row to verification;
+Per step (chains, static trees and dynamic trees):
+  * draft: each draft call runs the target's layers 1..l on the nodes whose
+    children are asked for (the root first, together with any committed
+    tokens not cached yet, e.g. the prompt on the first step), writing the
+    target's OWN KV cache (the decoder's `SlotCache`) for those layers, and
+    keeps their layer-l states by slot; the adapter reads them with its own
+    pre-allocated KV cache; its logits go through the target's LM head (or
+    its kept rows). Slots follow the decoder's convention: committed
+    position p at slot p, tree node i at slot L + i, at position L + depth;
+    tree nodes attend to the committed prefix, their ancestors and
+    themselves, in the shallow layers and in the adapter alike. The second
+    early exit is a length policy for chains (`ConfidenceStop(threshold,
+    gamma)`: stop when the next draft's top-1 probability is below the
+    threshold, at most gamma drafts), the decoder's default for this
+    drafter. The low-confidence candidate itself is not drafted: its
+    layer-1..l pass already happened (it is the state of the previous draft,
+    which verification needs anyway), so stopping there wastes no shallow
+    work and adds no unlikely row to verification;
   * verify (`verify_forward`): only layers l+1..L run, over the rows from the
-    first uncached position to the last draft, starting from the stored
-    layer-l states (the last draft's shallow state, which drafting never
-    needed, is computed first); ``full_verify=True`` uses the decoder's own
-    full-depth forward instead, for comparison;
-  * commit: both caches keep the accepted prefix: entries past it are simply
-    overwritten next step (slot = position for chains), so cutting a cache is
-    setting its committed length. After a full acceptance the adapter has not
-    seen the last draft and takes two states next step.
+    first uncached position to the last node, starting from the stored
+    layer-l states (the nodes that drafting never expanded, the leaves, get
+    their shallow pass first), with the decoder's tree mask;
+    ``full_verify=True`` uses the decoder's own full-depth forward instead,
+    for comparison;
+  * commit: both caches keep the accepted prefix. For chains the entries past
+    it are simply overwritten next step (slot = position), so cutting a
+    cache is setting its committed length; for trees the accepted path's
+    layer-l states and adapter keys/values are compacted to consecutive
+    slots, as the decoder compacts the target's cache. After a full
+    acceptance the adapter has not seen the last draft and takes two states
+    next step.
 
 `early_exit_drafter(target, l)` is the untrained peer: the same machinery
 with no adapter (first l layers, the target's final norm, the LM head).
@@ -91,7 +100,7 @@ class KangarooDrafter:
         self.name = name
         self.target_fingerprint = target_fingerprint
         self.max_depth = None
-        self.supports_trees = False  # the decoder refuses a tree with this drafter
+        self.supports_trees = True  # chains, static and dynamic trees (see the module doc)
         self.default_policy = policy or ConfidenceStop(threshold, max_draft_len)
         self.full_verify = full_verify
         if full_verify:
@@ -110,22 +119,30 @@ class KangarooDrafter:
                                full_verify=self.full_verify if full_verify is None else full_verify)
 
     # ------------------------------------------------------------------ target layers, run in place
-    def _layers(self, dec, x: torch.Tensor, lo: int, hi: int, start: int) -> torch.Tensor:
-        """Target decoder layers [lo, hi) on rows x [n, d] at positions start.. (slots = positions),
-        writing their keys/values into the decoder's cache; row j sees slots [0, start + j].
+    def _layers(self, dec, x: torch.Tensor, lo: int, hi: int, start: int,
+                pos: torch.Tensor | None = None, block: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Target decoder layers [lo, hi) on rows x [n, d] written at slots start.., writing their keys/values
+        into the decoder's cache. Chains (``block`` None): positions = slots, row j sees slots [0, start + j].
+        Trees: ``pos`` [n] the rows' positions, ``block = (prefix, allowed)``: every row sees slots
+        [0, prefix) and the slots [prefix, start + n) that ``allowed`` [n, start + n - prefix] allows.
 
-        The mask is the decoder's own (`SpeculativeDecoder.verify_forward`): none for one row, none for a
+        The chain mask is the decoder's own (`SpeculativeDecoder.verify_forward`): none for one row, none for a
         block at slot 0 (the first step, prompt fused) under sdpa, which then runs its causal kernel on the
         KV heads as they are; an explicit [n, start + n] mask makes HF's sdpa path copy the keys and values
         to every query head and run the masked kernel (first-step verification of a 373-token prompt, l=1:
         1041 ms with the mask, 1028 ms without, the full forward 1065 ms). Eager attention does not mask by
         itself: it always gets the explicit mask."""
         n = x.shape[0]
-        pos = torch.arange(start, start + n, device=x.device)[None]
-        # sdpa applies causality itself when it gets no mask (HF: is_causal for 2+ query rows); eager does not
-        sdpa = getattr(dec.model.config, "_attn_implementation", None) == "sdpa"
-        mask = None if n == 1 or (start == 0 and sdpa) else prefix_block_mask(
-            start, torch.ones(n, n, dtype=torch.bool, device=x.device).tril(), x.dtype)
+        if pos is None:
+            pos = torch.arange(start, start + n, device=x.device)
+        pos = pos[None]
+        if block is not None:
+            mask = prefix_block_mask(block[0], block[1], x.dtype)
+        else:
+            # sdpa applies causality itself when it gets no mask (HF: is_causal for 2+ query rows); eager does not
+            sdpa = getattr(dec.model.config, "_attn_implementation", None) == "sdpa"
+            mask = None if n == 1 or (start == 0 and sdpa) else prefix_block_mask(
+                start, torch.ones(n, n, dtype=torch.bool, device=x.device).tril(), x.dtype)
         rope = dec.body.rotary_emb(x[None], pos)
         dec.cache.set_write(start)
         h = x[None]
@@ -135,6 +152,24 @@ class KangarooDrafter:
             h = out[0] if isinstance(out, tuple) else out
         return h[0]
 
+    @staticmethod
+    def _tree_rows(tree: DraftTree, s: int, e: int, L: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Positions [e - s] of tree nodes [s, e) and which node slots [L, L + e) each sees (None: a chain
+        segment, where every node sees all earlier nodes, so the chain path applies)."""
+        if all(tree.parent[i] == i - 1 for i in range(1, e)):  # a chain so far: depth = index, all seen
+            return None
+        allowed = tree.ancestor_mask(device)[s:e, :e]
+        return L + torch.tensor(tree.depth[s:e], device=device), allowed
+
+    def _shallow_nodes(self, dec, ds: _KangarooState, tree: DraftTree, s: int, e: int, L: int) -> None:
+        """Layers 1..l on tree nodes [s, e) (s >= 1), whose ancestors went through them already."""
+        rows = self._tree_rows(tree, s, e, L, dec.device)
+        x = dec.model.get_input_embeddings()(tree.tok[s:e])
+        if rows is None:
+            h = self._layers(dec, x, 0, self.exit_layer, L + s)
+        else:
+            h = self._layers(dec, x, 0, self.exit_layer, L + s, pos=rows[0], block=(L, rows[1]))
+        ds.shallow[L + s:L + e] = h
     def _shallow(self, dec, ds: _KangarooState, ids: torch.Tensor, start: int) -> torch.Tensor:
         """Layers 1..l on tokens ``ids`` at positions start..; their layer-l states are kept by position."""
         x = dec.model.get_input_embeddings()(ids)
@@ -159,11 +194,12 @@ class KangarooDrafter:
 
     @torch.no_grad()
     def propose(self, dec, state, tree: DraftTree, start: int, end: int) -> torch.Tensor:
-        if end != start + 1 or (start > 0 and tree.parent[start] != start - 1):
-            raise ValueError("kangaroo drafts chains only (one node per call, each the child of the previous)")
         ds: _KangarooState = state.drafter_state
         L, c = state.length, state.cached
+        tree_rows = None
         if start == 0:  # a new step: committed tokens not cached yet, then the root
+            if end != 1:
+                raise ValueError("kangaroo: the root is proposed alone (node range [0, 1))")
             ds.tree, ds.fed, ds.a_fed = tree, 0, 0
             s0 = min(ds.s_valid, c)
             ids = tree.tok[:1] if s0 == L else torch.cat(
@@ -171,19 +207,29 @@ class KangarooDrafter:
             self._shallow(dec, ds, ids, s0)
             a0 = min(ds.a_valid, L)  # the adapter catches up from the stored states (two after a full acceptance)
         else:
-            if ds.tree is not tree or ds.fed != start:
-                raise RuntimeError(f"kangaroo drafter fed {ds.fed} nodes of this tree, asked for node {start}")
-            self._shallow(dec, ds, tree.tok[start:start + 1], L + start)
+            if ds.tree is not tree or ds.fed != start or (self.heads is not None and ds.a_fed != start):
+                raise RuntimeError(f"kangaroo drafter fed {ds.fed} nodes of this tree, asked for nodes "
+                                   f"[{start}, {end})")
+            if any(tree.parent[i] >= start for i in range(start, end)):
+                raise ValueError(f"kangaroo: nodes [{start}, {end}) include a child of another node of the range")
+            self._shallow_nodes(dec, ds, tree, start, end, L)
+            tree_rows = self._tree_rows(tree, start, end, L, dec.device)
             a0 = L + start
-        ds.fed = start + 1
-        p = L + start  # the position of the node whose child is drafted
+        ds.fed = end
+        p = L + end - 1  # the slot of the last node whose children are drafted
         if self.heads is None:
-            out = dec.body.norm(ds.shallow[p:p + 1])
+            out = dec.body.norm(ds.shallow[L + start:L + end])
         else:
             rows = ds.shallow[a0:p + 1]
-            out = self.heads.adapt(rows, torch.arange(a0, p + 1, device=rows.device), ds.kv, a0)[-1:]
-            ds.a_fed = start + 1
-        ds.hidden = out
+            if tree_rows is None:  # chain rows: slot = position, causal
+                out = self.heads.adapt(rows, torch.arange(a0, p + 1, device=rows.device), ds.kv, a0)
+            else:  # tree nodes: depth positions, the committed prefix [0, L) + ancestors
+                pos, allowed = tree_rows
+                mask = torch.cat([torch.ones(end - start, L, dtype=torch.bool, device=rows.device), allowed], 1)
+                out = self.heads.adapt(rows, pos, ds.kv, a0, mask=mask)
+            out = out[-(end - start):]
+            ds.a_fed = end
+        ds.hidden = out[-1:]
         dh = getattr(self.heads, "draft_head", None)
         if dh is not None:  # a pruned adapter: its kept rows only, q exactly 0 elsewhere (lossless)
             return dh.to_target(engine.project(dh, out))
@@ -199,12 +245,23 @@ class KangarooDrafter:
             ds.tree, ds.fed, ds.a_fed = tree, 0, 0
         if ds.fed == 0:
             s0 = min(ds.s_valid, c)
-            self._shallow(dec, ds, torch.cat([torch.tensor(state.tokens[s0:L], device=dec.device,
-                                                            dtype=torch.long), tree.tokens()]), s0)
-        elif ds.fed < m:  # the last draft: drafting never needed its own state
-            self._shallow(dec, ds, tree.tok[ds.fed:m], L + ds.fed)
+            self._shallow(dec, ds, torch.cat([torch.tensor(state.tokens[s0:L], device=dec.device, dtype=torch.long),
+                                              tree.tok[:1]]), s0)
+            ds.fed = 1
+        if ds.fed < m:  # the leaves: drafting never needed their own states
+            self._shallow_nodes(dec, ds, tree, ds.fed, m, L)
         ds.fed = m
-        h = self._layers(dec, ds.shallow[c:L + m], self.exit_layer, self.num_layers, c)
+        x = ds.shallow[c:L + m]
+        if tree.is_chain():
+            h = self._layers(dec, x, self.exit_layer, self.num_layers, c)
+        else:  # the decoder's tree block: causal over the uncached prefix, which every node sees
+            pre = L - c
+            pos = torch.cat([torch.arange(c, L, device=dec.device), L + torch.tensor(tree.depth, device=dec.device)])
+            block = torch.zeros(pre + m, pre + m, dtype=torch.bool, device=dec.device)
+            block[:pre, :pre] = torch.ones(pre, pre, dtype=torch.bool, device=dec.device).tril()
+            block[pre:, :pre] = True
+            block[pre:, pre:] = tree.ancestor_mask(dec.device)
+            h = self._layers(dec, x, self.exit_layer, self.num_layers, c, pos=pos, block=(c, block))
         h = dec.body.norm(h)[L - c:]
         return engine.project(dec.lm_head, h), h
 
@@ -212,10 +269,17 @@ class KangarooDrafter:
         ds: _KangarooState = state.drafter_state
         L, new = state.length, state.length + len(path)  # root + accepted drafts become committed
         if ds.tree is tree:
+            moved = list(path[1:])
+            if moved != list(range(1, len(path))):  # a tree's path: its entries to consecutive slots
+                idx = torch.tensor([L + i for i in moved], dtype=torch.long, device=ds.shallow.device)
+                ds.shallow[L + 1:L + 1 + len(moved)] = ds.shallow[idx]
+                if ds.kv is not None:
+                    for t in ds.kv:
+                        t[:, L + 1:L + 1 + len(moved)] = t[:, idx]
             if ds.fed:
-                ds.s_valid = min(L + ds.fed, new)
+                ds.s_valid = min(L + 1 + sum(i < ds.fed for i in moved), new)
             if ds.a_fed:
-                ds.a_valid = min(L + ds.a_fed, new)
+                ds.a_valid = min(L + 1 + sum(i < ds.a_fed for i in moved), new)
         else:  # buffers past the cached prefix hold another tree's states
             ds.s_valid, ds.a_valid = min(ds.s_valid, state.cached), min(ds.a_valid, state.cached)
         ds.tree, ds.fed, ds.a_fed = None, 0, 0

@@ -18,7 +18,7 @@ from draftsmith.drafters.kangaroo_decode import KangarooDrafter, check_threshold
 from draftsmith.eval.bench import Method, _hf_run, ours
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.policies import ConfidenceStop, FixedLength
-from draftsmith.engine.tree_build import parse_tree  # noqa: F401  (re-exported: `draftsmith.eval.cli.parse_tree`)
+from draftsmith.engine.tree_build import TREES, parse_tree  # noqa: F401  (parse_tree re-exported)
 
 
 def self_drafter_methods(target, drafter, sampling, a) -> list:
@@ -143,12 +143,20 @@ def eval_main(argv: list[str] | None = None) -> dict:
             check_threshold(a.confidence)
             d.default_policy = ConfidenceStop(a.confidence, d.default_policy.max_len)
         specs = a.tree or ["chain"]
-        if not getattr(d, "supports_trees", True):  # Kangaroo drafts chains: the other specs are for other checkpoints
+        if not getattr(d, "supports_trees", True):  # chain-only drafters: the other specs are for other checkpoints
             if "chain" not in specs and len(a.checkpoint) == 1:
                 raise ValueError(f"{c} holds a {d.name!r} drafter, which drafts chains only: add --tree chain")
             if specs != ["chain"]:
                 print(f"{d.name}: chains only, drafted as a chain (trees {[t for t in specs if t != 'chain']} are for the other checkpoints)")
             specs = ["chain"]
+        if not (Path(c) / TREES).exists():  # built:N needs trees built for this checkpoint (the trees stage)
+            built = [t for t in specs if t.strip().startswith("built:")]
+            if built and len(built) == len(specs) and len(a.checkpoint) == 1:
+                raise ValueError(f"{c} has no built trees ({TREES}) for {built}: run `draftsmith trees` on it "
+                                 "or give another --tree")
+            if built:
+                print(f"{d.name}: no built trees, so {built} are for the other checkpoints")
+                specs = [t for t in specs if t not in built] or ["chain"]
         drafters.append((d, [(t, parse_tree(t, c)) for t in specs]))
     layout = None
     if a.cpu_layout:

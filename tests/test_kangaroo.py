@@ -16,6 +16,7 @@ from draftsmith.engine.drafters import drafter_from_checkpoint
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
 from draftsmith.engine.policies import ConfidenceStop, FixedLength
 from draftsmith.engine.sampling import SamplingParams, TorchRandom
+from draftsmith.engine.trees import DynamicTree, StaticTree
 from draftsmith.recipe import RecipeError, parse_recipe
 from draftsmith.target import TargetMismatchError
 from draftsmith.train.cache import HiddenCache, build_cache
@@ -164,6 +165,48 @@ def test_greedy_kangaroo_equals_plain(tgt, make):
     assert res.tau > 1.05  # drafts were accepted, so accepted paths were committed
 
 
+STAR = StaticTree([(0,), (1,), (2,)])  # top-3 candidates of one draft: a 4-row verification
+BRANCHY = StaticTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+
+
+@pytest.mark.parametrize("tree", [STAR, BRANCHY, DynamicTree(budget=6, max_depth=3, width=2, expand_batch=2)],
+                         ids=["star", "branchy", "dynamic"])
+@pytest.mark.parametrize("make", [lambda t: kangaroo(t, mlp=True), lambda t: kangaroo(t, full_verify=True),
+                                  lambda t: early_exit_drafter(t, 1)], ids=["kangaroo", "full-verify", "early-exit"])
+def test_greedy_kangaroo_trees_equal_plain(tgt, make, tree):
+    plain = SpeculativeDecoder(tgt).generate(PROMPT, 40).tokens
+    res = SpeculativeDecoder(tgt, make(tgt), tree=tree).generate(PROMPT, 40)
+    assert res.tokens == plain
+    assert res.tau > 1.05
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(0.0), SamplingParams(0.9)], ids=["greedy", "T0.9"])
+def test_tree_step_leaves_both_caches_equal_to_a_fresh_forward(tgt, sampling):
+    """After every tree step (accepted paths compacted), the target's cache and the adapter's keys hold
+    exactly the committed prefix's entries."""
+    dr = kangaroo(tgt, mlp=True)
+    dec = SpeculativeDecoder(tgt, dr, tree=BRANCHY, sampling=sampling)
+    paths, commit = [], dr.commit
+    dr.commit = lambda d, st, tree, path: (paths.append(list(path)), commit(d, st, tree, path))[1]
+    state, rng = dec.start(PROMPT, 30), TorchRandom(0)
+    while not state.done:
+        dec.step(state, rng)
+        n = state.cached
+        with torch.no_grad():
+            out = tgt.model(torch.tensor([state.tokens[:n]]), use_cache=True, output_hidden_states=True)
+        for i, layer in enumerate(dec.cache.layers):
+            torch.testing.assert_close(layer.keys[:, :, :n], out.past_key_values.layers[i].keys, atol=1e-4, rtol=1e-4)
+        ds = state.drafter_state
+        torch.testing.assert_close(ds.shallow[:ds.s_valid], out.hidden_states[dr.exit_layer][0, :ds.s_valid],
+                                   atol=5e-4, rtol=1e-4)  # states are O(1-10): fp32 summation order
+        if ds.a_valid:
+            with torch.no_grad():
+                k = dr.heads.k(dr.heads.norm1(out.hidden_states[dr.exit_layer][0, :ds.a_valid]))
+            k = dr.heads._rope(k.view(ds.a_valid, dr.heads.nkv, dr.heads.hd).transpose(0, 1), torch.arange(ds.a_valid))
+            torch.testing.assert_close(ds.kv[0][:, :ds.a_valid], k, atol=1e-4, rtol=1e-4)
+    assert any(p != list(range(len(p))) for p in paths)  # an accepted path off the first ranks: compacted
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_fused_prompt_gets_the_decoders_mask_for_the_attention_kernel(attn):
     """The first step's layers over the fused prompt get the decoder's own mask: none under sdpa (its causal
@@ -218,6 +261,33 @@ def test_kangaroo_is_exact(enum_tgt, enum_refs, make, sampling):
     assert total_variation(got, enum_refs[sampling]) < 1e-9
 
 
+@pytest.mark.parametrize("make, tree, sampling", [
+    (lambda t: kangaroo(t, exit_layer=1, std=0.5, mlp=True), StaticTree([(0,), (1,), (0, 0), (1, 0)]), TEMP),
+    (lambda t: kangaroo(t, exit_layer=2, std=0.5), StaticTree([(0,), (1,), (2,)]), TOPKP),
+    (lambda t: kangaroo(t, exit_layer=1, std=0.5), DynamicTree(budget=4, max_depth=2, width=2, expand_batch=2), TEMP),
+    (lambda t: early_exit_drafter(t, 1), StaticTree([(0,), (1,), (0, 0)]), TOPKP),
+], ids=["static-mlp-T0.8", "star-topk-topp", "dynamic-T0.8", "early-exit-topk-topp"])
+def test_kangaroo_trees_are_exact(enum_tgt, enum_refs, make, tree, sampling):
+    dec = SpeculativeDecoder(enum_tgt, make(enum_tgt), tree=tree, sampling=sampling)
+    got = exact_distribution(dec, ENUM_PROMPT, N_NEW)
+    assert abs(sum(got.values()) - 1.0) < 1e-12
+    assert total_variation(got, enum_refs[sampling]) < 1e-9
+
+
+def test_tree_verification_from_misplaced_states_is_detected(enum_tgt, enum_refs):
+    """Teeth for the tree path: tree nodes fed at chain positions (depth ignored) are caught by enumeration."""
+    class ChainPositions(KangarooDrafter):
+        @staticmethod
+        def _tree_rows(tree, s, e, L, device):
+            rows = KangarooDrafter._tree_rows(tree, s, e, L, device)
+            return None if rows is None else (torch.arange(L + s, L + e, device=device), rows[1])
+
+    a = random_adapter(enum_tgt, exit_layer=1, std=0.5)
+    dec = SpeculativeDecoder(enum_tgt, ChainPositions(enum_tgt, 1, a), tree=StaticTree([(0,), (1,), (1, 0)]),
+                             sampling=TEMP)
+    assert total_variation(exact_distribution(dec, ENUM_PROMPT, N_NEW), enum_refs[TEMP]) > 1e-3
+
+
 def test_monte_carlo_chi_square_passes_with_kangaroo(tgt):
     """The Monte Carlo harness (prefilled prompt, cloned states: the drafter recomputes the shallow prefix)."""
     from draftsmith.eval.mc_lossless import mc_lossless
@@ -259,8 +329,8 @@ def test_bad_input_is_a_clear_error(tgt, tmp_path):
         build_drafter(r, tgt)
     with pytest.raises(ValueError, match=r"threshold must be in \(0, 1\)"):
         kangaroo(tgt, threshold=1.0)
-    with pytest.raises(ValueError, match="chains only"):
-        SpeculativeDecoder(tgt, kangaroo(tgt), tree=[(0,), (1,)])
+    with pytest.raises(ValueError, match="path"):  # a tree is checked like any other drafter's
+        SpeculativeDecoder(tgt, kangaroo(tgt), tree=[(0,), (2,)])
     # a checkpoint of another target
     save_checkpoint(tmp_path / "ck", random_adapter(tgt), tgt)
     other = tiny(vocab=12, seed=3, std=0.5, layers=4)
@@ -322,7 +392,7 @@ def test_exact_resume(tmp_path):
 
 def test_eval_cli_runs_kangaroo_side_by_side(tmp_path):
     """`draftsmith eval` on a kangaroo checkpoint: double early exit, fixed lengths, full-depth verification,
-    the early-exit peers (ours and HF's); a tree is a clear error."""
+    the early-exit peers (ours and HF's); a tree spec drafts a tree."""
     from draftsmith.cli import main
     from draftsmith.eval.cli import eval_main
 
@@ -338,10 +408,9 @@ def test_eval_cli_runs_kangaroo_side_by_side(tmp_path):
                             "HF early-exit-1 K=2"}
     assert methods["HF generate"]["tau"] == 1.0
     args = ["eval", str(tmp_path / "ck"), "--prompts", "1", "--max-new-tokens", "3", "--tree", "[[0],[1]]"]
-    assert main(args + ["--out", str(tmp_path / "r2")]) == 2  # a tree alone is a clear error
-    assert main(args + ["--tree", "chain", "--out", str(tmp_path / "r3")]) == 0  # with chain: the tree is skipped
+    assert main(args + ["--tree", "chain", "--out", str(tmp_path / "r3")]) == 0  # trees draft too
     assert set(json.loads((tmp_path / "r3" / "report.json").read_text())["runs"]["greedy"]["methods"]) == {
-        "plain (ours)", "ours kangaroo chain"}
+        "plain (ours)", "ours kangaroo chain", "ours kangaroo [[0],[1]]"}
 
 
 def test_heldout_metrics_of_the_known_answer(tmp_path):
