@@ -21,6 +21,18 @@ from draftsmith.engine.policies import ConfidenceStop, FixedLength
 from draftsmith.engine.tree_build import TREES, parse_tree  # noqa: F401  (parse_tree re-exported)
 
 
+def _specs_for(specs: list[str], name: str) -> list[str]:
+    """The --tree specs for the checkpoint of recipe ``name``: the plain ones and its own NAME=SPEC ones."""
+    out = []
+    for t in specs:
+        head, sep, rest = t.partition("=")
+        if not sep or head.strip().startswith(("[", "{")) or "/" in head:  # a plain spec (JSON, file path)
+            out.append(t)
+        elif head.strip() == name:
+            out.append(rest)
+    return out or ["chain"]
+
+
 def self_drafter_methods(target, drafter, sampling, a) -> list:
     """Kangaroo variants of a checkpoint's drafter (fixed lengths, full-depth verification), or with
     ``drafter=None`` the early-exit peers (ours and Hugging Face's), as requested by the options."""
@@ -94,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--tree", action="append", default=None,
-                    help="tree for the checkpoint's drafter: chain | dynamic[:B,D,W] | JSON paths | JSON file; "
-                         "repeatable (default: chain)")
+                    help="tree for the checkpoint's drafter: chain | built:B | dynamic[:B,D,W] | JSON paths | JSON "
+                         "file; repeatable (default: chain); NAME=SPEC applies to the checkpoint of that recipe name "
+                         "only (several checkpoints side by side)")
     ap.add_argument("--confidence", type=float, default=None,
                     help="Kangaroo checkpoints: threshold of the second early exit (default: the checkpoint's)")
     ap.add_argument("--fixed-len", type=int, nargs="+", default=[],
@@ -142,7 +155,7 @@ def eval_main(argv: list[str] | None = None) -> dict:
         if a.confidence is not None and isinstance(d, KangarooDrafter):  # another second-early-exit threshold
             check_threshold(a.confidence)
             d.default_policy = ConfidenceStop(a.confidence, d.default_policy.max_len)
-        specs = a.tree or ["chain"]
+        specs = _specs_for(a.tree or ["chain"], d.name)
         if not getattr(d, "supports_trees", True):  # chain-only drafters: the other specs are for other checkpoints
             if "chain" not in specs and len(a.checkpoint) == 1:
                 raise ValueError(f"{c} holds a {d.name!r} drafter, which drafts chains only: add --tree chain")
