@@ -33,11 +33,12 @@ def _specs_for(specs: list[str], name: str) -> list[str]:
     return out or ["chain"]
 
 
-def self_drafter_methods(target, drafter, sampling, a) -> list:
-    """Kangaroo variants of a checkpoint's drafter (fixed lengths, full-depth verification), or with
-    ``drafter=None`` the early-exit peers (ours and Hugging Face's), as requested by the options."""
-    def dec(d, policy=None):
-        return SpeculativeDecoder(target, d, policy=policy, sampling=sampling)
+def self_drafter_methods(target, drafter, sampling, a, trees=()) -> list:
+    """Kangaroo variants of a checkpoint's drafter (fixed lengths, full-depth verification of its chain and of
+    each of its ``trees`` [(spec, tree)]), or with ``drafter=None`` the early-exit peers (ours and Hugging
+    Face's), as requested by the options."""
+    def dec(d, policy=None, tree=None):
+        return SpeculativeDecoder(target, d, policy=policy, sampling=sampling, tree=tree)
 
     if drafter is None:
         out = []
@@ -52,6 +53,8 @@ def self_drafter_methods(target, drafter, sampling, a) -> list:
     out = [ours(f"ours {drafter.name} K={k}", dec(drafter, FixedLength(k))) for k in a.fixed_len]
     if a.full_verify:
         out.append(ours(f"ours {drafter.name} full-verify", dec(drafter.variant(full_verify=True))))
+        out += [ours(f"ours {drafter.name} {spec} full-verify", dec(drafter.variant(full_verify=True), tree=tree))
+                for spec, tree in trees if tree is not None]
     return out
 
 
@@ -201,7 +204,7 @@ def eval_main(argv: list[str] | None = None) -> dict:
                                   hf=a.plain, hf_assisted_too=a.hf_assisted, cpu_layout=a.cpu_layout)
         for d, trees in drafters:
             methods += default_methods(target, sampling, drafter_layers=None, hf=False, heads=d, trees=trees)[1:]
-            methods += self_drafter_methods(target, d, sampling, a)
+            methods += self_drafter_methods(target, d, sampling, a, trees)
         methods += self_drafter_methods(target, None, sampling, a)
         print(f"== {label}: {', '.join(m.name for m in methods)}", flush=True)
         runs[label] = run_bench(methods, prompts, a.max_new_tokens, seed=a.seed)

@@ -128,12 +128,16 @@ def main(argv: list[str] | None = None) -> dict:
     from draftsmith.engine.drafters import drafter_from_checkpoint, first_layers_drafter
     from draftsmith.eval.mtbench import mtbench_prompts
     from draftsmith.engine.trees import DynamicTree
+    from draftsmith.engine.tree_build import parse_tree
     from draftsmith.target import default_device, load_target
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--checkpoint", default=None, help="a trained head drafter to test with a static and a dynamic tree")
     ap.add_argument("--drafter-layers", type=int, default=8)
+    ap.add_argument("--tree", action="append", default=None,
+                    help="with --checkpoint: also its drafter with this tree (chain-free spec as for `eval --tree`; "
+                         "method name 'heads-tree SPEC'); repeatable")
     ap.add_argument("--prompts", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--methods", nargs="+", default=None,
@@ -168,7 +172,9 @@ def main(argv: list[str] | None = None) -> dict:
     if a.checkpoint:
         heads = drafter_from_checkpoint(a.checkpoint, target)
         methods["heads-chain"] = SpeculativeDecoder(target, heads)
-        if getattr(heads, "supports_trees", True):  # chain-only kinds (Kangaroo) are checked on their chain
+        for spec in a.tree or []:  # the checkpoint's drafter with a tree of your choice
+            methods[f"heads-tree {spec}"] = SpeculativeDecoder(target, heads, tree=parse_tree(spec, a.checkpoint))
+        if getattr(heads, "supports_trees", True):  # chain-only kinds are checked on their chain
             methods["heads-static-tree"] = SpeculativeDecoder(
                 target, heads, tree=[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)])
             methods["heads-dynamic-tree"] = SpeculativeDecoder(target, heads,

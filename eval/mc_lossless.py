@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     from draftsmith.engine.drafters import drafter_from_checkpoint, HeadDrafter, first_layers_drafter
     from draftsmith.engine.policies import FixedLength
     from draftsmith.engine.trees import DynamicTree
+    from draftsmith.engine.tree_build import parse_tree
     from draftsmith.heads.medusa import MedusaHeads
     from draftsmith.target import load_target
 
@@ -151,7 +152,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint", action="append", default=[],
                     help="also test a trained drafter checkpoint (its chain; repeatable), e.g. Kangaroo or pruned heads")
+    ap.add_argument("--tree", action="append", default=[],
+                    help="also test each checkpoint's drafter with this tree (as for `eval --tree`); repeatable")
     ap.add_argument("--only-checkpoints", action="store_true", help="skip the built-in random drafters")
+    ap.add_argument("--trees-only", action="store_true", help="test the checkpoints with their --tree specs only")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     target = load_target(a.target)
@@ -174,9 +178,14 @@ def main(argv: list[str] | None = None) -> dict:
         methods = {}
     for ck in a.checkpoint:
         d = drafter_from_checkpoint(ck, target)
-        methods[f"checkpoint:{ck}"] = SpeculativeDecoder(target, d, sampling=sampling)
-        if getattr(d, "default_policy", None) is not None:  # a confidence stop (Kangaroo) may rarely draft at T > 0:
+        if not a.trees_only:
+            methods[f"checkpoint:{ck}"] = SpeculativeDecoder(target, d, sampling=sampling)
+        if getattr(d, "default_policy", None) is not None and not a.trees_only:  # a confidence stop (Kangaroo)
+            # may rarely draft at T > 0: also a fixed length
             methods[f"checkpoint:{ck} K=3"] = SpeculativeDecoder(target, d, policy=FixedLength(3), sampling=sampling)
+        for spec in a.tree:
+            methods[f"checkpoint:{ck} {spec}"] = SpeculativeDecoder(target, d, tree=parse_tree(spec, ck),
+                                                                    sampling=sampling)
     report = {"prompt": a.prompt, "new_tokens": a.new_tokens, "sampling": vars(sampling), "methods": {}}
     for name, dec in methods.items():
         r = mc_lossless(dec, prompt, a.new_tokens, a.samples, a.seed)

@@ -408,9 +408,10 @@ def test_eval_cli_runs_kangaroo_side_by_side(tmp_path):
                             "HF early-exit-1 K=2"}
     assert methods["HF generate"]["tau"] == 1.0
     args = ["eval", str(tmp_path / "ck"), "--prompts", "1", "--max-new-tokens", "3", "--tree", "[[0],[1]]"]
-    assert main(args + ["--tree", "chain", "--out", str(tmp_path / "r3")]) == 0  # trees draft too
+    assert main(args + ["--tree", "chain", "--full-verify", "--out", str(tmp_path / "r3")]) == 0  # trees draft too
     assert set(json.loads((tmp_path / "r3" / "report.json").read_text())["runs"]["greedy"]["methods"]) == {
-        "plain (ours)", "ours kangaroo chain", "ours kangaroo [[0],[1]]"}
+        "plain (ours)", "ours kangaroo chain", "ours kangaroo [[0],[1]]", "ours kangaroo full-verify",
+        "ours kangaroo [[0],[1]] full-verify"}
 
 
 def test_heldout_metrics_of_the_known_answer(tmp_path):
@@ -445,3 +446,30 @@ def test_real_target_skip_and_full_verification_equal_plain(real_target):
         assert all(r.tokens == plain.tokens for r in ours)
         drafted += sum(s.drafted for s in ours[0].steps)
     assert drafted > 0
+
+
+def test_greedy_equality_script_checks_a_kangaroo_tree(tmp_path):
+    """`python -m draftsmith.eval.greedy_equality --checkpoint C --tree SPEC` decodes with that tree."""
+    from draftsmith.eval.greedy_equality import main
+
+    t = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, layers=3, save_to=tmp_path / "target")
+    save_checkpoint(tmp_path / "ck", random_adapter(t, exit_layer=1), t)
+    rep = main(["--target", str(tmp_path / "target"), "--checkpoint", str(tmp_path / "ck"), "--tree", "[[0],[1],[2]]",
+                "--methods", "heads-tree [[0],[1],[2]]", "--prompts", "2", "--max-new-tokens", "8",
+                "--drafter-layers", "1"])
+    m = rep["methods"]["heads-tree [[0],[1],[2]]"]
+    assert rep["prompts"] == 2 and m["equal"] == 2 and m["unexplained"] == 0, m
+
+
+def test_skip_vs_full_verification_bench_runs_both_on_the_same_drafts(tmp_path):
+    from draftsmith.eval.kangaroo_verify_bench import main
+
+    t = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, layers=3, save_to=tmp_path / "target")
+    save_checkpoint(tmp_path / "ck", random_adapter(t, exit_layer=1), t)
+    rep = main([str(tmp_path / "ck"), "--target", str(tmp_path / "target"), "--tree", "chain", "--tree",
+                "[[0],[1],[2]]", "--prompts", "2", "--max-new-tokens", "8"])
+    for spec in ("chain", "[[0],[1],[2]]"):
+        r = rep["trees"][spec]
+        assert r["greedy_equal_plain"] == "2/2" and r["steps"] > 0
+        assert r["skip_ms_median"] > 0 and r["full_ms_median"] > 0
+    assert 4 in rep["trees"]["[[0],[1],[2]]"]["by_rows"]  # root + three candidates (fewer only at the very end)
