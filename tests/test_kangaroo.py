@@ -429,7 +429,7 @@ def test_heldout_metrics_of_the_known_answer(tmp_path):
 def test_real_target_skip_and_full_verification_equal_plain(real_target):
     """On the default target with kangaroo-large's adapter shape (l=1, MLP, 8192 kept ids, random outputs):
     verification from the layer-1 states (fused prompt without a mask under sdpa) and the full-depth forward
-    give plain decoding's greedy tokens."""
+    give plain decoding's greedy tokens, for the chain and for a star and a branchy tree (paths compacted)."""
     from draftsmith.eval.mtbench import mtbench_prompts
 
     t = real_target
@@ -439,13 +439,15 @@ def test_real_target_skip_and_full_verification_equal_plain(real_target):
         a.o.weight.normal_(0, 0.002)
         a.down.weight.normal_(0, 0.002)
     skip = a.to(next(t.model.parameters()).dtype).eval().decoder_drafter(t, t.fingerprint)
-    decs = [SpeculativeDecoder(t), SpeculativeDecoder(t, skip), SpeculativeDecoder(t, skip.variant(full_verify=True))]
-    drafted = 0
+    decs = [SpeculativeDecoder(t), SpeculativeDecoder(t, skip), SpeculativeDecoder(t, skip.variant(full_verify=True)),
+            SpeculativeDecoder(t, skip, tree=STAR), SpeculativeDecoder(t, skip, tree=BRANCHY)]
+    drafted, accepted = 0, 0
     for p in mtbench_prompts(t.tokenizer, 2, spread=True):
         plain, *ours = [d.generate(p.ids, 24, seed=0) for d in decs]
         assert all(r.tokens == plain.tokens for r in ours)
         drafted += sum(s.drafted for s in ours[0].steps)
-    assert drafted > 0
+        accepted += sum(s.accepted for r in ours[2:] for s in r.steps)
+    assert drafted > 0 and accepted > 0
 
 
 def test_greedy_equality_script_checks_a_kangaroo_tree(tmp_path):
