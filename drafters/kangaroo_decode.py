@@ -161,9 +161,10 @@ class KangarooDrafter:
         allowed = tree.ancestor_mask(device)[s:e, :e]
         return L + torch.tensor(tree.depth[s:e], device=device), allowed
 
-    def _shallow_nodes(self, dec, ds: _KangarooState, tree: DraftTree, s: int, e: int, L: int) -> None:
-        """Layers 1..l on tree nodes [s, e) (s >= 1), whose ancestors went through them already."""
-        rows = self._tree_rows(tree, s, e, L, dec.device)
+    def _shallow_nodes(self, dec, ds: _KangarooState, tree: DraftTree, s: int, e: int, L: int,
+                       rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Layers 1..l on tree nodes [s, e) (s >= 1), whose ancestors went through them already;
+        ``rows`` = `_tree_rows` of those nodes."""
         x = dec.model.get_input_embeddings()(tree.tok[s:e])
         if rows is None:
             h = self._layers(dec, x, 0, self.exit_layer, L + s)
@@ -212,8 +213,8 @@ class KangarooDrafter:
                                    f"[{start}, {end})")
             if any(tree.parent[i] >= start for i in range(start, end)):
                 raise ValueError(f"kangaroo: nodes [{start}, {end}) include a child of another node of the range")
-            self._shallow_nodes(dec, ds, tree, start, end, L)
             tree_rows = self._tree_rows(tree, start, end, L, dec.device)
+            self._shallow_nodes(dec, ds, tree, start, end, L, tree_rows)
             a0 = L + start
         ds.fed = end
         p = L + end - 1  # the slot of the last node whose children are drafted
@@ -249,18 +250,13 @@ class KangarooDrafter:
                                               tree.tok[:1]]), s0)
             ds.fed = 1
         if ds.fed < m:  # the leaves: drafting never needed their own states
-            self._shallow_nodes(dec, ds, tree, ds.fed, m, L)
+            self._shallow_nodes(dec, ds, tree, ds.fed, m, L, self._tree_rows(tree, ds.fed, m, L, dec.device))
         ds.fed = m
         x = ds.shallow[c:L + m]
         if tree.is_chain():
             h = self._layers(dec, x, self.exit_layer, self.num_layers, c)
-        else:  # the decoder's tree block: causal over the uncached prefix, which every node sees
-            pre = L - c
-            pos = torch.cat([torch.arange(c, L, device=dec.device), L + torch.tensor(tree.depth, device=dec.device)])
-            block = torch.zeros(pre + m, pre + m, dtype=torch.bool, device=dec.device)
-            block[:pre, :pre] = torch.ones(pre, pre, dtype=torch.bool, device=dec.device).tril()
-            block[pre:, :pre] = True
-            block[pre:, pre:] = tree.ancestor_mask(dec.device)
+        else:  # the decoder's tree rows: causal over the uncached prefix, which every node sees
+            pos, block = tree.verify_rows(c, L, dec.device)
             h = self._layers(dec, x, self.exit_layer, self.num_layers, c, pos=pos, block=(c, block))
         h = dec.body.norm(h)[L - c:]
         return engine.project(dec.lm_head, h), h

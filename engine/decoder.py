@@ -262,11 +262,7 @@ class SpeculativeDecoder:
             mask = None if c == 0 or pre + m == 1 else prefix_block_mask(
                 c, torch.ones(pre + m, pre + m, dtype=torch.bool, device=self.device).tril(), self.dtype)
         else:
-            pos = torch.cat([torch.arange(c, L, device=self.device), L + torch.tensor(tree.depth, device=self.device)])
-            block = torch.zeros(pre + m, pre + m, dtype=torch.bool, device=self.device)
-            block[:pre, :pre] = torch.ones(pre, pre, dtype=torch.bool, device=self.device).tril()
-            block[pre:, :pre] = True
-            block[pre:, pre:] = tree.ancestor_mask(self.device)
+            pos, block = tree.verify_rows(c, L, self.device)
             mask = prefix_block_mask(c, block, self.dtype)
         self.cache.set_write(c)
         h = self.body(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,

@@ -181,6 +181,19 @@ class DraftTree:
                 allowed[i] |= allowed[p]
         return allowed.to(device, non_blocking=True)
 
+    def verify_rows(self, cached: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [pre + n + 1] and block [pre + n + 1, pre + n + 1] (bool) of a tree verification over the
+        ``pre = length - cached`` uncached committed tokens (causal) followed by the root and the drafts
+        (each sees every uncached committed token, its ancestors and itself)."""
+        pre, m = length - cached, self.n + 1
+        pos = torch.cat([torch.arange(cached, length, device=device),
+                         length + torch.tensor(self.depth, device=device)])
+        block = torch.zeros(pre + m, pre + m, dtype=torch.bool, device=device)
+        block[:pre, :pre] = torch.ones(pre, pre, dtype=torch.bool, device=device).tril()
+        block[pre:, :pre] = True
+        block[pre:, pre:] = self.ancestor_mask(device)
+        return pos, block
+
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parent) if i > 0)
 

@@ -21,7 +21,7 @@ from draftsmith.engine.policies import ConfidenceStop, FixedLength
 from draftsmith.engine.tree_build import TREES, parse_tree  # noqa: F401  (parse_tree re-exported)
 
 
-def _specs_for(specs: list[str], name: str) -> list[str]:
+def tree_specs_for(specs: list[str], name: str) -> list[str]:
     """The --tree specs for the checkpoint of recipe ``name``: the plain ones and its own NAME=SPEC ones."""
     out = []
     for t in specs:
@@ -158,7 +158,7 @@ def eval_main(argv: list[str] | None = None) -> dict:
         if a.confidence is not None and isinstance(d, KangarooDrafter):  # another second-early-exit threshold
             check_threshold(a.confidence)
             d.default_policy = ConfidenceStop(a.confidence, d.default_policy.max_len)
-        specs = _specs_for(a.tree or ["chain"], d.name)
+        specs = tree_specs_for(a.tree or ["chain"], d.name)
         if not getattr(d, "supports_trees", True):  # chain-only drafters: the other specs are for other checkpoints
             if "chain" not in specs and len(a.checkpoint) == 1:
                 raise ValueError(f"{c} holds a {d.name!r} drafter, which drafts chains only: add --tree chain")

@@ -107,9 +107,9 @@ def test_eval_on_a_users_prompts_file(tmp_path, capsys):
 
 def test_tree_specs_per_checkpoint():
     """--tree NAME=SPEC goes to the checkpoint of that recipe name only; plain specs go to every checkpoint."""
-    from draftsmith.eval.cli import _specs_for
+    from draftsmith.eval.cli import tree_specs_for
 
     specs = ["chain", "kg=[[0],[1]]", "hydra=built:best", "[[0],[1],[2]]", "runs/a=b/tree.json"]
-    assert _specs_for(specs, "kg") == ["chain", "[[0],[1]]", "[[0],[1],[2]]", "runs/a=b/tree.json"]
-    assert _specs_for(specs, "hydra") == ["chain", "built:best", "[[0],[1],[2]]", "runs/a=b/tree.json"]
-    assert _specs_for(["kg=[[0]]"], "other") == ["chain"]  # nothing for it: the default
+    assert tree_specs_for(specs, "kg") == ["chain", "[[0],[1]]", "[[0],[1],[2]]", "runs/a=b/tree.json"]
+    assert tree_specs_for(specs, "hydra") == ["chain", "built:best", "[[0],[1],[2]]", "runs/a=b/tree.json"]
+    assert tree_specs_for(["kg=[[0]]"], "other") == ["chain"]  # nothing for it: the default
