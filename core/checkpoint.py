@@ -218,3 +218,11 @@ def load_checkpoint(path: str | Path, target: Target, device: str | torch.device
         raise CheckpointError(f"{path / WEIGHTS} does not match kind {kind!r}: "
                               f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     return module.to(device).eval(), manifest
+
+
+def drafter_from_checkpoint(path: str | Path, target: Target):
+    """Load a trained drafter checkpoint (fingerprint-checked) as a decoder drafter: the kind's own adapter."""
+    p = next(target.model.parameters())
+    module, manifest = load_checkpoint(path, target, device=p.device)
+    kind = manifest.get("kind", "drafter")
+    return module.to(dtype=p.dtype).decoder_drafter(target, manifest["target"]["fingerprint"], kind)

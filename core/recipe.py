@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator
+
+from draftsmith import registry
+from draftsmith.schema import StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class SourceConfig(_Strict):
+class SourceConfig(StrictModel):
     type: Literal["sharegpt", "jsonl", "hf_dataset", "magpie"] = Field(
         description="sharegpt/jsonl/hf_dataset read prompts from `path`; magpie has the target write `count` prompts")
     path: Optional[str] = Field(None, description="file or directory; 'builtin:sharegpt-dummy' = fastchat's dummy_conversation.json")
@@ -31,7 +30,7 @@ class SourceConfig(_Strict):
         "reasoning, maths, code, extraction, explanation); '' in a list = unsteered")
 
 
-class ServerConfig(_Strict):
+class ServerConfig(StrictModel):
     url: str = Field(description="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (vLLM, "
                      "SGLang, draftsmith serve)")
     model: str = Field(description="the model name the server serves the target under")
@@ -43,7 +42,7 @@ class ServerConfig(_Strict):
     timeout_s: float = Field(600.0, gt=0)
 
 
-class DataConfig(_Strict):
+class DataConfig(StrictModel):
     sources: list[SourceConfig] = Field(default_factory=list)
     max_new_tokens: int = Field(256, ge=1, description="response budget per regenerated assistant turn")
     max_turns: int = Field(1, ge=1, description="user turns kept per conversation")
@@ -70,7 +69,7 @@ class DataConfig(_Strict):
                               "text differs from the generated tokens get the cache stage's forward, counted")
 
 
-class CacheConfig(_Strict):
+class CacheConfig(StrictModel):
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     batch_tokens: int = Field(8192, ge=64, description="padded tokens per target forward")
     shard_tokens: int = Field(200_000, ge=1000)
@@ -87,103 +86,10 @@ class CacheConfig(_Strict):
         return v
 
 
-class MedusaConfig(_Strict):
-    kind: Literal["medusa"]
-    num_heads: int = Field(4, ge=1, le=16)
-    num_layers: int = Field(1, ge=0, le=8, description="ResBlocks per head")
-    share_lm_head: bool = Field(True, description="project through the target's frozen LM head (else a trainable copy)")
-    vocab_keep: Optional[Union[int, float]] = Field(
-        None, gt=0, description="draft over the N most frequent assistant-token ids of the training data (an int "
-        "N, or a float ratio of the vocabulary); training and drafting get N/V times cheaper (lossless)")
+DrafterConfig = Annotated[Union[tuple(registry.config_models())], Field(discriminator="kind")]
 
 
-class HydraConfig(_Strict):
-    kind: Literal["hydra"]
-    num_heads: int = Field(4, ge=1, le=16)
-    num_layers: int = Field(1, ge=1, le=8, description="layers per head (input layer included); Hydra++: 4")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Hydra++: 0.2")
-    prefix_layer: bool = Field(False, description="Hydra++: one decoder layer over the base hidden states")
-    vocab_keep: Optional[Union[int, float]] = Field(
-        None, gt=0, description="draft over the N most frequent assistant-token ids of the training data (an int "
-        "N, or a float ratio of the vocabulary); training and drafting get N/V times cheaper (lossless)")
-
-
-class KangarooConfig(_Strict):
-    kind: Literal["kangaroo"]
-    exit_layer: int = Field(2, ge=1, description="l: the adapter reads the output of the target's decoder layer l "
-                            "(1 <= l < L; checked against the target's L when the drafter is built)")
-    adapter_mlp: bool = Field(False, description="add a SwiGLU MLP to the adapter (the public adapter has none)")
-    threshold: float = Field(0.6, gt=0, lt=1, description="second early exit: stop drafting when the next "
-                             "draft's top-1 probability is below this (Kangaroo's README: 0.6)")
-    max_draft_len: int = Field(6, ge=1, le=32, description="gamma: at most this many drafts per step")
-    vocab_keep: Optional[Union[int, float]] = Field(
-        None, gt=0, description="draft over the N most frequent assistant-token ids of the training data (an int "
-        "N, or a float ratio of the vocabulary), trained against the target renormalised over them (lossless)")
-
-
-class LoraSettings(_Strict):
-    rank: int = Field(8, ge=1, description="LoRA rank r")
-    alpha: float = Field(16.0, gt=0, description="LoRA scale alpha (the update is alpha / r * B A)")
-    dropout: float = Field(0.0, ge=0, lt=1)
-    targets: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"], description="module names given adapters")
-
-
-class StandaloneConfig(_Strict):
-    kind: Literal["standalone"]
-    init: str = Field("target", description="target: the target's first num_layers layers, embeddings and head; "
-                      "scratch: a fresh Llama of the sizes below; or a local HF model directory with the target's "
-                      "tokenizer (checked)")
-    num_layers: int = Field(2, ge=1, description="decoder layers (init: target or scratch)")
-    hidden_size: Optional[int] = Field(None, ge=8, description="init: scratch only (default: the target's)")
-    num_heads: Optional[int] = Field(None, ge=1, description="init: scratch only (default: the target's)")
-    num_kv_heads: Optional[int] = Field(None, ge=1, description="init: scratch only (default: the target's)")
-    intermediate_size: Optional[int] = Field(None, ge=8, description="init: scratch only (default: the target's)")
-    divergence: Literal["fkl", "rkl", "tvd", "jsd"] = Field(
-        "fkl", description="fkl: KL(p||q); rkl: KL(q||p); tvd: total variation; jsd: DistillSpec's JSD[beta]")
-    jsd_beta: float = Field(0.5, gt=0, lt=1, description="jsd: beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q")
-    train_embeddings: Optional[bool] = Field(None, description="also train the embeddings and output head "
-                                             "(default: only for init: scratch)")
-    lora: Optional[LoraSettings] = Field(None, description="train peft LoRA adapters instead of the layers' weights "
-                                         "(merged into the checkpoint)")
-    vocab_keep: Optional[Union[int, float]] = Field(
-        None, gt=0, description="draft over the N most frequent assistant-token ids of the training data (an int "
-        "N, or a float ratio of the vocabulary), trained against the target renormalised over them (lossless)")
-    rdk: bool = Field(False, description="with vocab_keep: build the sparse RDK affinity map (docs/rdk.md) and "
-                      "draft from q_RDK = M^T q' (lossless)")
-    rdk_positions: int = Field(20000, ge=1, description="training positions the RDK map is estimated from")
-    rdk_topk: int = Field(16, ge=1, description="RDK: pairs among the top-k kept and top-k pruned ids per position")
-    draft_len: int = Field(4, ge=1, le=32, description="default chain length when decoding")
-
-
-class OwnTokenizerConfig(_Strict):
-    kind: Literal["own-tokenizer"]
-    tokenizer_vocab_size: int = Field(8192, ge=300, description="byte-level BPE trained on the self-distilled text "
-                                      "(the target's special tokens included)")
-    tokenizer_min_frequency: int = Field(2, ge=1, description="BPE: a merge needs this many occurrences")
-    init: Literal["target", "scratch"] = Field(
-        "target", description="target: the target's first num_hidden_layers layers and its sizes, embedding rows "
-        "from the target's (shared strings) or the mean of its pieces; scratch: random, sizes below")
-    num_hidden_layers: int = Field(2, ge=1)
-    hidden_size: Optional[int] = Field(None, ge=8, description="scratch only (default: the target's)")
-    intermediate_size: Optional[int] = Field(None, ge=8, description="scratch only (default: the target's)")
-    num_attention_heads: Optional[int] = Field(None, ge=1, description="scratch only (default: the target's)")
-    num_key_value_heads: Optional[int] = Field(None, ge=1, description="scratch only (default: the target's)")
-
-    @model_validator(mode="after")
-    def _sizes(self):
-        set_ = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
-                if getattr(self, k) is not None]
-        if self.init == "target" and set_:
-            raise ValueError(f"{set_} come from the target with init: target; use init: scratch to choose them")
-        return self
-
-
-DrafterConfig = Annotated[Union[MedusaConfig, HydraConfig, KangarooConfig, OwnTokenizerConfig,
-                                StandaloneConfig],
-                          Field(discriminator="kind")]
-
-
-class TrainConfig(_Strict):
+class TrainConfig(StrictModel):
     epochs: float = Field(1.0, gt=0)
     max_steps: Optional[int] = Field(None, ge=1, description="overrides epochs")
     batch_size: int = Field(8, ge=1, description="chunks per micro-batch per process")
@@ -209,14 +115,14 @@ class TrainConfig(_Strict):
     tracker: Literal["wandb", "none"] = Field("wandb", description="wandb runs offline unless WANDB_MODE says otherwise")
 
 
-class EvalConfig(_Strict):
+class EvalConfig(StrictModel):
     prompts: int = Field(8, ge=1, le=80, description="MT-Bench first turns, spread over the categories")
     max_new_tokens: int = Field(64, ge=1)
     trees: list[str] = Field(["chain", "built:8"], description="chain | built:BUDGET | dynamic[:B,D,W] | JSON paths")
     hf_generate: bool = Field(True, description="also time Hugging Face generate (speedup baseline)")
 
 
-class OnlineConfig(_Strict):
+class OnlineConfig(StrictModel):
     """`draftsmith online`: continual distillation from served traffic (train/online.py, docs/online.md)."""
 
     every_records: int = Field(64, ge=1, description="update after this many new log records")
@@ -256,7 +162,7 @@ class OnlineConfig(_Strict):
     poll_seconds: float = Field(1.0, gt=0, description="how often the job looks for new log lines")
 
 
-class Recipe(_Strict):
+class Recipe(StrictModel):
     name: str
     target: str = "smollm2-135m-instruct"
     output_dir: str = "runs/${name}"
@@ -293,7 +199,7 @@ def _set_dotted(d: dict, dotted: str, value) -> None:
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"] if not (isinstance(x, str) and x in ("medusa", "hydra", "kangaroo", "own-tokenizer", "standalone")))
+        loc = ".".join(str(x) for x in e["loc"] if not (isinstance(x, str) and x in registry.config_names()))
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
         lines.append(f"recipe key {loc!r}: {msg}")
     return "invalid recipe:\n  " + "\n  ".join(lines)

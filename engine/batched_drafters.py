@@ -223,12 +223,18 @@ class ModelRows:
         self.cache.move_row(src, dst, src_state.drafter_state.valid)
 
 
-def batch_adapter(drafter) -> HeadRows | ModelRows:
-    """The batched adapter of a decoder drafter; a clear error for families not batched yet."""
-    if isinstance(drafter, HeadDrafter):
-        return HeadRows(drafter)
-    if isinstance(drafter, ModelDrafter):
-        return ModelRows(drafter)
+_ADAPTERS: dict[type, type] = {HeadDrafter: HeadRows, ModelDrafter: ModelRows}
+
+
+def batch_adapter(drafter):
+    """The batched adapter of a decoder drafter: its own ``batch_adapter()`` (a kind's drafter that
+    brings one), else the engine's adapter of its family; a clear error for drafters not batched yet."""
+    own = getattr(drafter, "batch_adapter", None)
+    if callable(own):
+        return own()
+    for cls in type(drafter).__mro__:
+        if cls in _ADAPTERS:
+            return _ADAPTERS[cls](drafter)
     raise ValueError(f"batched decoding supports head drafters (Medusa, Hydra, Hydra++) and standalone model "
                      f"drafters; {getattr(drafter, 'name', type(drafter).__name__)!r} "
                      f"({type(drafter).__name__}) is not batched yet: use SpeculativeDecoder (batch size 1)")

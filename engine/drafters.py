@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -90,6 +90,19 @@ class Drafter(Protocol):
 
 
 @dataclass
+@runtime_checkable
+class SelfDrafter(Protocol):
+    """A drafter that drafts from the target's own shallow layers (Kangaroo, early exit): it can verify at full
+    depth instead of reusing its shallow states, and stops its chain on a confidence threshold."""
+
+    name: str
+    default_policy: Any
+
+    def variant(self, *, policy: Any = None, full_verify: bool | None = None, name: str | None = None) -> Any: ...
+
+    def set_confidence(self, threshold: float) -> None: ...
+
+
 class _HeadState:
     logits: torch.Tensor | None = None  # [K, V] Medusa logits for this step
     base: torch.Tensor | None = None  # [1, d] Hydra's base state at length-1 (after the prefix layer)
@@ -300,20 +313,3 @@ def first_layers_drafter(target: Target, n_layers: int) -> ModelDrafter:
         small.tie_weights()
     small.generation_config = copy.deepcopy(target.model.generation_config)
     return ModelDrafter(small, target_fingerprint=target.fingerprint, name=f"first-{n_layers}-layers")
-
-
-def drafter_from_checkpoint(path, target: Target) -> "HeadDrafter | ModelDrafter":
-    """Load a trained drafter checkpoint (fingerprint-checked) as a decoder drafter."""
-    from draftsmith.checkpoint import load_checkpoint
-
-    p = next(target.model.parameters())
-    module, manifest = load_checkpoint(path, target, device=p.device)
-    fp = manifest["target"]["fingerprint"]
-    if callable(getattr(module, "decoder_drafter", None)):  # a kind that brings its decoding adapter (Kangaroo)
-        return module.to(dtype=p.dtype).decoder_drafter(target, fp, manifest.get("kind", "drafter"))
-    if hasattr(module, "head_states") or callable(getattr(module, "draft_states", None)):
-        return HeadDrafter(module.to(dtype=p.dtype), target_fingerprint=fp, name=manifest.get("kind", "heads"))
-    inner = getattr(module, "model", None)
-    if inner is not None and callable(getattr(inner, "get_decoder", None)):
-        return ModelDrafter(inner, target_fingerprint=fp, name=manifest.get("kind", "model"))
-    raise ValueError(f"checkpoint {path} holds a {manifest.get('kind')!r} drafter, which the decoder cannot use yet")

@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draftsmith.drafters.kangaroo_decode import KangarooDrafter, check_threshold, early_exit_drafter
+from draftsmith.drafters.kangaroo.decode import early_exit_drafter
 from draftsmith.eval.bench import Method, _hf_run, ours
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.policies import ConfidenceStop, FixedLength
+from draftsmith.engine.drafters import SelfDrafter
+from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.tree_build import TREES, parse_tree  # noqa: F401  (parse_tree re-exported)
 
 
@@ -48,7 +49,7 @@ def self_drafter_methods(target, drafter, sampling, a, trees=()) -> list:
         if a.hf_early_exit:
             out.append(_hf_early_exit(target, a.hf_early_exit, a.draft_len, sampling))
         return out
-    if not isinstance(drafter, KangarooDrafter):
+    if not isinstance(drafter, SelfDrafter):
         return []
     out = [ours(f"ours {drafter.name} K={k}", dec(drafter, FixedLength(k))) for k in a.fixed_len]
     if a.full_verify:
@@ -136,7 +137,7 @@ def eval_main(argv: list[str] | None = None) -> dict:
     """Entry point of ``draftsmith eval``; returns the report dict."""
     from draftsmith.checkpoint import command_line, environment, read_manifest
     from draftsmith.eval.bench import default_methods, run_bench, table
-    from draftsmith.engine.drafters import drafter_from_checkpoint
+    from draftsmith.checkpoint import drafter_from_checkpoint
     from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
     from draftsmith.eval.report import write_report
     from draftsmith.engine.sampling import SamplingParams
@@ -155,9 +156,8 @@ def eval_main(argv: list[str] | None = None) -> dict:
     for c in ckpts:
         d = drafter_from_checkpoint(c, target)
         d.name = (read_manifest(c).get("recipe") or {}).get("name") or d.name
-        if a.confidence is not None and isinstance(d, KangarooDrafter):  # another second-early-exit threshold
-            check_threshold(a.confidence)
-            d.default_policy = ConfidenceStop(a.confidence, d.default_policy.max_len)
+        if a.confidence is not None and isinstance(d, SelfDrafter):  # another second-early-exit threshold
+            d.set_confidence(a.confidence)
         specs = tree_specs_for(a.tree or ["chain"], d.name)
         if not getattr(d, "supports_trees", True):  # chain-only drafters: the other specs are for other checkpoints
             if "chain" not in specs and len(a.checkpoint) == 1:

@@ -125,7 +125,8 @@ def _summary(report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     from draftsmith.engine.decoder import SpeculativeDecoder
-    from draftsmith.engine.drafters import drafter_from_checkpoint, first_layers_drafter
+    from draftsmith.engine.drafters import first_layers_drafter
+    from draftsmith.checkpoint import drafter_from_checkpoint
     from draftsmith.eval.mtbench import mtbench_prompts
     from draftsmith.engine.trees import DynamicTree
     from draftsmith.engine.tree_build import parse_tree

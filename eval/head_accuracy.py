@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.vocab import draft_head
-from draftsmith.train.cache import HiddenCache
+from draftsmith.common.vocab import draft_head
+from draftsmith.common.hidden_cache import HiddenCache
 
 
 def predicted_chain_tau(top1: list[float]) -> float:
@@ -21,16 +21,6 @@ def predicted_chain_tau(top1: list[float]) -> float:
     return tau
 
 
-def objective_for(model, cache: HiddenCache, target=None):
-    """The training objective matching a head module (it knows how to feed it a window)."""
-    from draftsmith.heads.objective import HeadObjective, HydraObjective
-
-    if getattr(model, "kind", None) == "hydra":
-        return HydraObjective(cache, target, model.num_heads, chunk_len=1 << 30,
-                              prefix_layer=getattr(model, "prefix", None) is not None)
-    return HeadObjective(cache, target, model.num_heads, chunk_len=1 << 30)
-
-
 @torch.no_grad()
 def head_accuracy(model, cache: HiddenCache, num_heads: int, ks=(1, 5), batch_positions: int = 512,
                   ranks: int = 0, sequences=None) -> dict:
@@ -41,7 +31,7 @@ def head_accuracy(model, cache: HiddenCache, num_heads: int, ks=(1, 5), batch_po
     are teacher-forced: their figures are acceptance given the path so far.
     """
     model.eval()
-    obj = objective_for(model, cache)
+    obj = model.eval_objective(cache)  # the head kind knows how to feed itself a window
     dev = next(model.parameters()).device
     dh = draft_head(model)  # pruned vocabulary: ranks are draft ids; a pruned label is always a miss
     count = torch.zeros(num_heads)

@@ -134,11 +134,12 @@ def mc_lossless(dec, prompt: list[int], n_new: int, n_samples: int, seed: int = 
 
 def main(argv: list[str] | None = None) -> dict:
     from draftsmith.engine.decoder import SpeculativeDecoder
-    from draftsmith.engine.drafters import drafter_from_checkpoint, HeadDrafter, first_layers_drafter
+    from draftsmith.engine.drafters import HeadDrafter, first_layers_drafter
+    from draftsmith.checkpoint import drafter_from_checkpoint
     from draftsmith.engine.policies import FixedLength
     from draftsmith.engine.trees import DynamicTree
     from draftsmith.engine.tree_build import parse_tree
-    from draftsmith.heads.medusa import MedusaHeads
+    from draftsmith.heads.medusa.model import MedusaHeads
     from draftsmith.target import load_target
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

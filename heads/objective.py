@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from draftsmith.heads.vocab import draft_head
-from draftsmith.train.cache import HiddenCache, teacher_logits
-from draftsmith.train.losses import hard_ce, soft_ce, topk_hits
+from draftsmith.common.vocab import draft_head
+from draftsmith.common.hidden_cache import HiddenCache, teacher_logits
+from draftsmith.common.chunks import make_chunks
+from draftsmith.common.losses import hard_ce, soft_ce, topk_hits
 
 
 @dataclass
@@ -39,30 +40,6 @@ class HeadBatch:
         mv = lambda x: None if x is None else x.to(device)  # noqa: E731
         seqs = None if self.seqs is None else [(mv(h), lo, mv(k)) for h, lo, k in self.seqs]
         return HeadBatch(mv(self.hidden), mv(self.labels), mv(self.teacher), mv(self.next_tokens), seqs)
-
-
-def calibration_split(n: int, every: int) -> set[int]:
-    """Sequences held out of training to measure acceptance for tree building: every ``every``-th one."""
-    return set(range(every - 1, n, every)) if every > 0 else set()
-
-
-def make_chunks(cache: HiddenCache, chunk_len: int, min_offset: int = 2,
-                exclude: set[int] | None = None) -> list[tuple[int, int, int]]:
-    """(sequence, lo, hi) windows that contain at least one head-1 label."""
-    chunks = []
-    for i in range(len(cache)):
-        if exclude and i in exclude:
-            continue
-        m = cache.mask(i)
-        n = len(m)
-        # position t has a head-1 label if mask[t + 2]
-        has = np.zeros(n, dtype=bool)
-        if n > min_offset:
-            has[: n - min_offset] = m[min_offset:] > 0
-        for lo in range(0, n, chunk_len):
-            if has[lo: lo + chunk_len].any():
-                chunks.append((i, lo, min(lo + chunk_len, n)))
-    return chunks
 
 
 def head_labels(tokens: np.ndarray, mask: np.ndarray, lo: int, hi: int, num_heads: int, offset: int = 1) -> np.ndarray:

@@ -20,23 +20,23 @@ for k in 0.50 0.25 0.10 0.05; do $DS run standalone-pruned name=sp-${k#0.} draft
 # 4. Decoding tables (one interleaved run each; README "Standalone distilled drafters"). Every drafter side by
 #    side with HF assisted generation at the same K, greedy and T=1 (~55 min at 1 thread); draft time per
 #    drafted token by kept size (~5 min); the RDK map constructions and their ceilings (~12 min).
-$PY -m draftsmith.eval.standalone_table runs/sa-fkl/final runs/sa-rkl/final runs/sa-tvd/final runs/sa-jsd/final \
+$PY -m benchmarks.standalone_table runs/sa-fkl/final runs/sa-rkl/final runs/sa-tvd/final runs/sa-jsd/final \
     runs/sp-50/final runs/sp-25/final runs/sp-10/final runs/sp-05/final --hf-assisted --prompts 12 \
     --max-new-tokens 64 --temperature 0 1 --draft-len 4 --out runs/issue13-table12
-$PY -m draftsmith.eval.draft_time runs/sa-fkl/final runs/sp-50/final runs/sp-25/final runs/sp-10/final \
+$PY -m benchmarks.draft_time runs/sa-fkl/final runs/sp-50/final runs/sp-25/final runs/sp-10/final \
     runs/sp-05/final --out runs/issue13b/draft_time.json
-$PY -m draftsmith.eval.rdk_probe runs/sp-05/final --data runs/standalone-data \
+$PY -m benchmarks.rdk_probe runs/sp-05/final --data runs/standalone-data \
     --variant conditional:16:1.0 column:16:1.0 column:16:0.3 --dense --out runs/issue13b/rdk_probe_05.json
 # 5. The HF export's greedy equality on all 80 first turns (HF assisted vs HF generate, 53 min at 1 thread):
 $DS export runs/sa-fkl/final --to hf --out runs/sa-fkl-hf
-$PY -m draftsmith.eval.standalone_table runs/sa-fkl/final --hf-export runs/sa-fkl-hf --prompts 80 \
+$PY -m benchmarks.standalone_table runs/sa-fkl/final --hf-export runs/sa-fkl-hf --prompts 80 \
     --max-new-tokens 128 --temperature 0 --out runs/issue13-hf-greedy
 # 6. A standalone drafter that pays off: the same recipe on the 763k-token hydra-xl data (README), K=1..3.
 $DS run standalone-pruned name=sp-xl shared_data=runs/hydra-xl-data drafter.vocab_keep=0.05 \
     drafter.divergence=jsd train.max_steps=1000 threads=1
-$PY -m draftsmith.eval.standalone_table runs/sp-xl/final --hf-assisted --no-rdk --draft-len 1 2 3 --prompts 12 \
+$PY -m benchmarks.standalone_table runs/sp-xl/final --hf-assisted --no-rdk --draft-len 1 2 3 --prompts 12 \
     --max-new-tokens 96 --temperature 0 1 --out runs/issue13-spxl
 # 7. Own tokenizer: TLI and SLEM vs HF universal assisted generation (~25 min train, 38 min bench).
 $DS run own-tokenizer
-$PY -m draftsmith.eval.own_tokenizer_bench runs/own-tokenizer/final --prompts 24 --max-new-tokens 128 \
+$PY -m benchmarks.own_tokenizer_bench runs/own-tokenizer/final --prompts 24 --max-new-tokens 128 \
     --draft-len 4 --temperature 0 0.7 --threads 1 --out runs/own-tokenizer/eval24

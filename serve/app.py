@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from draftsmith.checkpoint import read_manifest
 from draftsmith.engine.batched import BatchedSpeculativeDecoder, plain_batched_decoder
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import drafter_from_checkpoint
+from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams, TorchRandom
 from draftsmith.engine.tree_build import parse_tree

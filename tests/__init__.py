@@ -1,1 +1,1 @@
-"""draftsmith.tests."""
+"""Test suite (not installed): run with `python -m pytest tests` from the repository root."""

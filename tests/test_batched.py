@@ -20,7 +20,7 @@ from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams, TorchRandom
 from draftsmith.engine.trees import DynamicTree
 from draftsmith.eval.exact import enumerate_branches, target_distribution, total_variation
-from draftsmith.heads.hydra import HydraHeads
+from draftsmith.heads.hydra.model import HydraHeads
 from tests.test_decoder import PathHeads, other_model_drafter, random_medusa, tiny
 from tests.test_hydra import random_hydra
 

@@ -70,7 +70,8 @@ def test_alignment_on_real_target(real_target, tmp_path):
     fp32 caches meet 1e-4; fp16 storage rounds the state (measured ~2e-3), so it
     gets 1e-2, still far below what a one-position misalignment produces.
     """
-    from draftsmith.train.generate import prompt_ids, render_example
+    from draftsmith.common.chat import render_example
+    from draftsmith.train.generate import prompt_ids
     tok = real_target.tokenizer
     msgs = [{"role": "user", "content": "Give me two tips for writing clear code."},
             {"role": "assistant", "content": "Use descriptive names, and keep functions short and focused."}]
@@ -106,7 +107,7 @@ def test_a_finished_shard_holding_other_sequences_is_recomputed(tiny_target, tmp
 def test_merged_caches_read_as_one_in_order_and_refuse_mismatches(tiny_target, tmp_path):
     import json
 
-    from draftsmith.pipeline import merge_runs
+    from draftsmith.cli.pipeline import merge_runs
     from draftsmith.train.cache import merge_caches
 
     a, b = _seqs(tiny_target, 4, seed=1), _seqs(tiny_target, 3, seed=2)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from draftsmith.checkpoint import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
-from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.heads.medusa.model import MedusaHeads
 from draftsmith.target import TargetMismatchError, load_target
 from tests.tiny import make_tiny_target
 

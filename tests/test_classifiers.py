@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from draftsmith.checkpoint import CheckpointError
-from draftsmith.classifiers import disco, specdec
+from draftsmith.classifiers.disco import model as disco
+from draftsmith.classifiers.specdec import model as specdec
 from draftsmith.classifiers.roc import RocRefitStop
 from draftsmith.classifiers.traces import (TraceError, Traces, TraceRecorder, drafter_identity, load_traces, record,
                                            save_traces)
@@ -360,7 +361,7 @@ def test_traces_stage_and_predictors_end_to_end(tmp_path):
     then the policies load (identity-checked) and decode losslessly."""
     from types import SimpleNamespace
 
-    from draftsmith.classifiers.stage import load_drafter, stage_traces, temperature_dir, train_predictors
+    from draftsmith.train.predictors import load_drafter, stage_traces, temperature_dir, train_predictors
     t = tiny(vocab=40, seed=4, std=0.6)
     (tmp_path / "data").mkdir()
     with open(tmp_path / "data" / "train.jsonl", "w") as f:

@@ -4,12 +4,13 @@ import pytest
 import torch
 
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import HeadDrafter, ModelDrafter, drafter_from_checkpoint, first_layers_drafter
+from draftsmith.engine.drafters import HeadDrafter, ModelDrafter, first_layers_drafter
+from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.kvcache import SlotCache
 from draftsmith.engine.policies import ConfidenceStop, FixedLength
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.trees import DynamicTree
-from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.heads.medusa.model import MedusaHeads
 from draftsmith.target import TargetMismatchError
 from tests.tiny import make_tiny_model, make_tiny_target
 

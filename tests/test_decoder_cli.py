@@ -7,7 +7,7 @@ import torch
 from draftsmith.checkpoint import save_checkpoint
 from draftsmith.eval.cli import eval_main, parse_tree
 from draftsmith.engine.trees import DynamicTree, StaticTree
-from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.heads.medusa.model import MedusaHeads
 from tests.tiny import make_tiny_target
 
 

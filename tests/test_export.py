@@ -14,10 +14,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draftsmith.checkpoint import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
 from draftsmith.cli import main
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import drafter_from_checkpoint, first_layers_drafter
-from draftsmith.export import ExportError, export, import_medusa, load_drafter
-from draftsmith.heads.hydra import HydraHeads
-from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.checkpoint import drafter_from_checkpoint
+from draftsmith.export import ExportError, export, import_drafter, load_drafter
+from draftsmith.heads.hydra.model import HydraHeads
+from draftsmith.heads.medusa.export import write_medusa_dir
+from draftsmith.heads.medusa.model import MedusaHeads
 from draftsmith.target import TargetMismatchError, load_target
 from tests.tiny import make_tiny_target
 
@@ -157,7 +159,7 @@ def test_provenance_in_config_and_model_card(target, tmp_path):
 def test_import_round_trip_decodes_identically(target, tmp_path, share):
     medusa_ckpt(target, tmp_path / "ck", share=share)
     export(tmp_path / "ck", "vllm-medusa", tmp_path / "ex", target)
-    import_medusa(tmp_path / "ex", tmp_path / "back", target)
+    import_drafter(tmp_path / "ex", tmp_path / "back", target)
     man = read_manifest(tmp_path / "back")
     assert man["target"]["fingerprint"] == target.fingerprint and man["imported_from"]["format"] == "vllm-medusa"
     assert man["recipe"]["name"] == "unit-medusa"  # provenance survives the round trip
@@ -180,7 +182,7 @@ def test_import_original_medusa_and_vllm_only_directories(target, tmp_path):
     (orig / "config.json").write_text(json.dumps({k: cfg[k] for k in ("medusa_num_heads", "medusa_num_layers",
                                                                       "base_model_name_or_path")}))
     (orig / "medusa_lm_head.safetensors").write_bytes((tmp_path / "ex" / "medusa_lm_head.safetensors").read_bytes())
-    import_medusa(orig, tmp_path / "ck-orig", target)
+    import_drafter(orig, tmp_path / "ck-orig", target)
     assert read_manifest(tmp_path / "ck-orig")["imported_from"]["format"] == "medusa"
     torch.testing.assert_close(load_checkpoint(tmp_path / "ck-orig", target)[0](h), m(h))
     # vLLM written without biases (medusa_fc_bias false): a zero bias
@@ -200,13 +202,13 @@ def test_import_checks_the_target(target, tmp_path):
     export(tmp_path / "ck", "vllm-medusa", tmp_path / "ex", target)
     other = make_tiny_target(vocab_size=16, seed=1, init_std=0.5, layers=3)
     with pytest.raises(TargetMismatchError, match="trained for target fingerprint"):
-        import_medusa(tmp_path / "ex", tmp_path / "back", other)
+        import_drafter(tmp_path / "ex", tmp_path / "back", other)
     wider = make_tiny_target(vocab_size=20, seed=0)
     cfg = json.loads((tmp_path / "ex" / "config.json").read_text())
     del cfg["draftsmith_target_fingerprint"]
     (tmp_path / "ex" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="vocab_size is 16, the target"):
-        import_medusa(tmp_path / "ex", tmp_path / "back", wider)
+        import_drafter(tmp_path / "ex", tmp_path / "back", wider)
 
 
 def test_hf_export_loads_in_transformers_and_assists(target, tmp_path):
@@ -291,27 +293,27 @@ def test_corrupt_or_partial_medusa_exports_name_the_file(target, tmp_path):
     vl.unlink()  # partial: only the TGI file left, and it is truncated
     tgi.write_bytes(tgi.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match=r"medusa_lm_head.safetensors: truncated: the header describes \d+ bytes"):
-        import_medusa(ex, tmp_path / "b1", target)
+        import_drafter(ex, tmp_path / "b1", target)
     tgi.write_bytes(b"")
     with pytest.raises(CheckpointError, match="medusa_lm_head.safetensors: truncated or empty"):
-        import_medusa(ex, tmp_path / "b1", target)
+        import_drafter(ex, tmp_path / "b1", target)
     tgi.unlink()
     with pytest.raises(CheckpointError, match="neither model.safetensors .* nor medusa_lm_head.safetensors"):
-        import_medusa(ex, tmp_path / "b1", target)
+        import_drafter(ex, tmp_path / "b1", target)
     w = load_file(str(tmp_path / "ck" / "model.safetensors"))
     save_file({"0.0.linear.weight": w["blocks.0.0.linear.weight"]}, str(tgi))
     with pytest.raises(CheckpointError, match="medusa_lm_head.safetensors: no tensor '0.1.weight'"):
-        import_medusa(ex, tmp_path / "b1", target)
+        import_drafter(ex, tmp_path / "b1", target)
     save_file({"0.1.weight": torch.zeros(3, 3)}, str(tgi))
     with pytest.raises(CheckpointError, match=r"'0.1.weight' has shape \[3, 3\], expected \[16, 32\]"):
-        import_medusa(ex, tmp_path / "b1", target)
+        import_drafter(ex, tmp_path / "b1", target)
     cfg = json.loads((ex / "config.json").read_text())
     (ex / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if "num" not in k}))
     with pytest.raises(CheckpointError, match="config.json: none of"):
-        import_medusa(ex, tmp_path / "b1", target)
+        import_drafter(ex, tmp_path / "b1", target)
     (ex / "config.json").write_text("{\"medusa_num_heads\": 3,")
     with pytest.raises(CheckpointError, match="config.json: malformed JSON"):
-        import_medusa(ex, tmp_path / "b1", target)
+        import_drafter(ex, tmp_path / "b1", target)
     (ex / "config.json").unlink()
     with pytest.raises(CheckpointError, match="config.json: missing"):
         load_drafter(ex, target)
@@ -330,7 +332,7 @@ def test_reload_check_catches_a_wrong_export_and_leaves_nothing(target, tmp_path
     import draftsmith.export as ex
 
     def swapped_heads(heads, out, base_model, prov):  # a writer bug: heads 0 and 1 trade their blocks
-        files = ex.write_medusa_dir(heads, out, base_model, prov)
+        files = write_medusa_dir(heads, out, base_model, prov)
         w = load_file(str(out / "model.safetensors"))
         for suffix in ("weight", "bias"):
             a, b = f"blocks.0.layers.0.{suffix}", f"blocks.1.layers.0.{suffix}"

@@ -9,7 +9,7 @@ from draftsmith.engine.drafters import HeadDrafter
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.trees import DynamicTree
-from draftsmith.heads.hydra import HydraHeads
+from draftsmith.heads.hydra.model import HydraHeads
 from draftsmith.heads.objective import HydraObjective
 from tests.test_decoder import tiny
 

@@ -9,10 +9,10 @@ from safetensors.torch import load_file
 
 from draftsmith import registry
 from draftsmith.checkpoint import load_checkpoint, save_checkpoint, trainable_state_dict
-from draftsmith.drafters.kangaroo import KangarooAdapter, KangarooObjective, expected_acceptance
-from draftsmith.drafters.kangaroo_decode import KangarooDrafter, early_exit_drafter
+from draftsmith.drafters.kangaroo.model import KangarooAdapter, KangarooObjective, expected_acceptance
+from draftsmith.drafters.kangaroo.decode import KangarooDrafter, early_exit_drafter
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import drafter_from_checkpoint
+from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
 from draftsmith.engine.policies import ConfidenceStop, FixedLength
 from draftsmith.engine.sampling import SamplingParams, TorchRandom
@@ -415,7 +415,7 @@ def test_eval_cli_runs_kangaroo_side_by_side(tmp_path):
 
 
 def test_heldout_metrics_of_the_known_answer(tmp_path):
-    from draftsmith.drafters.kangaroo import heldout_metrics
+    from draftsmith.drafters.kangaroo.model import heldout_metrics
 
     t = _identity_tail(make_tiny_target(init_std=0.3, layers=3), 1)
     build_cache(t, _cycle_sequences(n=3, length=30), ["layer:1", "final"], tmp_path / "c", dtype="float32")
@@ -464,7 +464,7 @@ def test_greedy_equality_script_checks_a_kangaroo_tree(tmp_path):
 
 
 def test_skip_vs_full_verification_bench_runs_both_on_the_same_drafts(tmp_path):
-    from draftsmith.eval.kangaroo_verify_bench import main
+    from benchmarks.kangaroo_verify_bench import main
 
     t = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, layers=3, save_to=tmp_path / "target")
     save_checkpoint(tmp_path / "ck", random_adapter(t, exit_layer=1), t)

@@ -6,10 +6,10 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.checkpoint import load_checkpoint
-from draftsmith.drafters.kangaroo import KangarooAdapter, KangarooObjective, heldout_metrics
-from draftsmith.drafters.kangaroo_decode import KangarooDrafter
+from draftsmith.drafters.kangaroo.model import KangarooAdapter, KangarooObjective, heldout_metrics
+from draftsmith.drafters.kangaroo.decode import KangarooDrafter
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import drafter_from_checkpoint
+from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.policies import FixedLength
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
 from draftsmith.recipe import parse_recipe

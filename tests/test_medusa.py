@@ -1,7 +1,7 @@
 import numpy as np
 import torch
 
-from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.heads.medusa.model import MedusaHeads
 from draftsmith.heads.objective import head_labels
 
 

@@ -9,17 +9,17 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 
 from draftsmith.checkpoint import CheckpointError, load_checkpoint
-from draftsmith.drafters.own_tokenizer import (OwnTokenizerDrafter, VocabBridge, VocabularyError,
+from draftsmith.drafters.own_tokenizer.model import (OwnTokenizerDrafter, VocabBridge, VocabularyError,
                                                train_bpe_tokenizer)
-from draftsmith.drafters.own_tokenizer_decode import SLEMDrafter, TLIDrafter, slem_drafter, tli_drafter
+from draftsmith.drafters.own_tokenizer.decode import SLEMDrafter, TLIDrafter, slem_drafter, tli_drafter
 from draftsmith.engine.decoder import SpeculativeDecoder, plain_decoder
-from draftsmith.engine.drafters import drafter_from_checkpoint
+from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
 from draftsmith.recipe import RecipeError, parse_recipe
 from draftsmith.target import TargetMismatchError
-from draftsmith.train.text_lm import train_text_drafter
+from draftsmith.drafters.own_tokenizer.training import train_text_drafter
 from tests.test_decoder import tiny
 from tests.tiny import make_tiny_model
 
@@ -196,7 +196,7 @@ def test_bad_checkpoints(trained, tmp_path):
 
 
 def test_pipeline_skips_the_cache_and_reports_in_own_tokens(trained):
-    from draftsmith import pipeline
+    from draftsmith.cli import pipeline
     tgt, final, _ = trained
     recipe = _recipe(final.parent)
     assert pipeline.stage_cache(recipe, tgt) == {}  # no target states for a kind that trains on text
@@ -212,7 +212,7 @@ def test_pipeline_skips_the_cache_and_reports_in_own_tokens(trained):
 def test_init_from_target_with_the_same_vocabulary_accepts_every_draft(sampling):
     """A drafter tokenizer with exactly the target's strings and every layer copied from the target IS the
     target: TLI must then accept every draft (any misaligned context or position would show)."""
-    from draftsmith.drafters.own_tokenizer import init_from_target
+    from draftsmith.drafters.own_tokenizer.model import init_from_target
     tgt = tiny(vocab=40, seed=4, std=0.3, layers=2)
     tok = Tokenizer.from_str(tgt.tokenizer.backend_tokenizer.to_str())
     d = OwnTokenizerDrafter({"init": "target", "num_hidden_layers": 2}, tok, tgt)
@@ -240,7 +240,7 @@ def test_recipe_validation():
 def test_hf_export_with_universal_assisted_generation(trained, tmp_path):
     """The exported directory is a plain HF model + tokenizer; HF's universal assisted generation with it gives
     the target's own greedy output."""
-    from draftsmith.drafters.own_tokenizer import hf_assistant
+    from draftsmith.drafters.own_tokenizer.model import hf_assistant
     tgt, final, _ = trained
     from draftsmith.export import export
     export(final, "hf", tmp_path / "hf", tgt)  # draftsmith export CKPT --to hf: reloaded and checked before returning

@@ -5,7 +5,7 @@ tests/test_standalone.py (enumeration with drafted pruned ids)."""
 import pytest
 import torch
 
-from draftsmith.drafters.rdk import RDKMap, build_rdk, dense_affinity_reference
+from draftsmith.drafters.standalone.rdk import RDKMap, build_rdk, dense_affinity_reference
 from draftsmith.train.cache import HiddenCache, build_cache, teacher_logits
 from tests.test_train import _cycle_sequences
 from tests.tiny import make_tiny_target
@@ -96,7 +96,7 @@ def test_row_mass_stays_below_one_with_truncated_pairs(fitted, tmp_path):
 def test_table_alpha_pools_tested_drafts():
     """standalone_table's alpha: accepted / tested drafts, a chain testing up to its first rejection."""
     from types import SimpleNamespace as NS
-    from draftsmith.eval.standalone_table import draft_ms_per_token, pooled_alpha
+    from benchmarks.standalone_table import draft_ms_per_token, pooled_alpha
     steps = [NS(drafted=4, attempted=4, accepted=4, draft_s=0.04), NS(drafted=4, attempted=2, accepted=1, draft_s=0.04),
              NS(drafted=4, attempted=1, accepted=0, draft_s=0.04)]
     r = [NS(steps=steps)]

@@ -8,10 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.checkpoint import load_checkpoint, save_checkpoint
-from draftsmith.drafters.divergences import divergence
-from draftsmith.drafters.standalone import StandaloneDrafter, StandaloneObjective, TokenizerMismatchError
+from draftsmith.common.divergences import divergence
+from draftsmith.drafters.standalone.model import StandaloneDrafter, StandaloneObjective, TokenizerMismatchError
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import drafter_from_checkpoint, first_layers_drafter
+from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.policies import FixedLength
 from draftsmith.eval.exact import exact_distribution, total_variation
 from draftsmith.export import export, load_drafter

@@ -7,7 +7,7 @@ def test_forward_clock_times_outermost_forwards_and_restores_the_patch():
     from draftsmith.engine.decoder import SpeculativeDecoder
     from draftsmith.engine.drafters import first_layers_drafter
     from draftsmith.engine.sampling import TorchRandom
-    from draftsmith.eval.step_breakdown import ForwardClock
+    from benchmarks.step_breakdown import ForwardClock
     from tests.tiny import make_tiny_target
 
     call = torch.nn.Module.__call__

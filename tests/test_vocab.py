@@ -9,10 +9,10 @@ from draftsmith.engine.decoder import SpeculativeDecoder, plain_decoder
 from draftsmith.engine.drafters import HeadDrafter
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
 from draftsmith.engine.sampling import SamplingParams
-from draftsmith.heads.hydra import HydraHeads
-from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.heads.hydra.model import HydraHeads
+from draftsmith.heads.medusa.model import MedusaHeads
 from draftsmith.heads.objective import HeadBatch, HeadObjective
-from draftsmith.heads.vocab import PrunedHead, frequent_ids, kept_size
+from draftsmith.common.vocab import PrunedHead, frequent_ids, kept_size
 from tests.test_decoder import tiny
 
 

@@ -35,43 +35,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from draftsmith.common.hidden_cache import (NP_DTYPE, TORCH_DTYPE, HiddenCache, decoder_of, field_file,
+                                          target_states, teacher_logits)
 from draftsmith.target import Target
 
 log = logging.getLogger(__name__)
-
-_NP_DTYPE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
-_TORCH_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def _field_file(need: str) -> str:
-    return need.replace(":", "_") + ".npy"
-
-
-def decoder_of(model) -> torch.nn.Module:
-    """The base transformer (embeddings, layers, final norm) of a causal LM."""
-    return getattr(model, model.base_model_prefix)
-
-
-@torch.no_grad()
-def target_states(target: Target, ids: torch.Tensor, attn: torch.Tensor, needs: list[str]) -> dict[str, torch.Tensor]:
-    """The requested states for a right-padded batch, [B, T, d] each."""
-    base = decoder_of(target.model)
-    layers = sorted({int(n.split(":")[1]) for n in needs if n.startswith("layer:")})
-    out = base(input_ids=ids, attention_mask=attn, output_hidden_states=bool(layers), use_cache=False)
-    res = {}
-    if "final" in needs:
-        res["final"] = out.last_hidden_state
-    for n in layers:
-        # hidden_states[0] is the embedding output, hidden_states[n] the output of layer n.
-        res[f"layer:{n}"] = out.hidden_states[n]
-    return res
-
-
-def teacher_logits(target: Target, final_hidden: torch.Tensor) -> torch.Tensor:
-    """Target logits recomputed from cached final hidden states (fp32)."""
-    head = target.lm_head
-    return head(final_hidden.to(head.weight.dtype)).float()
-
 
 def token_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
@@ -127,7 +95,7 @@ def _shard_arrays(seqs: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 def _state_rows(st: torch.Tensor, dtype: str) -> np.ndarray:
     """fp32 (or already converted) states -> the array stored, rounded as the cache pass rounds."""
-    st = st.to(_TORCH_DTYPE[dtype]).cpu()
+    st = st.to(TORCH_DTYPE[dtype]).cpu()
     if dtype == "bfloat16":
         return st.view(torch.int16).numpy().view(np.uint16)
     return st.numpy()
@@ -141,8 +109,8 @@ def _matches(sdir: Path, starts: np.ndarray, tokens: np.ndarray, mask: np.ndarra
                 and np.array_equal(np.load(sdir / "mask.npy"), mask)):
             return False
         for nd in needs:
-            a = np.load(sdir / _field_file(nd), mmap_mode="r")
-            if a.shape != (len(tokens), hidden) or a.dtype != _NP_DTYPE[dtype]:
+            a = np.load(sdir / field_file(nd), mmap_mode="r")
+            if a.shape != (len(tokens), hidden) or a.dtype != NP_DTYPE[dtype]:
                 return False
         return True
     except (OSError, ValueError, EOFError):
@@ -176,8 +144,8 @@ def build_cache(target: Target, sequences: list[dict], needs: list[str], out_dir
     (re)computed. Returns the index dict (with ``bytes_per_token``); its provenance says how many
     sequences' states came from generation and why the others were computed here (``states``).
     """
-    if dtype not in _NP_DTYPE:
-        raise ValueError(f"cache dtype must be one of {sorted(_NP_DTYPE)}, got {dtype!r}")
+    if dtype not in NP_DTYPE:
+        raise ValueError(f"cache dtype must be one of {sorted(NP_DTYPE)}, got {dtype!r}")
     if not sequences:
         raise ValueError("cannot cache an empty dataset (0 sequences)")
     out_dir = Path(out_dir)
@@ -199,7 +167,7 @@ def build_cache(target: Target, sequences: list[dict], needs: list[str], out_dir
             origin = json.loads((sdir / "origin.json").read_text()) if (sdir / "origin.json").exists() else {}
             missing = origin.get("missing", []) if partial else []
             if missing:  # written by the data stage without these sequences' states: the normal forward
-                mms = {nd: np.load(sdir / _field_file(nd), mmap_mode="r+") for nd in needs}
+                mms = {nd: np.load(sdir / field_file(nd), mmap_mode="r+") for nd in needs}
                 _fill(target, seqs, missing, starts, mms, needs, dtype, batch_tokens, bar)
                 for mm in mms.values():
                     mm.flush()
@@ -222,7 +190,7 @@ def build_cache(target: Target, sequences: list[dict], needs: list[str], out_dir
         np.save(tmp / "starts.npy", starts)
         np.save(tmp / "tokens.npy", tokens)
         np.save(tmp / "mask.npy", mask)
-        mms = {nd: np.lib.format.open_memmap(tmp / _field_file(nd), mode="w+", dtype=_NP_DTYPE[dtype], shape=(ntok, d))
+        mms = {nd: np.lib.format.open_memmap(tmp / field_file(nd), mode="w+", dtype=NP_DTYPE[dtype], shape=(ntok, d))
                for nd in needs}
         _fill(target, seqs, list(range(len(seqs))), starts, mms, needs, dtype, batch_tokens, bar)
         for mm in mms.values():
@@ -263,8 +231,8 @@ class StreamingCacheWriter:
 
     def __init__(self, out_dir: str | Path, hidden_size: int, *, dtype: str = "float16", shard_tokens: int = 200_000,
                  prior: list[dict] = ()):
-        if dtype not in _NP_DTYPE:
-            raise ValueError(f"cache dtype must be one of {sorted(_NP_DTYPE)}, got {dtype!r}")
+        if dtype not in NP_DTYPE:
+            raise ValueError(f"cache dtype must be one of {sorted(NP_DTYPE)}, got {dtype!r}")
         self.out_dir, self.hidden, self.dtype, self.shard_tokens = Path(out_dir), int(hidden_size), dtype, int(shard_tokens)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.stats: Counter = Counter()
@@ -296,7 +264,7 @@ class StreamingCacheWriter:
             return None
         origin = json.loads((sdir / "origin.json").read_text()) if (sdir / "origin.json").exists() else {}
         missing = set(origin.get("missing", [])) if partial else set()
-        arr = np.load(sdir / _field_file("final"), mmap_mode="r")
+        arr = np.load(sdir / field_file("final"), mmap_mode="r")
         return [None if k in missing else np.array(arr[starts[k]:starts[k + 1]]) for k in range(len(tail))]
 
     def _open(self) -> None:
@@ -319,10 +287,10 @@ class StreamingCacheWriter:
             self.missing.append(len(self.seqs))
             self.reasons[reason or "no_states"] += 1
             self.stats[f"fallback_{reason or 'no_states'}"] += 1
-            self.raw.write(np.zeros((n, self.hidden), _NP_DTYPE[self.dtype]).tobytes())
+            self.raw.write(np.zeros((n, self.hidden), NP_DTYPE[self.dtype]).tobytes())
         else:
             arr = states if isinstance(states, np.ndarray) else _state_rows(states, self.dtype)
-            self.raw.write(np.ascontiguousarray(arr, dtype=_NP_DTYPE[self.dtype]).tobytes())
+            self.raw.write(np.ascontiguousarray(arr, dtype=NP_DTYPE[self.dtype]).tobytes())
             self.stats["from_generation"] += 1
         self.seqs.append({"ids": seq["ids"], "mask": seq["mask"]})
         self.ntok += n
@@ -340,8 +308,8 @@ class StreamingCacheWriter:
         np.save(self.tmp / "tokens.npy", tokens)
         np.save(self.tmp / "mask.npy", mask)
         raw = self.tmp / "states.raw"
-        np.save(self.tmp / _field_file("final"),
-                np.memmap(raw, dtype=_NP_DTYPE[self.dtype], mode="r", shape=(self.ntok, self.hidden)))
+        np.save(self.tmp / field_file("final"),
+                np.memmap(raw, dtype=NP_DTYPE[self.dtype], mode="r", shape=(self.ntok, self.hidden)))
         raw.unlink()
         (self.tmp / "origin.json").write_text(json.dumps({
             "writer": "data stage (fused_cache)", "from_generation": len(self.seqs) - len(self.missing),
@@ -357,59 +325,6 @@ class StreamingCacheWriter:
         """Write the last (short) shard; returns the counts (from generation, fallbacks by reason, shards)."""
         self._close()
         return self.stats
-
-
-@dataclass
-class _Shard:
-    tokens: np.ndarray
-    mask: np.ndarray
-    starts: np.ndarray
-    fields: dict
-
-
-class HiddenCache:
-    """Read side of a cache: sequences of (tokens, mask, states), memory-mapped."""
-
-    def __init__(self, path: str | Path, target: Target | None = None):
-        self.path = Path(path)
-        idx = self.path / "index.json"
-        if not idx.exists():
-            raise FileNotFoundError(f"{self.path} is not a finished cache (no index.json); run `draftsmith cache`")
-        self.index = json.loads(idx.read_text())
-        if target is not None and self.index["target_fingerprint"] != target.fingerprint:
-            from draftsmith.target import check_fingerprint
-            check_fingerprint(self.index["target_fingerprint"], target, what=f"cache {self.path}")
-        self.dtype = self.index["dtype"]
-        self.shards = []
-        self.seqs: list[tuple[int, int, int]] = []  # (shard, start, length)
-        for si, name in enumerate(self.index["shards"]):
-            sd = self.path / name
-            fields = {nd: np.load(sd / _field_file(nd), mmap_mode="r") for nd in self.index["needs"]}
-            sh = _Shard(np.load(sd / "tokens.npy"), np.load(sd / "mask.npy"), np.load(sd / "starts.npy"), fields)
-            self.shards.append(sh)
-            for a, b in zip(sh.starts[:-1], sh.starts[1:]):
-                self.seqs.append((si, int(a), int(b - a)))
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def tokens(self, i: int) -> np.ndarray:
-        si, a, n = self.seqs[i]
-        return self.shards[si].tokens[a: a + n]
-
-    def mask(self, i: int) -> np.ndarray:
-        si, a, n = self.seqs[i]
-        return self.shards[si].mask[a: a + n]
-
-    def states(self, i: int, need: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        """States of sequence i at positions [lo, hi), as fp32."""
-        si, a, n = self.seqs[i]
-        hi = n if hi is None else min(hi, n)
-        arr = np.asarray(self.shards[si].fields[need][a + lo: a + hi])
-        t = torch.from_numpy(arr.copy())
-        if self.dtype == "bfloat16":
-            t = t.view(torch.bfloat16)
-        return t.float()
 
 
 def merge_caches(out_dir: str | Path, sources: list[str | Path]) -> dict:

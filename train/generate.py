@@ -31,6 +31,7 @@ from typing import Iterable
 import torch
 from tqdm.auto import tqdm
 
+from draftsmith.common.chat import render_example
 from draftsmith.target import Target
 from draftsmith.train.batchgen import BatchGenerator, Captured, Job, suggested_rows
 from draftsmith.train.cache import StreamingCacheWriter
@@ -493,40 +494,3 @@ def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_
     bar.close()
     stats["accepted"] = len(out)
     return out, stats
-
-
-def render_example(tokenizer, messages: list[dict], finished: Iterable[bool]) -> tuple[list[int], list[int]]:
-    """Token ids of a whole conversation and a 0/1 mask over assistant tokens.
-
-    Each assistant reply's character span is located by rendering the
-    conversation up to that reply (chat templates are prefix-consistent; this
-    is checked), and tokens inside it are marked; the end-of-turn token right
-    after a reply is marked too when that reply finished on its own.
-    """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = []
-    fin = list(finished)
-    a = 0
-    for j, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        head = tokenizer.apply_chat_template(messages[:j], tokenize=False, add_generation_prompt=True)
-        start, end = len(head), len(head) + len(m["content"])
-        if text[start:end] != m["content"]:
-            raise ValueError("chat template is not prefix-consistent; cannot locate assistant turns")
-        spans.append((start, end, fin[a] if a < len(fin) else True))
-        a += 1
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    eos = tokenizer.eos_token_id
-    mask = [0] * len(ids)
-    for start, end, done in spans:
-        after = None
-        for i, (s, e) in enumerate(offsets):
-            if e > s and start <= s and e <= end:
-                mask[i] = 1
-            elif after is None and s >= end:
-                after = i
-        if done and after is not None and ids[after] == eos:
-            mask[after] = 1  # the end-of-turn token that closes this reply
-    return ids, mask

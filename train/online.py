@@ -33,7 +33,7 @@ import torch
 from draftsmith import registry
 from draftsmith.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import drafter_from_checkpoint
+from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.metrics import acceptance_by_position, summarize
 from draftsmith.publish import PublishStore
 from draftsmith.recipe import Recipe
@@ -92,7 +92,7 @@ class OnlineJob:
         self.ledger = Ledger(self.state)
         recipe = self._drafter_of_start(recipe)
         kind = registry.get(recipe.drafter.kind)
-        if not hasattr(kind, "cache_needs") or getattr(kind, "trains_on_text", False):
+        if kind.trains_on_text:
             raise ValueError(f"drafter kind {recipe.drafter.kind!r} trains on re-tokenised text, not on cached "
                              f"target states: the online job does not support it")
         self.recipe, self.target, self.o = recipe, target, recipe.online

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from draftsmith.recipe import Recipe
-from draftsmith.train.cache import HiddenCache
+from draftsmith.common.hidden_cache import HiddenCache
 from draftsmith.train.generate import sequence_from_line
 from draftsmith.train.trainer import make_objective
 

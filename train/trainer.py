@@ -22,11 +22,12 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith import registry
-from draftsmith.checkpoint import save_checkpoint
-from draftsmith.heads.objective import HeadObjective, HydraObjective, calibration_split
-from draftsmith.heads.vocab import draft_head, frequent_ids, kept_size
+from draftsmith.checkpoint import CheckpointError, read_json, read_manifest, read_safetensors, save_checkpoint
+from draftsmith.common.chunks import calibration_split
+from draftsmith.common.vocab import draft_head, frequent_ids, kept_size
 from draftsmith.recipe import Recipe
-from draftsmith.train.cache import HiddenCache
+from draftsmith.target import check_fingerprint
+from draftsmith.common.hidden_cache import HiddenCache
 from draftsmith.train.state import latest_checkpoint, load_trainer_state, save_trainer_state
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,6 @@ def set_draft_vocab(model: torch.nn.Module, cache: HiddenCache, exclude: set[int
 def init_weights(model: torch.nn.Module, recipe: Recipe, target, path: str | Path) -> None:
     """Load ``path``'s drafter weights into ``model`` (train.init_from): the checkpoint must be of this
     target, kind and shape; a clear error names what differs."""
-    from draftsmith.checkpoint import CheckpointError, read_json, read_manifest, read_safetensors
-    from draftsmith.target import check_fingerprint
     path = Path(path)
     manifest = read_manifest(path)
     check_fingerprint(manifest["target"]["fingerprint"], target, what=f"train.init_from checkpoint {path}")
@@ -167,11 +166,9 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
     if vocab and acc.is_main_process:
         print(f"draft vocabulary: {vocab['kept']} of {vocab['vocab']} ids, covering "
               f"{100 * vocab['assistant_token_coverage']:.2f}% of the training assistant tokens")
-    fit = getattr(model, "fit_to_cache", None)  # a kind's own statistics of the training data (RDK's affinity map)
-    if callable(fit):
-        fitted = fit(cache, target, calibration_split(len(cache), t.calibration_every))
-        if fitted and acc.is_main_process:
-            print(f"fitted to the training data: {fitted}")
+    fitted = model.fit_to_cache(cache, target, calibration_split(len(cache), t.calibration_every))
+    if fitted and acc.is_main_process:
+        print(f"fitted to the training data: {fitted}")
     if t.init_from and (latest_checkpoint(run_dir) is None or not resume):
         init_weights(model, recipe, target, t.init_from)
         if acc.is_main_process:

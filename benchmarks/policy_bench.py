@@ -1,0 +1,175 @@
+"""Draft-length policies side by side for one chain drafter: the acceptance predictors' table.
+
+    python -m benchmarks.policy_bench CKPT --predictors RUN/predictors --prompts 16 \
+        --max-new-tokens 128 --temperature 0 0.7 --out runs/policies
+
+Methods, all on the same drafter and the lossless decoder, interleaved per prompt
+(eval/bench.py): plain decoding (the baseline), fixed K = 1..8, confidence 0.4
+(stop before a candidate whose top-1 draft probability is below 0.4), Hugging Face's
+ROC refit (classifiers/roc.py), DISCO and SpecDec++ (classifiers/), the last two
+loaded from ``--predictors`` (trained per temperature by `draftsmith predictors`; a
+predictor made for another drafter, target or temperature is a clear error).
+
+Columns: tokens/s, speedup vs plain (ours), tau, mean draft length, drafted tokens
+wasted per accepted one, drafting time per drafted token (what a predictor adds per
+token shows here). Under greedy every method's tokens are compared with plain
+decoding's, prompt by prompt ("identical"): with ``--prompts 80`` that is the greedy
+equality check on all MT-Bench first turns. Classifier quality on the calibration
+split (ROC AUC, expected calibration error, the simulated gain over the best fixed K)
+is copied from the predictors. Writes OUT/report.json and OUT/report.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from draftsmith.checkpoint import command_line, environment
+from draftsmith.classifiers.disco import model as disco
+from draftsmith.classifiers.specdec import model as specdec
+from draftsmith.classifiers.roc import RocRefitStop
+from draftsmith.train.predictors import load_drafter, temperature_dir
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.policies import ConfidenceStop, FixedLength
+from draftsmith.engine.sampling import SamplingParams
+from draftsmith.eval.bench import BASELINE, ours, run_bench
+from draftsmith.eval.mtbench import mtbench_prompts
+from draftsmith.target import default_device, load_target
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.policy_bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("drafter", help="drafter checkpoint, or first-layers:N / early-exit:L")
+    ap.add_argument("--predictors", default=None, help="directory written by `draftsmith predictors` "
+                    "(without it: fixed K, confidence and ROC refit only)")
+    ap.add_argument("--target", default=None, help="target name or directory (default: the default target)")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7])
+    ap.add_argument("--fixed", type=int, nargs="+", default=list(range(1, 9)), help="fixed draft lengths")
+    ap.add_argument("--max-len", type=int, default=8, help="cap of every dynamic policy")
+    ap.add_argument("--confidence", type=float, default=0.4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false")
+    ap.add_argument("--out", required=True)
+    return ap
+
+
+def policies(a, target, drafter, ident: dict, temperature: float) -> list[tuple[str, object]]:
+    """(name, policy) of every method for one temperature."""
+    cap = getattr(drafter, "max_depth", None)
+    ks = sorted({min(k, cap) if cap else k for k in a.fixed})
+    max_len = min(a.max_len, cap) if cap else a.max_len
+    out = [(f"K={k}", FixedLength(k)) for k in ks]
+    out += [(f"confidence {a.confidence}", ConfidenceStop(a.confidence, max_len)),
+            ("ROC refit (HF)", RocRefitStop(a.confidence, max_len))]
+    if a.predictors:
+        where = temperature_dir(Path(a.predictors), temperature)
+        if (where / "disco").exists():
+            m = disco.load(where / "disco")
+            disco.check_for(m, target, ident, temperature, f"DISCO {where / 'disco'}")
+            out.append(("DISCO", disco.DiscoStop(m, min(max_len, int(m.meta.get("cap", max_len))))))
+        if (where / "specdec").exists():
+            head, man = specdec.load(where / "specdec", target)
+            specdec.check_for(man, ident, temperature, f"SpecDec++ {where / 'specdec'}")
+            head.to(next(target.model.parameters()).device)
+            out.append(("SpecDec++", specdec.SpecDecStop(head, float(man["threshold"]),
+                                                          min(max_len, int(man.get("cap", max_len))),
+                                                          lag=bool(man.get("lag", True)))))
+        if len(out) == len(ks) + 2:
+            raise FileNotFoundError(f"{where}: no disco/ or specdec/ predictor for temperature {temperature}")
+    return out
+
+
+def _row(name: str, s: dict, base_tps: float | None) -> dict:
+    return {"method": name, "tokens_per_s": s["tokens_per_s"], "speedup_vs_plain": (
+        s["tokens_per_s"] / base_tps if base_tps else None), "tau": s["tau"], "mean_draft_len": s["mean_draft_len"],
+        "wasted_per_accepted": s["wasted_per_accepted"], "draft_ms_per_token": s.get("draft_ms_per_token"),
+        "identical_to_plain": s.get("identical_to_plain")}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| method | tokens/s | speedup vs plain | tau | mean draft len | wasted/accepted | draft ms/token "
+             "| identical to plain |", "|---|---|---|---|---|---|---|---|"]
+    f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+    for r in rows:
+        lines.append(f"| {r['method']} | {f(r['tokens_per_s'])} | {f(r['speedup_vs_plain'], 3)} | {f(r['tau'])} | "
+                     f"{f(r['mean_draft_len'])} | {f(r['wasted_per_accepted'])} | {f(r['draft_ms_per_token'])} | "
+                     f"{r['identical_to_plain'] or '-'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = build_parser().parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    target = load_target(a.target or "smollm2-135m-instruct", device=default_device(a.device))
+    drafter, ident = load_drafter(a.drafter, target)
+    if a.cpu_layout:
+        from draftsmith.engine.cpu_layout import apply_cpu_layout
+        apply_cpu_layout(target, drafter)
+    prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
+    report = {"drafter": ident, "target": {"name": target.name, "fingerprint": target.fingerprint},
+              "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "runs": {}, "quality": {}}
+    md = [f"# Draft-length policies: {ident['name']} on {target.name}", "",
+          f"{len(prompts)} MT-Bench first turns, {a.max_new_tokens} new tokens, one interleaved run per temperature.", ""]
+    for temp in a.temperature:
+        sampling = SamplingParams(temp)
+        label = "greedy" if sampling.greedy else f"T={temp}"
+        pols = policies(a, target, drafter, ident, temp)
+        methods = [ours(BASELINE, SpeculativeDecoder(target, sampling=sampling))]
+        methods += [ours(name, SpeculativeDecoder(target, drafter, policy=p, sampling=sampling)) for name, p in pols]
+        print(f"== {label}: {', '.join(m.name for m in methods)}", flush=True)
+        results: dict[str, list] = {m.name: [] for m in methods}
+        wrapped = []
+        for m in methods:  # keep every result for the per-prompt token comparison
+            def run(ids, n, seed, _m=m):
+                r = _m.run(ids, n, seed)
+                results[_m.name].append(r)
+                return r
+            wrapped.append(type(m)(m.name, run, m.family))
+        fig = run_bench(wrapped, prompts, a.max_new_tokens, seed=a.seed)
+        base = fig["methods"][BASELINE]["tokens_per_s"]
+        rows = []
+        for m in methods:
+            s = fig["methods"][m.name]
+            rs = results[m.name][1:]  # the first call is the warm-up
+            drafted = sum(st.drafted for r in rs for st in r.steps)
+            s["draft_ms_per_token"] = 1000 * sum(st.draft_s for r in rs for st in r.steps) / drafted if drafted else None
+            if sampling.greedy and m.name != BASELINE:
+                same = sum(r.tokens == b.tokens for r, b in zip(rs, results[BASELINE][1:]))
+                s["identical_to_plain"] = f"{same}/{len(rs)}"
+            rows.append(_row(m.name, s, base))
+        report["runs"][label] = {"figures": fig, "table": rows}
+        md += [f"## {label}", "", markdown(rows), ""]
+        print(markdown(rows), flush=True)
+    if a.predictors:
+        summary = Path(a.predictors) / "summary.json"
+        if summary.exists():
+            report["quality"] = json.loads(summary.read_text())
+            md += ["## Predictor quality on the calibration split (training prompts held out)", "",
+                   "| temperature | predictor | mode | threshold | ROC AUC | ECE | Brier | simulated gain vs best fixed K |",
+                   "|---|---|---|---|---|---|---|---|"]
+            for t, res in report["quality"].items():
+                for kind, h in res.items():
+                    g = h.get("simulated_gain_over_best_fixed")
+                    md.append(f"| {t} | {kind} | {h.get('mode', '-')} | {h['threshold']:.3f} | "
+                              f"{'-' if h['roc_auc'] is None else format(h['roc_auc'], '.3f')} | {h['ece']:.3f} | "
+                              f"{h['brier']:.3f} | {'-' if g is None else f'{100 * g:+.1f}%'} (K={h['best_fixed_k']}) |")
+    report["command"], report["environment"] = command_line(), environment()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    print(f"wrote {out / 'report.json'} and report.md")
+    return report
+
+
+if __name__ == "__main__":
+    main()

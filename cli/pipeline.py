@@ -1,0 +1,424 @@
+"""The stages of a recipe: data -> cache -> train -> trees -> report -> bench.
+
+It orchestrates train/ (data, cache, training) and eval/ (trees from measured
+acceptance, held-out report, decoding benchmark), so it sits above both, next
+to the CLI; train/ never imports eval/.
+
+Everything lives under the recipe's output directory:
+``data/{train,heldout}.jsonl`` and ``data/meta.json``, ``cache/{train,heldout}``,
+``checkpoints/step-N``, ``final`` (the last checkpoint) and ``report.{json,md}``.
+Every stage is resumable and skipped when its output is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import logging
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from draftsmith import paths, registry
+from draftsmith.checkpoint import command_line, environment, load_checkpoint, update_metrics
+from draftsmith.train import predictors as classifier_stage
+from draftsmith.eval.bench import default_methods, run_bench, table
+from draftsmith.engine.cpu_layout import apply_cpu_layout
+from draftsmith.checkpoint import drafter_from_checkpoint
+from draftsmith.eval.head_accuracy import head_accuracy
+from draftsmith.eval.mtbench import mtbench_prompts
+from draftsmith.engine.sampling import SamplingParams
+from draftsmith.engine.tree_build import build_trees, measure_step_cost, parse_tree, save_trees
+from draftsmith.common.chunks import calibration_split
+from draftsmith.recipe import Recipe
+from draftsmith.target import Target
+from draftsmith.train import generate, remote, sources
+from draftsmith.train.cache import HiddenCache, build_cache
+from draftsmith.drafters.own_tokenizer.training import heldout_figures, train_text_drafter
+from draftsmith.train.trainer import train
+
+log = logging.getLogger(__name__)
+
+
+class EmptyDatasetError(ValueError):
+    """A stage was given no usable data."""
+
+
+def collect_prompts(recipe: Recipe, target: Target, skips: sources.SkipLog, stats: Counter) -> list[sources.Conversation]:
+    holdout = sources.mtbench_holdout_keys()
+    convs: list[sources.Conversation] = []
+    seen: set[tuple[str, ...]] = set()
+    for n, src in enumerate(recipe.data.sources):
+        name = f"{src.type}{n}"
+        if src.type == "magpie":
+            it = iter(_magpie(recipe, target, n, src.count or 100, holdout, stats,
+                              generate.resolve_openers(src.openers)))
+        else:
+            if not src.path:
+                raise ValueError(f"data.sources[{n}] ({src.type}) needs a path")
+            path = sources.resolve_path(src.path)
+            reader = {"sharegpt": sources.read_sharegpt, "jsonl": sources.read_jsonl}.get(src.type)
+            it = reader(path, name, skips) if reader else sources.read_hf_dataset(path, name, skips, src.split)
+        kept = 0
+        for c in sources.held_out(it, holdout, stats):
+            if src.max_conversations and kept >= src.max_conversations:
+                break
+            key = tuple(sources.normalise(u) for u in c.user_turns[: recipe.data.max_turns])
+            if key in seen:  # identical prompts (in the turns we use) give identical greedy data
+                stats["duplicate_conversations"] += 1
+                continue
+            seen.add(key)
+            convs.append(c)
+            kept += 1
+        stats[f"source_{name}"] = kept
+    return convs
+
+
+def _magpie(recipe: Recipe, target: Target, n: int, count: int, holdout: set[str],
+            stats: Counter, openers: list[str] | None = None) -> list[sources.Conversation]:
+    """Synthesised prompts, saved as they come (``data/magpie{n}.jsonl`` and its ``.state.json``), so a
+    restarted data stage continues the draws instead of redoing them."""
+    path = recipe.out / "data" / f"magpie{n}.jsonl"
+    state = path.with_suffix(".state.json")
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    done = [sources.Conversation(r["id"], "magpie", [r["prompt"]]) for r in rows]
+    draws = json.loads(state.read_text())["draws"] if state.exists() else 0
+    if len(done) >= count or (rows and not state.exists()):  # complete (or written whole by an older version)
+        return done[:count]
+
+    def save(new: list[sources.Conversation], draws_so_far: int) -> None:
+        with path.open("a") as f:
+            f.write("".join(json.dumps({"id": c.id, "prompt": c.user_turns[0]}) + "\n" for c in new))
+        state.write_text(json.dumps({"draws": draws_so_far}))
+
+    got, mstats = generate.synthesize_prompts(
+        target, count, batch_size=recipe.data.batch_size, max_new_tokens=recipe.data.magpie_max_new_tokens,
+        seed=recipe.seed + n, exclude=holdout, engine=recipe.data.engine, max_rows=recipe.data.max_rows,
+        done=done, draws_done=draws, on_round=save if recipe.data.engine == "batched" else None,
+        openers=openers)
+    stats.update({f"magpie_{k}": v for k, v in mstats.items()})
+    if recipe.data.engine != "batched":
+        path.write_text("".join(json.dumps({"id": c.id, "prompt": c.user_turns[0]}) + "\n" for c in got))
+    return got
+
+
+def stage_data(recipe: Recipe, target: Target) -> Path:
+    """Prompts from every source, assistant turns regenerated by the target."""
+    out = recipe.out / "data"
+    meta_path = out / "meta.json"
+    if meta_path.exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    skips, stats = sources.SkipLog(), Counter()
+    convs = collect_prompts(recipe, target, skips, stats)
+    print(skips.report())
+    if not convs:
+        raise EmptyDatasetError("no usable conversations in any data source "
+                                f"({skips.total} rows skipped); nothing to train on")
+    d = recipe.data
+    kw = dict(max_new_tokens=d.max_new_tokens, max_turns=d.max_turns, batch_size=d.batch_size,
+              max_seq_len=d.max_seq_len, temperature=d.temperature, top_p=d.top_p, seed=recipe.seed,
+              on_long_prompt=d.on_long_prompt, engine=d.engine, max_rows=d.max_rows)
+    t_gen = time.time()
+    if d.regenerate and d.server is not None:
+        srv = d.server
+        gstats = remote.regenerate_remote(
+            target, convs, out / "train.jsonl", url=srv.url, model=srv.model, concurrency=srv.concurrency,
+            api_key_env=srv.api_key_env, check=srv.check, timeout_s=srv.timeout_s,
+            **{k: v for k, v in kw.items() if k not in ("batch_size", "engine", "max_rows")})
+    elif d.regenerate:
+        fused, why = fused_cache_plan(recipe)
+        if fused:
+            c = recipe.cache
+            kw["fused"] = generate.FusedCache(recipe.out / "cache" / "train", dtype=c.dtype,
+                                              shard_tokens=c.shard_tokens)
+            log.info("data.fused_cache: the training cache is written during generation (%s)", why)
+        elif d.fused_cache:
+            log.info("data.fused_cache: not fused, the cache stage runs its separate pass: %s", why)
+        gstats = generate.regenerate(target, convs, out / "train.jsonl", **kw)
+        kw.pop("fused", None)
+    else:
+        gstats = write_as_is(convs, out / "train.jsonl", d.max_turns)
+    if d.fused_cache and (not d.regenerate or d.server is not None):
+        log.info("data.fused_cache: not fused, the cache stage runs its separate pass: %s", fused_cache_plan(recipe)[1])
+    gen_s = time.time() - t_gen
+    gstats["generation_seconds"] = round(gen_s, 1)
+    gstats["response_tokens_per_s"] = round(gstats["response_tokens"] / max(gen_s, 1e-9), 1)
+    hstats = Counter()
+    if d.heldout_mtbench:
+        qs = [sources.Conversation(id=f"mtbench:{q['question_id']}", source=f"mtbench:{q['category']}",
+                                   user_turns=[q["turns"][0]]) for q in sources.mtbench_questions()]
+        # Greedy MT-Bench answers depend only on the target and the budget: generated once per target.
+        shared = paths.home() / "heldout" / f"{target.fingerprint.split(':')[1]}-mtbench-{d.heldout_max_new_tokens}.jsonl"
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        hstats = generate.regenerate(target, qs, shared,
+                                     **{**kw, "max_new_tokens": d.heldout_max_new_tokens, "temperature": 0.0,
+                                        "max_turns": 1, "on_long_prompt": "skip"})
+        shutil.copyfile(shared, out / "heldout.jsonl")
+    meta = {"skipped": skips.as_dict(), "sources": dict(stats), "generation": dict(gstats),
+            "heldout_generation": dict(hstats), "seconds": round(time.time() - t0, 1),
+            "target_fingerprint": target.fingerprint}
+    meta_path.write_text(json.dumps(meta, indent=2))
+    return out
+
+
+def write_as_is(convs: list[sources.Conversation], out_path: Path, max_turns: int) -> Counter:
+    """Teacher-forced data: each conversation with its own assistant turns, no generation.
+
+    A conversation without a reply to its first user turn is skipped and counted; replies are taken
+    as finished (their end-of-turn token is learned).
+    """
+    stats: Counter = Counter()
+    with out_path.open("w") as f:
+        for c in convs:
+            n = min(max_turns, len(c.user_turns), len(c.replies or []))
+            if n == 0:
+                stats["skipped_no_assistant_turn"] += 1
+                continue
+            msgs = ([{"role": "system", "content": c.system}] if c.system else [])
+            for u, r in zip(c.user_turns[:n], c.replies[:n]):
+                msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": r}]
+            f.write(json.dumps({"id": c.id, "source": c.source, "system": c.system,
+                                "messages": msgs[1 if c.system else 0:], "finished": [True] * n}) + "\n")
+            stats["conversations"] += 1
+            stats["responses"] += n
+    stats["teacher_forced"] = 1
+    return stats
+
+
+def load_sequences(path: Path, tokenizer, max_seq_len: int, stats: Counter | None = None) -> list[dict]:
+    """Rendered conversations ({id, ids, mask}) from a regenerated JSONL file, in the file's order."""
+    stats = stats if stats is not None else Counter()
+    seqs = (generate.sequence_from_line(line, tokenizer, max_seq_len, stats, where=f"{path.name}:{n}")
+            for n, line in enumerate(path.read_text().splitlines(), 1))
+    return [s for s in seqs if s is not None]
+
+
+def fused_cache_plan(recipe: Recipe) -> tuple[bool, str]:
+    """Whether the data stage writes the training cache from its generator's states, and why not."""
+    d = recipe.data
+    if not d.fused_cache:
+        return False, "data.fused_cache is off"
+    if _trains_on_text(recipe):
+        return False, f"a {recipe.drafter.kind} drafter trains on text and needs no cached states"
+    if not d.regenerate:
+        return False, "data.regenerate is off: nothing is generated"
+    if d.server is not None:
+        return False, "data.server generates remotely: no states here"
+    if d.engine != "batched":
+        return False, f"data.engine {d.engine!r}: only the batched engine keeps its states"
+    needs = cache_needs(recipe)
+    if needs != ["final"]:
+        return False, (f"the cache needs {needs} ({recipe.drafter.kind}"
+                       f"{' + cache.extra_states' if recipe.cache.extra_states else ''}); the generator keeps "
+                       "only the final hidden state")
+    if (recipe.out / "cache" / "train" / "index.json").exists():
+        return False, "cache/train is already complete"
+    return True, "the batched engine keeps the final hidden states it computes"
+
+
+def cache_needs(recipe: Recipe) -> list[str]:
+    needs = registry.get(recipe.drafter.kind).cache_needs(recipe.drafter.model_dump())
+    return needs + [s for s in recipe.cache.extra_states if s not in needs]
+
+
+def _trains_on_text(recipe: Recipe) -> bool:
+    """A kind that trains on re-tokenised text (its own tokenizer) needs no cached target states."""
+    return registry.get(recipe.drafter.kind).trains_on_text
+
+
+def stage_cache(recipe: Recipe, target: Target) -> dict:
+    if _trains_on_text(recipe):
+        return {}
+    data = recipe.out / "data"
+    res = {}
+    for split in ("train", "heldout"):
+        src = data / f"{split}.jsonl"
+        out = recipe.out / "cache" / split
+        if (out / "index.json").exists():
+            res[split] = json.loads((out / "index.json").read_text())
+            continue
+        if not src.exists():
+            if split == "train":
+                raise EmptyDatasetError(f"{src} is missing: run the data stage first")
+            continue
+        stats = Counter()
+        seqs = load_sequences(src, target.tokenizer, recipe.data.max_seq_len, stats)
+        if not seqs:
+            raise EmptyDatasetError(f"{src} holds no usable sequence ({dict(stats)})")
+        needs = cache_needs(recipe)
+        n_layers = target.model.config.num_hidden_layers
+        bad = [n for n in needs if n.startswith("layer:") and int(n[6:]) >= n_layers]
+        if bad:
+            raise ValueError(f"cache states {bad}: the target has {n_layers} layers, so layer:N needs N < {n_layers} "
+                             "(the last layer's output is 'final')")
+        res[split] = build_cache(target, seqs, needs, out, dtype=recipe.cache.dtype,
+                                 batch_tokens=recipe.cache.batch_tokens, shard_tokens=recipe.cache.shard_tokens,
+                                 provenance={"source": str(src), **stats})
+        st = res[split]["provenance"]["states"]
+        if st["from_generation"]:
+            print(f"cache/{split}: states of {st['from_generation']}/{len(seqs)} sequences from the data stage's "
+                  f"generation; computed here: {st['forward'] or 'none'}")
+    return res
+
+
+def stage_train(recipe: Recipe, target: Target, resume: bool = True, stop_after: int | None = None) -> tuple[Path, dict]:
+    if _trains_on_text(recipe):
+        return train_text_drafter(recipe, target)
+    meta = json.loads((recipe.out / "data" / "meta.json").read_text()) if (recipe.out / "data" / "meta.json").exists() else {}
+    ckpt, timing = train(recipe, target, recipe.out / "cache" / "train", recipe.out, resume=resume,
+                         stop_after=stop_after, data_provenance={"data_dir": str(recipe.out / "data"), **meta})
+    final = recipe.out / "final"
+    if ckpt.exists() and timing["is_main"]:
+        shutil.rmtree(final, ignore_errors=True)
+        shutil.copytree(ckpt, final, ignore=shutil.ignore_patterns("trainer_state*"))
+        update_metrics(final, {"training_timing": timing})
+    return final, timing
+
+
+def _write_report(recipe: Recipe, target: Target, ckpt: Path, figures: dict, heldout: str) -> dict:
+    """report.{json,md} of a kind that brings its own held-out figures; the figures also go into the checkpoint."""
+    report = {"recipe": recipe.name, "kind": recipe.drafter.kind, "checkpoint": str(ckpt),
+              "target": {"name": target.name, "fingerprint": target.fingerprint},
+              "heldout": heldout, **figures, "command": command_line(), "environment": environment()}
+    update_metrics(ckpt, {"heldout": figures})
+    (recipe.out / "report.json").write_text(json.dumps(report, indent=2))
+    lines = [f"# {recipe.name}: {recipe.drafter.kind} on {target.name}", "", "| figure | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in figures.items()]
+    (recipe.out / "report.md").write_text("\n".join(lines) + "\n")
+    return report
+
+
+def stage_report(recipe: Recipe, target: Target, ckpt: Path) -> dict:
+    if _trains_on_text(recipe):
+        return _write_report(recipe, target, ckpt, heldout_figures(recipe, target, ckpt),
+                             "MT-Bench first turns, target greedy answers, in the drafter's own tokens")
+    model, manifest = load_checkpoint(ckpt, target)
+    cache_dir = recipe.out / "cache" / "heldout"
+    if not (cache_dir / "index.json").exists():
+        raise EmptyDatasetError("no held-out cache; enable data.heldout_mtbench")
+    own = model.heldout_metrics(HiddenCache(cache_dir, target), target)
+    if own is not None:  # a kind with its own held-out figures (Kangaroo: expected acceptance at the same position)
+        return _write_report(recipe, target, ckpt, own, "MT-Bench first turns, target greedy answers")
+    acc = head_accuracy(model, HiddenCache(cache_dir, target), model.num_heads, ranks=10)
+    report = {"recipe": recipe.name, "kind": recipe.drafter.kind, "checkpoint": str(ckpt),
+              "target": {"name": target.name, "fingerprint": target.fingerprint},
+              "heldout": "MT-Bench first turns, target greedy answers", **acc,
+              "command": command_line(), "environment": environment()}
+    update_metrics(ckpt, {"heldout": {k: acc[k] for k in ("top1", "top5", "predicted_chain_tau", "positions")}})
+    (recipe.out / "report.json").write_text(json.dumps(report, indent=2))
+    lines = [f"# {recipe.name}: {recipe.drafter.kind} heads on {target.name}", "",
+             f"held-out: {report['heldout']}, {int(acc['positions'][0])} labelled positions for head 1", "",
+             "| head | predicts | top-1 | top-5 |", "|---|---|---|---|"]
+    for k, (a1, a5) in enumerate(zip(acc["top1"], acc["top5"]), 1):
+        lines.append(f"| {k} | t+{k + 1} | {a1:.3f} | {a5:.3f} |")
+    lines += ["", f"predicted chain acceptance length (1 + sum_k prod_j<=k top1_j): "
+                  f"**{acc['predicted_chain_tau']:.3f}**"]
+    (recipe.out / "report.md").write_text("\n".join(lines) + "\n")
+    return report
+
+
+def stage_trees(recipe: Recipe, target: Target, ckpt: Path) -> dict:
+    """Build static trees from acceptance measured on the calibration split (sequences held out of training)."""
+
+    model, manifest = load_checkpoint(ckpt, target, device=next(target.model.parameters()).device)
+    if not model.builds_trees:
+        return {"skipped": f"a {recipe.drafter.kind} drafter has no static trees to build"}
+    # Checkpoints trained before the calibration split existed saw every sequence: say so, not "held out".
+    held_out = bool((manifest.get("recipe") or {}).get("train", {}).get("calibration_every"))
+    cache = HiddenCache(recipe.out / "cache" / "train", target)
+    calib = calibration_split(len(cache), recipe.train.calibration_every)
+    if not calib:
+        raise EmptyDatasetError("train.calibration_every is 0: no held-out sequences to build trees from")
+    acc = head_accuracy(model, cache, model.num_heads, ranks=10, sequences=calib)
+    apply_cpu_layout(target)  # step costs measured on the layout decoding uses (bench and eval apply it too)
+    trees = build_trees(acc["rank_acc"], recipe.train.tree_budgets,
+                        {"split": f"every {recipe.train.calibration_every}-th training sequence, " + (
+                             "held out of training" if held_out else
+                             "NOT held out: this checkpoint was trained on every sequence"),
+                         "held_out": held_out, "sequences": len(calib), "positions": acc["positions"],
+                         "conditional": model.conditional_accuracy},
+                        step_cost=measure_step_cost(target, recipe.train.tree_budgets))
+    save_trees(ckpt, trees)
+    return trees
+
+
+def stage_traces(recipe: Recipe, target: Target, **options) -> dict:
+    """Acceptance traces of the recipe's drafter on its training prompts (classifiers/traces.py), for the
+    acceptance predictors (DISCO, SpecDec++); see `draftsmith.train.predictors.stage_traces` for options."""
+    return classifier_stage.stage_traces(recipe, target, **options)
+
+
+def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
+    """Decode MT-Bench first turns with the trained drafter: tau and speedup, measured interleaved."""
+
+    e = recipe.eval
+    drafter = drafter_from_checkpoint(ckpt, target)
+    drafter.name = recipe.name
+    apply_cpu_layout(target, drafter)  # decoding only from here on (see draftsmith.engine.cpu_layout)
+    trees = [(t, parse_tree(t, ckpt)) for t in e.trees]
+    methods = default_methods(target, SamplingParams(0.0), drafter_layers=None, hf=e.hf_generate,
+                              hf_assisted_too=False, heads=drafter, trees=trees)
+    figures = run_bench(methods, mtbench_prompts(target.tokenizer, e.prompts, spread=True), e.max_new_tokens,
+                        log=None)
+    figures["table"] = table(figures)
+    figures["command"], figures["environment"] = command_line(), environment()
+    (recipe.out / "bench.json").write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+def merge_runs(out: Path, runs: list[Path]) -> dict:
+    """Data and cache of several finished data runs as one (for ``shared_data``): train.jsonl concatenated,
+    the training caches merged by linking their shards (`merge_caches`), the held-out split of the first
+    run (every run must hold the same one). Prompts found in more than one run are counted, not removed
+    (their cached shards are shared)."""
+    from draftsmith.train.cache import merge_caches
+    out, runs = Path(out), [Path(r) for r in runs]
+    for r in runs:
+        for need in ("data/meta.json", "data/train.jsonl", "cache/train/index.json"):
+            if not (r / need).exists():
+                raise FileNotFoundError(f"{r} has no {need}: run its data and cache stages first")
+    held = [r / "cache" / "heldout" / "index.json" for r in runs]
+    if held[0].exists():
+        toks = [json.loads(h.read_text())["tokens"] if h.exists() else None for h in held]
+        if any(t != toks[0] for t in toks):
+            raise ValueError(f"the runs' held-out caches differ ({toks} tokens): they must share one held-out set")
+    if (out / "data" / "meta.json").exists():
+        raise FileExistsError(f"{out} already holds merged data; merge into a new directory")
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    index = merge_caches(out / "cache" / "train", [r / "cache" / "train" for r in runs])
+    if held[0].exists():
+        link = out / "cache" / "heldout"
+        if not link.exists():
+            link.symlink_to(os.path.relpath((runs[0] / "cache" / "heldout").resolve(), link.parent.resolve()),
+                            target_is_directory=True)
+        shutil.copyfile(runs[0] / "data" / "heldout.jsonl", out / "data" / "heldout.jsonl")
+    seen: set[str] = set()
+    ids: set[str] = set()
+    stats = Counter()
+    with (out / "data" / "train.jsonl").open("w") as f:
+        for r in runs:
+            for line in (r / "data" / "train.jsonl").read_text().splitlines():
+                row = json.loads(line)
+                if row["id"] in ids:
+                    raise ValueError(f"conversation id {row['id']!r} appears in two runs; they cannot be merged")
+                ids.add(row["id"])
+                key = json.dumps([m["content"] for m in row["messages"] if m["role"] == "user"])
+                stats["prompts_in_more_than_one_run"] += key in seen
+                seen.add(key)
+                f.write(line + "\n")
+    metas = [json.loads((r / "data" / "meta.json").read_text()) for r in runs]
+    gen = Counter()
+    for m in metas:
+        for k, v in m.get("generation", {}).items():
+            if isinstance(v, (int, float)) and not k.endswith("per_s"):
+                gen[k] += v
+    meta = {"merged_from": [str(r) for r in runs], "runs": metas, "generation": dict(gen),
+            "sources": dict(stats), "target_fingerprint": metas[0].get("target_fingerprint"),
+            "cache_sequences": index["sequences"], "cache_tokens": index["tokens"]}
+    (out / "data" / "meta.json").write_text(json.dumps(meta, indent=2))
+    return meta

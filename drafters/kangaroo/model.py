@@ -1,0 +1,328 @@
+"""Kangaroo self-drafting (arXiv 2404.18911), methods.md sections 4 and 10.
+
+Draft path: the target's first l decoder layers (frozen, shared with the
+target, never saved) -> an adapter -> the target's frozen LM head. The
+adapter is the public one: ``x + Attn(RMSNorm(x))`` (full-size attention with
+the target's head layout and RoPE, its own KV cache), then an RMSNorm; a
+SwiGLU MLP after the attention only with ``adapter_mlp: true``.
+
+Initialisation: q/k/v and the first norm are copied from the target's layer
+l+1 (the layer that would read the same state), the output projection (and
+the MLP's down projection) start at zero and the last norm is the target's
+final norm, so a fresh adapter is exactly the untrained early exit (first l
+layers + final norm + LM head) and training starts from that peer.
+
+Training (`KangarooObjective`): soft cross-entropy at the SAME position t (no
+shift) between the target's distribution from the cached final state h_t^L
+(through the frozen LM head, detached) and the adapter's from the cached
+layer-l state h_t^l, over positions whose next token is an assistant token.
+The adapter attends over h_0^l..h_t^l of its sequence, as it does when
+decoding. Logged: expected acceptance sum_x min(p, q).
+
+Decoding lives in `draftsmith.drafters.kangaroo.decode` (`KangarooDrafter`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.drafters.kangaroo.decode import KangarooDrafter, check_exit_layer, check_threshold
+from draftsmith.common.chunks import make_chunks
+from draftsmith.common.vocab import PrunedHead, draft_head
+from draftsmith.registry import KindBase, register
+from draftsmith.common.hidden_cache import HiddenCache, decoder_of, teacher_logits
+from draftsmith.common.losses import hard_ce, soft_ce, topk_hits
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def attention_shape(target) -> dict:
+    """The target's attention layout (the adapter's attention is full size, like one target layer)."""
+    c = target.model.config
+    nh = int(c.num_attention_heads)
+    return {"num_heads": nh, "num_kv_heads": int(getattr(c, "num_key_value_heads", None) or nh),
+            "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // nh),
+            "intermediate_size": int(c.intermediate_size), "eps": float(getattr(c, "rms_norm_eps", 1e-6))}
+
+
+@register
+class KangarooAdapter(KindBase, nn.Module):
+    """The trainable part of a Kangaroo drafter: the adapter, reading the target's layer-l states."""
+
+    kind = "kangaroo"
+
+    def __init__(self, hidden_size: int, vocab_size: int, lm_head: nn.Module, rotary: nn.Module, num_layers: int,
+                 exit_layer: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
+                 eps: float = 1e-6, adapter_mlp: bool = False, threshold: float = 0.6, max_draft_len: int = 6,
+                 vocab_keep: int | None = None):
+        super().__init__()
+        check_exit_layer(exit_layer, num_layers)
+        check_threshold(threshold)
+        if max_draft_len < 1:
+            raise ValueError(f"kangaroo max_draft_len must be >= 1, got {max_draft_len}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.config = {"hidden_size": hidden_size, "vocab_size": vocab_size, "num_layers": num_layers,
+                       "exit_layer": exit_layer, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
+                       "head_dim": head_dim, "intermediate_size": intermediate_size, "eps": eps,
+                       "adapter_mlp": adapter_mlp, "threshold": threshold, "max_draft_len": max_draft_len,
+                       "vocab_keep": vocab_keep}
+        self.exit_layer, self.threshold, self.max_draft_len = exit_layer, threshold, max_draft_len
+        self.nh, self.nkv, self.hd = num_heads, num_kv_heads, head_dim
+        self.norm1 = nn.RMSNorm(hidden_size, eps=eps)
+        self.q = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        nn.init.zeros_(self.o.weight)
+        if adapter_mlp:
+            self.norm_mlp = nn.RMSNorm(hidden_size, eps=eps)
+            self.gate = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.up = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+            nn.init.zeros_(self.down.weight)
+        self.mlp = adapter_mlp
+        self.norm_out = nn.RMSNorm(hidden_size, eps=eps)
+        self.lm_head = lm_head.requires_grad_(False)
+        self.shared_with_target = ("lm_head",)
+        if vocab_keep is not None and not 1 <= int(vocab_keep) <= vocab_size:
+            raise ValueError(f"vocab_keep {vocab_keep} must keep between 1 and the vocabulary's {vocab_size} ids")
+        # A pruned vocabulary (heads/vocab.py): the kept rows of the frozen head, the id map saved with them.
+        self.draft_head = PrunedHead(lm_head, torch.arange(int(vocab_keep))) if vocab_keep else None
+        # The target's RoPE (frequencies and scaling), copied: not a submodule, so casting the adapter
+        # never touches the target's own rotary buffers.
+        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
+        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def cache_needs(config: dict) -> list[str]:
+        return [f"layer:{int(config['exit_layer'])}", "final"]
+
+    @classmethod
+    def for_target(cls, target, exit_layer: int = 2, adapter_mlp: bool = False, threshold: float = 0.6,
+                   max_draft_len: int = 6, vocab_keep: int | None = None) -> "KangarooAdapter":
+        """A fresh adapter for ``target``, initialised from its layer l+1 and final norm (see the module doc)."""
+        body = decoder_of(target.model)
+        L = len(body.layers)
+        check_exit_layer(exit_layer, L)
+        m = cls(target.hidden_size, target.vocab_size, target.lm_head, body.rotary_emb, L, exit_layer,
+                adapter_mlp=adapter_mlp, threshold=threshold, max_draft_len=max_draft_len, vocab_keep=vocab_keep,
+                **attention_shape(target))
+        nxt = body.layers[exit_layer]  # decoder layer l+1 (0-based index l) reads h^l in the target
+        pairs = [(m.norm1, "input_layernorm"), (m.q, "self_attn.q_proj"), (m.k, "self_attn.k_proj"),
+                 (m.v, "self_attn.v_proj")]
+        if adapter_mlp:
+            pairs += [(m.norm_mlp, "post_attention_layernorm"), (m.gate, "mlp.gate_proj"), (m.up, "mlp.up_proj")]
+        with torch.no_grad():
+            for mine, name in pairs:
+                mine.weight.copy_(nxt.get_submodule(name).weight.float())
+            m.norm_out.weight.copy_(body.norm.weight.float())
+        return m
+
+    @classmethod
+    def from_config(cls, config: dict, target) -> "KangarooAdapter":
+        body = decoder_of(target.model)
+        if int(config["hidden_size"]) != target.hidden_size or int(config["vocab_size"]) != target.vocab_size:
+            raise ValueError("Kangaroo config does not match the target's hidden or vocabulary size")
+        if int(config["num_layers"]) != len(body.layers):
+            raise ValueError(f"Kangaroo adapter was trained on a target with {config['num_layers']} layers, "
+                             f"this one has {len(body.layers)}")
+        return cls(lm_head=target.lm_head, rotary=body.rotary_emb, **config)
+
+    @staticmethod
+    def make_objective(recipe, cache: HiddenCache, target, exclude: set[int] | None = None) -> "KangarooObjective":
+        """The trainer's objective for this kind (the trainer never branches on kind names)."""
+        t = recipe.train
+        return KangarooObjective(cache, target, recipe.drafter.exit_layer, loss=t.loss, soft_weight=t.soft_weight,
+                                 chunk_len=t.chunk_len, exclude=exclude)
+
+    def heldout_metrics(self, cache: HiddenCache, target) -> dict:
+        """`heldout_metrics` of this adapter on a cache (for a report stage)."""
+        return heldout_metrics(self, cache, target)
+
+    def decoder_drafter(self, target, target_fingerprint: str | None = None, name: str = "kangaroo") -> KangarooDrafter:
+        """This adapter as a `draftsmith.engine.decoder` drafter (double early exit by default)."""
+        return KangarooDrafter(target, self.exit_layer, adapter=self, target_fingerprint=target_fingerprint,
+                               name=name, threshold=self.threshold, max_draft_len=self.max_draft_len)
+
+    def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
+        """Draft over ``kept_ids`` (sorted target ids); called by the trainer from the training data."""
+        if self.draft_head is None:
+            raise ValueError("this adapter drafts over the full vocabulary (no vocab_keep)")
+        self.draft_head.set_kept(kept_ids, self.lm_head)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """Adapter states -> logits over the kept ids (pruned) or the full vocabulary."""
+        return self.lm_head(h) if self.draft_head is None else self.draft_head(h)
+
+    # ------------------------------------------------------------------ math
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        ang = pos.float()[:, None] * self.inv_freq.float()[None]
+        emb = torch.cat([ang, ang], dim=-1)
+        cos, sin = (emb.cos() * self.rope_scaling).to(x.dtype), (emb.sin() * self.rope_scaling).to(x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def adapt(self, x: torch.Tensor, pos: torch.Tensor,
+              kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer-l states x [T, d] at positions ``pos`` -> adapter states [T, d] (after the last norm).
+
+        Without ``kv`` the rows are one causal sequence. With ``kv`` (keys and
+        values [H_kv, capacity, D], pre-allocated) the rows' keys/values are
+        written at slots [start, start + T) and row j attends to slots
+        [0, start + j] (decoding; slot = position for chains), or to the slots
+        ``mask`` [T, start + T] (bool, True = may attend) allows (tree nodes:
+        the committed prefix, their ancestors and themselves).
+        """
+        T = x.shape[0]
+        h = self.norm1(x)
+        q = self._rope(self.q(h).view(T, self.nh, self.hd).transpose(0, 1), pos)
+        k = self._rope(self.k(h).view(T, self.nkv, self.hd).transpose(0, 1), pos)
+        v = self.v(h).view(T, self.nkv, self.hd).transpose(0, 1)
+        if kv is not None:
+            kv[0][:, start:start + T] = k
+            kv[1][:, start:start + T] = v
+            k, v = kv[0][:, :start + T], kv[1][:, :start + T]
+        rep = self.nh // self.nkv
+        kk, vv = (k, v) if rep == 1 else (k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0))
+        S = kk.shape[1]
+        if mask is None and T > 1:
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+        a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+        x = x + self.o(a.transpose(0, 1).reshape(T, self.nh * self.hd))
+        if self.mlp:
+            g = self.norm_mlp(x)
+            x = x + self.down(F.silu(self.gate(g)) * self.up(g))
+        return self.norm_out(x)
+
+    def forward(self, seqs: list[tuple[torch.Tensor, int, torch.Tensor]]) -> torch.Tensor:
+        """Logits [P, V] at the kept rows: per window (h^l_0..h^l_{hi-1} of a sequence, lo, kept-rows mask)."""
+        out = [self.adapt(h, torch.arange(h.shape[0], device=h.device))[lo: lo + len(keep)][keep]
+               for h, lo, keep in seqs]
+        return self.project(torch.cat(out))
+
+
+# ---------------------------------------------------------------------- training objective
+@dataclass
+class KangarooBatch:
+    seqs: list  # per window: (layer-l states of positions 0..hi-1, lo, kept-rows mask over lo..hi-1)
+    labels: torch.Tensor  # [P] token t+1 (an assistant token) of every kept position t
+    teacher: torch.Tensor  # [P, V] the target's logits at t, from the cached final state
+
+    @property
+    def positions(self) -> int:
+        return int(self.labels.shape[0])
+
+    def to(self, device) -> "KangarooBatch":
+        return KangarooBatch([(h.to(device), lo, k.to(device)) for h, lo, k in self.seqs], self.labels.to(device),
+                             self.teacher.to(device))
+
+
+class KangarooObjective:
+    """Windows of cached sequences; soft CE at the same position against the target's distribution.
+
+    Position t is kept if token t+1 is an assistant token. ``loss``: "soft"
+    (the paper's), "hard" (CE on token t+1) or "mix".
+    """
+
+    def __init__(self, cache: HiddenCache, target, exit_layer: int, loss: str = "soft", soft_weight: float = 0.5,
+                 chunk_len: int = 128, exclude: set[int] | None = None):
+        self.need = f"layer:{int(exit_layer)}"
+        have = cache.index.get("needs", [])
+        if self.need not in have or "final" not in have:
+            raise ValueError(f"cache {cache.path} holds {have}; kangaroo with exit_layer {exit_layer} needs "
+                             f"['{self.need}', 'final']: rebuild it (draftsmith cache RECIPE into a fresh output dir)")
+        self.cache, self.target = cache, target
+        self.loss_kind, self.soft_weight = loss, soft_weight
+        self.chunks = make_chunks(cache, chunk_len, min_offset=1, exclude=exclude)
+        if not self.chunks:
+            raise ValueError("the cache holds no trainable positions (no assistant tokens); check the data stage")
+
+    @torch.no_grad()
+    def window(self, i: int, lo: int, hi: int) -> KangarooBatch | None:
+        """Positions lo..hi-1 of sequence i whose next token is an assistant token (None if none is)."""
+        tok, m = self.cache.tokens(i), self.cache.mask(i)
+        n = len(tok)
+        t = np.arange(lo, hi)
+        keep = (t + 1 < n) & (m[np.minimum(t + 1, n - 1)] > 0)
+        if not keep.any():
+            return None
+        keep_t = torch.from_numpy(keep)
+        labels = torch.from_numpy(tok[t[keep] + 1].astype(np.int64))
+        teacher = teacher_logits(self.target, self.cache.states(i, "final", lo, hi))[keep_t]
+        return KangarooBatch([(self.cache.states(i, self.need, 0, hi), lo, keep_t)], labels, teacher)
+
+    @torch.no_grad()
+    def prepare(self, chunk_ids: list[int]) -> KangarooBatch:
+        parts = [p for p in (self.window(*self.chunks[c]) for c in chunk_ids) if p is not None]
+        return KangarooBatch([s for p in parts for s in p.seqs], torch.cat([p.labels for p in parts]),
+                             torch.cat([p.teacher for p in parts]))
+
+    def loss(self, model, batch: KangarooBatch) -> tuple[torch.Tensor, dict]:
+        logits = model(batch.seqs)  # one call through the (possibly DDP-wrapped) module
+        valid = torch.ones(batch.positions, dtype=torch.bool, device=logits.device)
+        dh = draft_head(model)  # pruned: the teacher renormalised over the kept ids, pruned labels left out
+        teacher = batch.teacher if dh is None else batch.teacher[:, dh.kept_ids]
+        labels = batch.labels if dh is None else dh.labels(batch.labels)[0]
+        if self.loss_kind == "soft":
+            total = soft_ce(logits, teacher, valid)
+        elif self.loss_kind == "hard":
+            total = hard_ce(logits, labels)
+        else:
+            total = (1 - self.soft_weight) * hard_ce(logits, labels) + \
+                self.soft_weight * soft_ce(logits, teacher, valid)
+        return total, {"logits": logits.detach(), "draft_head": dh}
+
+    @torch.no_grad()
+    def stats(self, aux: dict, batch: KangarooBatch) -> dict:
+        """Top-1/top-5 on token t+1, agreement with the teacher's argmax, expected acceptance sum_x min(p, q)."""
+        lg = aux["logits"].float()
+        dh = aux.get("draft_head")
+        if dh is not None:  # in target-id space: q is 0 off the kept ids, a pruned label is a miss
+            lg = dh.to_target(lg)
+        hits = topk_hits(lg, batch.labels)
+        agree = topk_hits(lg, batch.teacher.argmax(-1), ks=(1,))
+        return {"head1/top1": hits[1], "head1/top5": hits[5], "teacher/top1": agree[1],
+                "expected_acceptance": float(expected_acceptance(lg, batch.teacher).mean())}
+
+
+def expected_acceptance(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Per row sum_x min(p(x), q(x)) = 1 - TV(p, q): the chance a token drawn from q is accepted (T = 1)."""
+    q = torch.softmax(draft_logits.float(), dim=-1)
+    p = torch.softmax(target_logits.float(), dim=-1)
+    return torch.minimum(p, q).sum(-1)
+
+
+@torch.no_grad()
+def heldout_metrics(model: KangarooAdapter, cache: HiddenCache, target, windows_per_batch: int = 16) -> dict:
+    """Figures of an adapter over every labelled position of a cache (e.g. the held-out MT-Bench answers).
+
+    ``expected_acceptance``: mean sum_x min(p, q) (acceptance of a sampled draft at T = 1);
+    ``greedy_acceptance``: how often the adapter's argmax is the target's (a greedy draft's acceptance);
+    ``top1``/``top5`` on the data's token t+1; ``predicted_chain_tau``: 1 + a + ... + a^gamma for the
+    greedy acceptance a at gamma = ``max_draft_len`` (positions treated as independent).
+    """
+    obj = KangarooObjective(cache, target, model.exit_layer, chunk_len=1 << 30)
+    acc, agree, hits1, hits5, n = 0.0, 0, 0, 0, 0
+    for s in range(0, len(obj.chunks), windows_per_batch):
+        b = obj.prepare(list(range(s, min(s + windows_per_batch, len(obj.chunks)))))
+        lg = model(b.seqs).float()
+        if model.draft_head is not None:  # target-id space, the dtype's minimum (q = 0) off the kept ids
+            lg = model.draft_head.to_target(lg)
+        acc += float(expected_acceptance(lg, b.teacher).sum())
+        agree += topk_hits(lg, b.teacher.argmax(-1), ks=(1,))[1][0]
+        h = topk_hits(lg, b.labels)
+        hits1, hits5, n = hits1 + h[1][0], hits5 + h[5][0], n + b.positions
+    a = agree / max(n, 1)
+    return {"positions": n, "expected_acceptance": acc / max(n, 1), "greedy_acceptance": a,
+            "top1": hits1 / max(n, 1), "top5": hits5 / max(n, 1),
+            "predicted_chain_tau": sum(a ** k for k in range(model.max_draft_len + 1))}

@@ -1,0 +1,256 @@
+"""Hydra and Hydra++ heads (arXiv 2402.05109), methods.md sections 3 and 10.
+
+Sequentially dependent heads: head i (i = 1..K) at position t reads the base
+state b_t and the input embeddings of tokens t+1..t+i, and predicts token
+t+i+1 (teacher-forced in training; the drafted path in decoding). Its
+distillation teacher is the target's distribution at t+i.
+
+  * base state b_t: the target's last hidden state h_t (after the final norm),
+    or, with ``prefix_layer``, the output at t of one extra decoder layer run
+    causally over h_0..h_t (Hydra++'s prefix layer);
+  * head i: an input layer ``b + Dropout(SiLU(W [b; e_{t+1}; ...; e_{t+i}]))``
+    with W zero-initialised (the head starts as the target's own next-token
+    prediction), then ``num_layers - 1`` residual blocks, then the target's
+    frozen LM head (shared, like Medusa's default);
+  * Hydra++ = ``prefix_layer: true, num_layers: 4, dropout: 0.2`` trained with
+    the soft loss and equal head weights (recipes/hydra-pp.yaml).
+
+The token embeddings are the target's own input embeddings, frozen and not
+saved (``shared_with_target``). Every stacked layer is its own module.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.heads.common import ResBlock
+from draftsmith.common.vocab import PrunedHead
+from draftsmith.engine.drafters import HeadDrafter
+from draftsmith.heads.objective import HydraObjective
+from draftsmith.registry import KindBase, register
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class PrefixLayer(nn.Module):
+    """One pre-norm decoder layer (causal self-attention with RoPE, SwiGLU MLP) over base hidden states.
+
+    Its KV cache is a pair of tensors that ``forward`` returns instead of
+    mutating, so a copied decode state never shares it. Output projections
+    start at zero: the layer starts as the identity.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
+                 rope_theta: float = 10000.0, eps: float = 1e-6):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.nh, self.nkv, self.hd = num_heads, num_kv_heads, head_dim
+        self.norm1 = RMSNorm(hidden_size, eps)
+        self.q = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.norm2 = RMSNorm(hidden_size, eps)
+        self.gate = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+        nn.init.zeros_(self.o.weight)
+        nn.init.zeros_(self.down.weight)
+        inv = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def init_from(self, layer: nn.Module) -> None:
+        """Copy q/k/v/gate/up and the norms from a Llama-style decoder layer (o and down stay zero)."""
+        pairs = [(self.q, "self_attn.q_proj"), (self.k, "self_attn.k_proj"), (self.v, "self_attn.v_proj"),
+                 (self.gate, "mlp.gate_proj"), (self.up, "mlp.up_proj"),
+                 (self.norm1, "input_layernorm"), (self.norm2, "post_attention_layernorm")]
+        with torch.no_grad():
+            for mine, name in pairs:
+                src = layer.get_submodule(name)
+                if src.weight.shape == mine.weight.shape:
+                    mine.weight.copy_(src.weight.float())
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        ang = pos.float()[:, None] * self.inv_freq[None]  # [T, hd/2]
+        emb = torch.cat([ang, ang], dim=-1)
+        return x * emb.cos().to(x.dtype) + _rotate_half(x) * emb.sin().to(x.dtype)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """x [T, d] at positions ``pos`` [T] after the ``past`` entries -> (out [T, d], (keys, values))."""
+        T = x.shape[0]
+        h = self.norm1(x)
+        q = self._rope(self.q(h).view(T, self.nh, self.hd).transpose(0, 1), pos)
+        k = self._rope(self.k(h).view(T, self.nkv, self.hd).transpose(0, 1), pos)
+        v = self.v(h).view(T, self.nkv, self.hd).transpose(0, 1)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)
+        rep = self.nh // self.nkv
+        kk, vv = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        S = kk.shape[1]
+        # Row j (absolute S - T + j) sees keys 0 .. S - T + j.
+        mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+        a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+        x = x + self.o(a.transpose(0, 1).reshape(T, self.nh * self.hd))
+        h = self.norm2(x)
+        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x, (k, v)
+
+
+class HydraHead(nn.Module):
+    """Head i: b + Dropout(SiLU(W [b; e_1..e_i])), then ``num_layers - 1`` residual blocks."""
+
+    def __init__(self, hidden_size: int, index: int, num_layers: int, dropout: float):
+        super().__init__()
+        self.index = index
+        self.inp = nn.Linear(hidden_size * (index + 1), hidden_size)
+        nn.init.zeros_(self.inp.weight)
+        nn.init.zeros_(self.inp.bias)
+        self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.blocks = nn.Sequential(*[ResBlock(hidden_size, dropout) for _ in range(num_layers - 1)])
+
+    def forward(self, base: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """base [P, d], emb [P, i, d] (embeddings of tokens t+1..t+i) -> [P, d]."""
+        x = torch.cat([base, emb.flatten(1)], dim=-1)
+        return self.blocks(base + self.drop(F.silu(self.inp(x))))
+
+
+@register
+class HydraHeads(KindBase, nn.Module):
+    kind = "hydra"
+    builds_trees = True
+    conditional_accuracy = True  # each head reads the drafts before it
+
+    def __init__(self, hidden_size: int, vocab_size: int, lm_head: nn.Module, embed: nn.Module, num_heads: int = 4,
+                 num_layers: int = 1, dropout: float = 0.0, prefix_layer: bool = False,
+                 prefix: dict | None = None, vocab_keep: int | None = None):
+        super().__init__()
+        if num_heads < 1 or num_layers < 1:
+            raise ValueError(f"num_heads and num_layers must be >= 1, got {num_heads}, {num_layers}")
+        if prefix_layer and not prefix:
+            raise ValueError("prefix_layer needs the layer's shape (prefix: heads, kv_heads, head_dim, ...)")
+        self.config = {"hidden_size": hidden_size, "vocab_size": vocab_size, "num_heads": num_heads,
+                       "num_layers": num_layers, "dropout": dropout, "prefix_layer": prefix_layer,
+                       "prefix": dict(prefix) if prefix_layer else None, "vocab_keep": vocab_keep}
+        self.num_heads = num_heads
+        self.heads = nn.ModuleList(HydraHead(hidden_size, i, num_layers, dropout) for i in range(1, num_heads + 1))
+        self.prefix = PrefixLayer(hidden_size, **prefix) if prefix_layer else None
+        self.lm_head = lm_head.requires_grad_(False)
+        self.embed = embed.requires_grad_(False)
+        self.shared_with_target = ("lm_head", "embed")
+        # the kept rows of the LM head (heads/vocab.py); ids are set from the training data before training
+        self.draft_head = PrunedHead(lm_head, torch.arange(int(vocab_keep))) if vocab_keep else None
+
+    def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
+        """Draft over these target ids only (needs ``vocab_keep`` = their count)."""
+        if self.draft_head is None:
+            raise ValueError("these heads draft over the full vocabulary (vocab_keep is not set)")
+        self.draft_head.set_kept(kept_ids, self.lm_head)
+
+    @property
+    def out_head(self) -> nn.Module:
+        """The projection drafts go through: the pruned head, or the target's LM head."""
+        return self.draft_head if self.draft_head is not None else self.lm_head
+
+    @staticmethod
+    def cache_needs(config: dict) -> list[str]:
+        return ["final"]
+
+    @staticmethod
+    def prefix_shape(target) -> dict:
+        c = target.config
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+        nh = int(c.num_attention_heads)
+        return {"num_heads": nh, "num_kv_heads": int(getattr(c, "num_key_value_heads", None) or nh),
+                "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // nh),
+                "intermediate_size": int(c.intermediate_size), "rope_theta": float(theta),
+                "eps": float(getattr(c, "rms_norm_eps", 1e-6))}
+
+    @classmethod
+    def for_target(cls, target, num_heads: int = 4, num_layers: int = 1, dropout: float = 0.0,
+                   prefix_layer: bool = False, vocab_keep: int | None = None) -> "HydraHeads":
+        """New heads for ``target``; a prefix layer starts from the target's last decoder layer."""
+        m = cls(target.hidden_size, target.vocab_size, target.lm_head, target.model.get_input_embeddings(),
+                num_heads, num_layers, dropout, prefix_layer, cls.prefix_shape(target) if prefix_layer else None,
+                vocab_keep)
+        if prefix_layer:
+            m.prefix.init_from(target.model.get_decoder().layers[-1])
+        return m
+
+    @classmethod
+    def from_config(cls, config: dict, target) -> "HydraHeads":
+        if int(config["hidden_size"]) != target.hidden_size or int(config["vocab_size"]) != target.vocab_size:
+            raise ValueError("Hydra config does not match the target's hidden or vocabulary size")
+        return cls(lm_head=target.lm_head, embed=target.model.get_input_embeddings(), **config)
+
+    @classmethod
+    def make_objective(cls, recipe, cache, target, exclude: set[int]) -> HydraObjective:
+        t = recipe.train
+        return HydraObjective(cache, target, recipe.drafter.num_heads, prefix_layer=recipe.drafter.prefix_layer,
+                              loss=t.loss, soft_weight=t.soft_weight, head_decay=t.head_decay,
+                              chunk_len=t.chunk_len, exclude=exclude)
+
+    def eval_objective(self, cache, target=None) -> HydraObjective:
+        """The objective that feeds whole sequences to these heads (held-out accuracy, tree building)."""
+        return HydraObjective(cache, target, self.num_heads, chunk_len=1 << 30, prefix_layer=self.prefix is not None)
+
+    def decoder_drafter(self, target, target_fingerprint: str | None = None, name: str = "hydra") -> HeadDrafter:
+        return HeadDrafter(self, target_fingerprint=target_fingerprint, name=name)
+
+    # ------------------------------------------------------------------ base states
+    def base_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, d] hidden states of one sequence from position 0 -> [T, d] base states."""
+        if self.prefix is None:
+            return hidden
+        return self.prefix(hidden, torch.arange(hidden.shape[0], device=hidden.device))[0]
+
+    def base_step(self, rows: torch.Tensor, start: int, past):
+        """Incremental base states for rows at positions start.. (decoding) -> (base [n, d], new past)."""
+        if self.prefix is None:
+            return rows, None
+        return self.prefix(rows, torch.arange(start, start + rows.shape[0], device=rows.device), past)
+
+    # ------------------------------------------------------------------ heads
+    def head_states(self, base: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """base [P, d], next_tokens [P, >=K] (tokens t+1..t+K) -> [K, P, d] teacher-forced head states."""
+        emb = self.embed(next_tokens[:, : self.num_heads]).to(base.dtype)
+        return torch.stack([h(base, emb[:, : h.index]) for h in self.heads], dim=0)
+
+    def forward(self, hidden: torch.Tensor | None, next_tokens: torch.Tensor, seqs: list | None = None) -> torch.Tensor:
+        """Teacher-forced logits [K, P, V] ([K, P, N] with a pruned vocabulary); head i predicts token t+i+1.
+
+        ``hidden`` [P, d] are the base states; with a prefix layer pass
+        ``seqs`` instead: (h_0..h_{hi-1} of a sequence, lo, kept-rows mask)
+        per window, and the base states are computed here.
+        """
+        if seqs is not None:
+            hidden = torch.cat([self.base_states(h)[lo: lo + len(keep)][keep] for h, lo, keep in seqs])
+        elif self.prefix is not None:
+            raise ValueError("Hydra heads with a prefix layer need whole sequences (seqs), not bare states")
+        return self.out_head(self.head_states(hidden, next_tokens))
+
+    def draft_states(self, base: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
+        """base [1, d]; paths [n, i] (root then drafted tokens, i <= K) -> head i's states [n, d]."""
+        i = min(paths.shape[1], self.num_heads)
+        emb = self.embed(paths[:, :i]).to(base.dtype)
+        return self.heads[i - 1](base.expand(paths.shape[0], -1), emb)
