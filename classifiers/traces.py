@@ -39,6 +39,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from draftsmith.checkpoint import read_json
 from draftsmith.classifiers.features import distribution_features, last_row, safe_log
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.policies import DraftSignal, FixedLength, LengthPolicy
@@ -262,7 +263,6 @@ def load_traces(path: str | Path, split: str) -> Traces:
     """A split (``train`` or ``calibration``) of a trace directory written by `save_traces`."""
     from datasets import load_from_disk  # heavy import, only for reading
 
-    from draftsmith.checkpoint import read_json
     path = Path(path)
     meta = read_json(path / META, "acceptance-trace meta", required=("target.fingerprint", "drafter"))
     if not (path / DATASET_DIR).is_dir():

@@ -36,7 +36,8 @@ from draftsmith.common.chunks import calibration_split
 from draftsmith.recipe import Recipe
 from draftsmith.target import Target
 from draftsmith.train import generate, remote, sources
-from draftsmith.train.cache import HiddenCache, build_cache
+from draftsmith.common.hidden_cache import HiddenCache
+from draftsmith.train.cache import build_cache
 from draftsmith.drafters.own_tokenizer.training import heldout_figures, train_text_drafter
 from draftsmith.train.trainer import train
 

@@ -1,4 +1,4 @@
-"""Distillation divergences between the target's distribution p and the drafter's q (methods.md section 7).
+"""Distillation divergences between the target's distribution p and the drafter's q (docs/methods.md section 7).
 
 Every function takes student logits and teacher logits over the same ids
 ([P, V'] each; with a pruned vocabulary V' = the kept ids, so the teacher is

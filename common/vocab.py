@@ -1,4 +1,4 @@
-"""A pruned draft vocabulary for drafters that end in the target's output head (methods.md section 8).
+"""A pruned draft vocabulary for drafters that end in the target's output head (docs/methods.md section 8).
 
 Keep the N most frequent target ids of the training data's assistant tokens
 (FR-Spec / EAGLE-3 style). The drafter projects onto those N rows of the

@@ -7,6 +7,7 @@ the offending key, e.g. ``recipe key 'train.lrr': unknown key``.
 
 from __future__ import annotations
 
+import importlib.resources
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
@@ -222,8 +223,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read and validate a recipe; a bare name like 'quickstart' means recipes/<name>.yaml."""
     p = Path(path)
     if not p.exists() and not p.suffix:
-        import draftsmith.recipes as r
-        p = Path(r.__file__).parent / f"{path}.yaml"
+        p = Path(str(importlib.resources.files("draftsmith.recipes") / f"{path}.yaml"))
     if not p.exists():
         raise FileNotFoundError(f"recipe {str(path)!r} not found")
     raw = yaml.safe_load(p.read_text())

@@ -89,7 +89,6 @@ class Drafter(Protocol):
     def commit(self, dec: Any, state: Any, tree: DraftTree, path: list[int]) -> None: ...
 
 
-@dataclass
 @runtime_checkable
 class SelfDrafter(Protocol):
     """A drafter that drafts from the target's own shallow layers (Kangaroo, early exit): it can verify at full
@@ -103,6 +102,7 @@ class SelfDrafter(Protocol):
     def set_confidence(self, threshold: float) -> None: ...
 
 
+@dataclass
 class _HeadState:
     logits: torch.Tensor | None = None  # [K, V] Medusa logits for this step
     base: torch.Tensor | None = None  # [1, d] Hydra's base state at length-1 (after the prefix layer)

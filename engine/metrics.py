@@ -1,4 +1,4 @@
-"""Decoding metrics: one definition each (methods.md section 11), imported wherever reported.
+"""Decoding metrics: one definition each (docs/methods.md section 11), imported wherever reported.
 
 Conventions:
   * A "target forward" is one forward of the target that emits tokens. Our

@@ -3,7 +3,7 @@
 A policy sees only draft-side information (the draft's logits and
 distribution for the candidate next token, how many tokens are already
 drafted, optional drafter features), so any policy keeps the decoder
-lossless (methods.md section 6). Learned predictors (SpecDec++, DISCO) plug in
+lossless (docs/methods.md section 6). Learned predictors (SpecDec++, DISCO) plug in
 by implementing `LengthPolicy`.
 
 Optional policy methods (looked up once; a policy without them costs nothing):

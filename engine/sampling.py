@@ -3,7 +3,7 @@
 One function, `processed_probs`, turns logits into the distribution that is
 sampled from, for the drafter (q) and the target (p) alike: fp32,
 temperature, then top-k, then top-p. Verification is handed exactly the q a
-draft token was drawn from (methods.md section 1: verifying raw logits while
+draft token was drawn from (docs/methods.md section 1: verifying raw logits while
 sampling filtered ones is the classic lossy bug).
 
 Randomness goes through a `RandomSource` with two primitives, so tests can

@@ -11,7 +11,7 @@ Shapes:
     ``[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]``; (0, 1) is the second-ranked
     child of the top-ranked first-level node.
   * `DynamicTree`: EAGLE-2-style, grown under a node budget from the draft's
-    probabilities (methods.md section 9); see drafting.py.
+    probabilities (docs/methods.md section 9); see drafting.py.
 """
 
 from __future__ import annotations

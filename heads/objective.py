@@ -4,7 +4,7 @@ Training samples are chunks of consecutive positions of one cached sequence,
 so the teacher distribution at a position (target logits recomputed from the
 cached final hidden state) is computed once and shared by every head.
 
-Position convention (methods.md section 10): head k (1-based) at position t
+Position convention (docs/methods.md section 10): head k (1-based) at position t
 predicts token t+k+1, whose teacher distribution is the target's at t+k.
 A label counts only if token t+k+1 is an assistant token of the same sequence.
 """

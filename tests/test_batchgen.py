@@ -143,7 +143,7 @@ def test_job_longer_than_capacity_is_a_clear_error(peaky):
 def test_kv_memory_estimate_matches_the_allocation(peaky):
     cfg = peaky.model.config
     cache = RaggedCache(cfg, 3, 40, torch.float32, "cpu")
-    allocated = sum(l.keys.numel() * 4 + l.values.numel() * 4 for l in cache.layers)
+    allocated = sum(layer.keys.numel() * 4 + layer.values.numel() * 4 for layer in cache.layers)
     assert RaggedCache.bytes_needed(cfg, 3, 40, torch.float32) == allocated
 
 

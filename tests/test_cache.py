@@ -1,8 +1,9 @@
-import numpy as np
 import pytest
 import torch
 
-from draftsmith.train.cache import HiddenCache, build_cache, teacher_logits
+from draftsmith.common.hidden_cache import HiddenCache, teacher_logits
+
+from draftsmith.train.cache import build_cache
 
 
 def _seqs(target, n=5, seed=0):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from draftsmith.cli import pipeline
+from draftsmith.common.hidden_cache import HiddenCache
 from draftsmith.recipe import parse_recipe
 from draftsmith.train import cache as cache_mod
 from draftsmith.train.batchgen import BatchGenerator, Job
@@ -73,7 +74,7 @@ def _assert_same_cache(a, b, tol):
             x, y = x.astype(np.float32), y.astype(np.float32)
             worst = max(worst, float(np.abs(x - y).max()))
             np.testing.assert_allclose(x, y, rtol=tol, atol=tol)
-    assert len(cache_mod.HiddenCache(a)) == ia["sequences"]
+    assert len(HiddenCache(a)) == ia["sequences"]
     return worst
 
 
@@ -257,7 +258,7 @@ def test_kill_and_resume_gives_the_separate_pass_cache(peaky, tmp_path, monkeypa
         assert lost == gen["fused_fallback_resumed"] > 0 and st["from_generation"] + lost == len(want)
     _assert_same_cache(r.out / "cache" / "train", _separate(tmp_path, r, peaky, "killed-sep"), 2e-3)
     # and in the order the separate pass (and the trainer's calibration split) uses: the file's order
-    c = cache_mod.HiddenCache(r.out / "cache" / "train")
+    c = HiddenCache(r.out / "cache" / "train")
     seqs = pipeline.load_sequences(r.out / "data" / "train.jsonl", peaky.tokenizer, r.data.max_seq_len)
     assert [c.tokens(i).tolist() for i in range(len(c))] == [s["ids"] for s in seqs]
 
@@ -296,9 +297,9 @@ def test_fused_cache_on_the_real_target(real_target, tmp_path):
                     fused=FusedCache(tmp_path / "fused"))
     seqs = pipeline.load_sequences(tmp_path / "t.jsonl", real_target.tokenizer, 2048)
     a = cache_mod.build_cache(real_target, seqs, ["final"], tmp_path / "fused")
-    b = cache_mod.build_cache(real_target, seqs, ["final"], tmp_path / "sep")
+    cache_mod.build_cache(real_target, seqs, ["final"], tmp_path / "sep")
     assert st["fused_fed_tokens"] > 0 and a["provenance"]["states"]["from_generation"] == len(seqs) == 6
-    ca, cb = cache_mod.HiddenCache(tmp_path / "fused"), cache_mod.HiddenCache(tmp_path / "sep")
+    ca, cb = HiddenCache(tmp_path / "fused"), HiddenCache(tmp_path / "sep")
     for i in range(len(seqs)):
         assert ca.tokens(i).tolist() == cb.tokens(i).tolist() and ca.mask(i).tolist() == cb.mask(i).tolist()
         x, y = ca.states(i, "final"), cb.states(i, "final")

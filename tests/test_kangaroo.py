@@ -1,4 +1,4 @@
-"""Kangaroo (issue 12) on tiny random models: same-position alignment, the target's cache after a step,
+"""Kangaroo on tiny random models: same-position alignment, the target's cache after a step,
 exact losslessness, greedy equality, bad input, training end to end with a checkpoint round trip."""
 
 import json
@@ -19,7 +19,8 @@ from draftsmith.engine.sampling import SamplingParams, TorchRandom
 from draftsmith.engine.trees import DynamicTree, StaticTree
 from draftsmith.recipe import RecipeError, parse_recipe
 from draftsmith.target import TargetMismatchError
-from draftsmith.train.cache import HiddenCache, build_cache
+from draftsmith.common.hidden_cache import HiddenCache
+from draftsmith.train.cache import build_cache
 from draftsmith.train.trainer import StopTraining, build_drafter, train
 from tests.test_decoder import tiny
 from tests.test_decoder_enumeration import N_NEW, PROMPT as ENUM_PROMPT, TEMP, TOPKP

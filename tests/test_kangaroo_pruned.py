@@ -1,4 +1,4 @@
-"""Kangaroo over a pruned vocabulary (issue 13 part 2): exact losslessness, the id map in the checkpoint,
+"""Kangaroo over a pruned vocabulary: exact losslessness, the id map in the checkpoint,
 training against the target renormalised over the kept ids, bad sizes refused."""
 
 import pytest
@@ -13,7 +13,8 @@ from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.policies import FixedLength
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
 from draftsmith.recipe import parse_recipe
-from draftsmith.train.cache import HiddenCache, build_cache
+from draftsmith.common.hidden_cache import HiddenCache
+from draftsmith.train.cache import build_cache
 from draftsmith.train.trainer import build_drafter, train
 from tests.test_decoder import tiny
 from tests.test_decoder_enumeration import N_NEW, PROMPT as ENUM_PROMPT, TEMP, TOPKP

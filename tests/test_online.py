@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.publish import PublishStore, load_current
+from draftsmith.publish import PublishStore
 from draftsmith.checkpoint import read_manifest
 from draftsmith.traffic import SCHEMA, TrafficLog, TrafficRecord, make_record
 from draftsmith.train.ledger import Ledger, Tailer

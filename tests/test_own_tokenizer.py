@@ -1,4 +1,4 @@
-"""Drafters with their own tokenizer (issue 13 part 4): the vocabulary bridge on a hand-made case, TLI exact
+"""Drafters with their own tokenizer: the vocabulary bridge on a hand-made case, TLI exact
 losslessness by enumeration, TLI and SLEM greedy equality with plain decoding (with a drafter trained end to
 end on the tiny target's own text, so drafts are accepted), the HF export, and bad input."""
 

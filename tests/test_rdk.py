@@ -1,4 +1,4 @@
-"""RDK (issue 13 part 3): the sparse affinity map against a dense reference on a tiny vocabulary, q_RDK is a
+"""RDK: the sparse affinity map against a dense reference on a tiny vocabulary, q_RDK is a
 distribution, rows stay stochastic, bad maps are refused. Exact losslessness of RDK drafting is in
 tests/test_standalone.py (enumeration with drafted pruned ids)."""
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from draftsmith.drafters.standalone.rdk import RDKMap, build_rdk, dense_affinity_reference
-from draftsmith.train.cache import HiddenCache, build_cache, teacher_logits
+from draftsmith.common.hidden_cache import HiddenCache, teacher_logits
+from draftsmith.train.cache import build_cache
 from tests.test_train import _cycle_sequences
 from tests.tiny import make_tiny_target
 

@@ -1,4 +1,4 @@
-"""Standalone distilled drafters (issue 13 parts 1, 2, 5) on tiny random models: divergences, initialisation,
+"""Standalone distilled drafters on tiny random models: divergences, initialisation,
 LoRA merge, tokenizer checks, pruned-vocabulary training and exact losslessness, checkpoints, export to HF."""
 
 import math
@@ -18,7 +18,8 @@ from draftsmith.eval.exact import exact_distribution, total_variation
 from draftsmith.export import export, load_drafter
 from draftsmith.recipe import RecipeError, parse_recipe
 from draftsmith.target import TargetMismatchError
-from draftsmith.train.cache import HiddenCache, build_cache
+from draftsmith.common.hidden_cache import HiddenCache
+from draftsmith.train.cache import build_cache
 from draftsmith.train.trainer import build_drafter, train
 from tests.test_decoder import tiny
 from tests.test_decoder_enumeration import N_NEW, PROMPT as ENUM_PROMPT, TEMP, TOPKP

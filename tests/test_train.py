@@ -6,7 +6,8 @@ from safetensors.torch import load_file
 
 from draftsmith.eval.head_accuracy import head_accuracy, predicted_chain_tau
 from draftsmith.recipe import parse_recipe
-from draftsmith.train.cache import HiddenCache, build_cache
+from draftsmith.common.hidden_cache import HiddenCache
+from draftsmith.train.cache import build_cache
 from draftsmith.train.trainer import StopTraining, build_drafter, train
 
 

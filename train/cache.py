@@ -28,15 +28,13 @@ import os
 import shutil
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.common.hidden_cache import (NP_DTYPE, TORCH_DTYPE, HiddenCache, decoder_of, field_file,
-                                          target_states, teacher_logits)
+from draftsmith.common.hidden_cache import NP_DTYPE, TORCH_DTYPE, field_file, target_states
 from draftsmith.target import Target
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Continual online distillation from logged serving traffic (methods.md section 7).
+"""Continual online distillation from logged serving traffic (docs/methods.md section 7).
 
 One cycle of `OnlineJob`:
   1. tail the log directory (`draftsmith.train.ledger.Tailer`); parse each new
@@ -38,7 +38,8 @@ from draftsmith.engine.metrics import acceptance_by_position, summarize
 from draftsmith.publish import PublishStore
 from draftsmith.recipe import Recipe
 from draftsmith.traffic import RecordError, parse_record
-from draftsmith.train.cache import HiddenCache, build_cache
+from draftsmith.common.hidden_cache import HiddenCache
+from draftsmith.train.cache import build_cache
 from draftsmith.train.ledger import Ledger, Pending, PendingRecord, Tailer, fsync_tree
 from draftsmith.train.online_update import load_anchor_lines, sample_anchors, update_module
 from draftsmith.train.trainer import build_drafter, set_draft_vocab
@@ -58,7 +59,7 @@ def is_holdout(src: str, every: int) -> bool:
 def decode_acceptance(target, checkpoint: Path | None, prompts: list[tuple[list[int], int]]) -> dict:
     """Greedy decoding of (prompt ids, new tokens) pairs with a checkpoint's drafter (None: plain decoding).
 
-    Returns acceptance (P(first draft accepted), methods.md section 11), tau and the per-position acceptance."""
+    Returns acceptance (P(first draft accepted), docs/methods.md section 11), tau and the per-position acceptance."""
     if not prompts:
         return {"prompts": 0, "acceptance": None, "tau": None}
     if checkpoint is None:

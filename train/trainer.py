@@ -37,24 +37,12 @@ class StopTraining(Exception):
     """Raised by the ``stop_after`` test hook to simulate a killed run."""
 
 
-def drafter_config(recipe: Recipe, target) -> dict:
+def build_drafter(recipe: Recipe, target) -> torch.nn.Module:
     cfg = recipe.drafter.model_dump()
     cfg.pop("kind")
-    return {"hidden_size": target.hidden_size, "vocab_size": target.vocab_size, **cfg}
-
-
-def build_drafter(recipe: Recipe, target) -> torch.nn.Module:
-    cls = registry.get(recipe.drafter.kind)
-    if hasattr(cls, "for_target"):  # kinds that initialise from the target (Hydra's prefix layer)
-        cfg = recipe.drafter.model_dump()
-        cfg.pop("kind")
-        if cfg.get("vocab_keep") is not None:
-            cfg["vocab_keep"] = kept_size(cfg["vocab_keep"], target.vocab_size)
-        return cls.for_target(target, **cfg)
-    cfg = drafter_config(recipe, target)
     if cfg.get("vocab_keep") is not None:
         cfg["vocab_keep"] = kept_size(cfg["vocab_keep"], target.vocab_size)
-    return cls.from_config(cfg, target)
+    return registry.get(recipe.drafter.kind).for_target(target, **cfg)
 
 
 def set_draft_vocab(model: torch.nn.Module, cache: HiddenCache, exclude: set[int]) -> dict | None:
@@ -100,17 +88,7 @@ def init_weights(model: torch.nn.Module, recipe: Recipe, target, path: str | Pat
 def make_objective(recipe: Recipe, cache: HiddenCache, target):
     t = recipe.train
     exclude = calibration_split(len(cache), t.calibration_every)
-    make = getattr(registry.get(recipe.drafter.kind), "make_objective", None)
-    if make is not None:  # a kind that brings its own objective (Kangaroo)
-        return make(recipe, cache, target, exclude)
-    common = dict(loss=t.loss, soft_weight=t.soft_weight, head_decay=t.head_decay, chunk_len=t.chunk_len,
-                  exclude=exclude)
-    if recipe.drafter.kind == "medusa":
-        return HeadObjective(cache, target, recipe.drafter.num_heads, **common)
-    if recipe.drafter.kind == "hydra":
-        return HydraObjective(cache, target, recipe.drafter.num_heads, prefix_layer=recipe.drafter.prefix_layer,
-                              **common)
-    raise KeyError(f"no training objective for drafter kind {recipe.drafter.kind!r}")
+    return registry.get(recipe.drafter.kind).make_objective(recipe, cache, target, exclude)
 
 
 def lr_lambda(t, total: int):

@@ -1,11 +1,11 @@
-"""DISCO (methods.md section 6): a small classifier on draft-side features decides the draft length.
+"""DISCO (docs/methods.md section 6): a small classifier on draft-side features decides the draft length.
 
 Before each candidate d_{k+1} is drafted, a logistic regression on the candidate's
 draft-side features (classifiers/features.py: top1, top2, entropy, position,
 log cumulative draft probability of the prefix) predicts
 P(d_{k+1} accepted | d_1..d_k accepted); drafting stops when it falls below a
 threshold tuned on the calibration split for expected tokens per unit of step cost
-(classifiers/tuning.py). The paper's exact features are not confirmed (methods.md);
+(classifiers/tuning.py). The paper's exact features are not confirmed (docs/methods.md);
 these are the ones it is believed to use.
 
 Training labels are the traces' ratio = min(1, p/q) (soft: each row is an accepted
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from draftsmith.checkpoint import command_line
+from draftsmith.checkpoint import command_line, read_json
 from draftsmith.classifiers.features import DISCO_FEATURES, distribution_features, safe_log
 from draftsmith.classifiers.traces import TraceError, Traces, check_same_drafter
 from draftsmith.classifiers.tuning import best_fixed, calibration_rounds, quality, tune_threshold_and_cap
@@ -117,7 +117,6 @@ def fit(train: Traces, cal: Traces, *, max_len: int, min_len: int = 1, c: float 
 
 def load(path: str | Path) -> DiscoModel:
     """A saved DISCO model (a directory holding disco.json, or the file); errors name the file."""
-    from draftsmith.checkpoint import read_json
     p = Path(path)
     p = p / FILE if p.is_dir() else p
     d = read_json(p, "DISCO classifier", required=("format", "coef", "mean", "scale", "intercept", "threshold"))

@@ -1,4 +1,4 @@
-"""SpecDec++ (methods.md section 5): an acceptance head on the drafter's hidden state and a stop rule.
+"""SpecDec++ (docs/methods.md section 5): an acceptance head on the drafter's hidden state and a stop rule.
 
 Head: L = 3 DISTINCT ResBlocks x + SiLU(W x) (W zero-initialised: the head starts as a
 linear probe; the public code shares one block across the three by accident), then

@@ -1,4 +1,4 @@
-"""Kangaroo decoding: a self-drafter for `draftsmith.engine.decoder.SpeculativeDecoder` (methods.md section 4).
+"""Kangaroo decoding: a self-drafter for `draftsmith.engine.decoder.SpeculativeDecoder` (docs/methods.md section 4).
 
 Per step (chains, static trees and dynamic trees):
   * draft: each draft call runs the target's layers 1..l on the nodes whose

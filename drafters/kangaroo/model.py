@@ -1,4 +1,4 @@
-"""Kangaroo self-drafting (arXiv 2404.18911), methods.md sections 4 and 10.
+"""Kangaroo self-drafting (arXiv 2404.18911), docs/methods.md sections 4 and 10.
 
 Draft path: the target's first l decoder layers (frozen, shared with the
 target, never saved) -> an adapter -> the target's frozen LM head. The

@@ -29,12 +29,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from draftsmith.drafters.own_tokenizer.model import VocabBridge
 from draftsmith.engine.drafters import project
 from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
 from draftsmith.engine.trees import DraftTree
+
+if TYPE_CHECKING:  # the model module builds these drafters: importing it here would be a cycle
+    from draftsmith.drafters.own_tokenizer.model import VocabBridge
 
 SLACK = 64  # drafter cache slots beyond the target's capacity (its tokenisation may be a little longer)
 

@@ -1,4 +1,4 @@
-"""A drafter with its own tokenizer (issue 13 part 4): a small BPE tokenizer trained on the
+"""A drafter with its own tokenizer: a small BPE tokenizer trained on the
 self-distilled text, a small Llama over it, and the bridge between its vocabulary and the target's.
 
 * `train_bpe_tokenizer`: a byte-level BPE (the `tokenizers` library) with the target's pre-tokenizer
@@ -28,6 +28,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from draftsmith.checkpoint import CheckpointError, MissingFileError
+from draftsmith.drafters.own_tokenizer.decode import TLIDrafter
 from draftsmith.registry import KindBase, register
 from draftsmith.target import Target
 
@@ -248,7 +249,6 @@ class OwnTokenizerDrafter(KindBase, torch.nn.Module):
 
     def decoder_drafter(self, target: Target, fingerprint: str, name: str):
         """TLI (lossless, greedy and sampling) by default; `slem_drafter` for SLEM."""
-        from draftsmith.drafters.own_tokenizer.decode import TLIDrafter  # the decode module imports this one
         return TLIDrafter(self.model, self.bridge(target), target_fingerprint=fingerprint, name=f"{name} TLI")
 
     def hf_tokenizer(self, target: Target) -> PreTrainedTokenizerFast:

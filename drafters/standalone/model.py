@@ -1,4 +1,4 @@
-"""Standalone distilled drafters: a small causal LM over the target's tokenizer (methods.md sections 1, 7, 8).
+"""Standalone distilled drafters: a small causal LM over the target's tokenizer (docs/methods.md sections 1, 7, 8).
 
 The drafter is any Hugging Face causal LM whose vocabulary is the target's:
   * ``init: target``: the target's first ``num_layers`` layers, embeddings,

@@ -1,4 +1,4 @@
-"""RDK: redistribute a pruned drafter's kept-set distribution onto pruned ids (methods.md section 8, docs/rdk.md).
+"""RDK: redistribute a pruned drafter's kept-set distribution onto pruned ids (docs/methods.md section 8, docs/rdk.md).
 
 q_RDK = M^T q', with q' the drafter's distribution over the N kept ids and M
 a row-stochastic [N, V] token-affinity matrix. Ours is sparse (NOT the

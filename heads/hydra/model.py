@@ -1,4 +1,4 @@
-"""Hydra and Hydra++ heads (arXiv 2402.05109), methods.md sections 3 and 10.
+"""Hydra and Hydra++ heads (arXiv 2402.05109), docs/methods.md sections 3 and 10.
 
 Sequentially dependent heads: head i (i = 1..K) at position t reads the base
 state b_t and the input embeddings of tokens t+1..t+i, and predicts token
@@ -21,7 +21,6 @@ saved (``shared_with_target``). Every stacked layer is its own module.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F

@@ -133,11 +133,15 @@ def read_medusa_dir(src: str | Path, target: Target) -> tuple[MedusaHeads, dict]
             raise CheckpointError(f"{cfg_path}: {key} is {config[key]}, the target {target.name!r} has {want}")
     if (src / VLLM_WEIGHTS).exists() and "lm_heads.0.weight" in check_safetensors(src / VLLM_WEIGHTS):
         file, sd = src / VLLM_WEIGHTS, read_safetensors(src / VLLM_WEIGHTS, "vLLM Medusa weights")
-        names = lambda i, j: (f"blocks.{i}.layers.{j}.weight", f"blocks.{i}.layers.{j}.bias", f"lm_heads.{i}.weight")
+
+        def names(i: int, j: int) -> tuple[str, str, str]:
+            return f"blocks.{i}.layers.{j}.weight", f"blocks.{i}.layers.{j}.bias", f"lm_heads.{i}.weight"
         with_bias = bool(config.get("medusa_fc_bias", False))  # vLLM's default: no bias
     elif (src / TGI_WEIGHTS).exists():
         file, sd = src / TGI_WEIGHTS, read_safetensors(src / TGI_WEIGHTS, "Medusa weights")
-        names = lambda i, j: (f"{i}.{j}.linear.weight", f"{i}.{j}.linear.bias", f"{i}.{n}.weight")
+
+        def names(i: int, j: int) -> tuple[str, str, str]:
+            return f"{i}.{j}.linear.weight", f"{i}.{j}.linear.bias", f"{i}.{n}.weight"
         with_bias = True  # TGI and the original ResBlock load the bias unconditionally
     elif (src / "medusa_lm_head.pt").exists() or (src / "pytorch_model.bin").exists():
         raise CheckpointError(f"{src}: only pickle weights (.pt/.bin) there; draftsmith never loads pickle: convert "

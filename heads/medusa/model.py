@@ -1,4 +1,4 @@
-"""Medusa heads (arXiv 2401.10774), methods.md section 2.
+"""Medusa heads (arXiv 2401.10774), docs/methods.md section 2.
 
 Head k (k = 1..K) reads the target's last hidden state h_t (after the final
 norm) and predicts the token at t+k+1 (the target's own LM head predicts
