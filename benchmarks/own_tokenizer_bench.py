@@ -33,7 +33,7 @@ from draftsmith.engine.cpu_layout import apply_cpu_layout, cpu_decode_layout
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams
-from draftsmith.eval.bench import BASELINE, Method, _hf_run, hf_generate, ours, run_bench, table
+from draftsmith.eval.bench import BASELINE, Method, hf_generate, hf_run, ours, run_bench, table
 from draftsmith.eval.mtbench import mtbench_prompts
 from draftsmith.target import load_target
 
@@ -46,7 +46,7 @@ def hf_universal(target, model, tokenizer, k: int, sampling: SamplingParams) -> 
     asst.generation_config.num_assistant_tokens_schedule = "constant"
     asst.generation_config.assistant_confidence_threshold = 0.0
     extra = {"assistant_model": asst, "tokenizer": target.tokenizer, "assistant_tokenizer": tokenizer}
-    return Method(f"HF universal assisted K={k}", _hf_run(target, sampling, extra), "hf")
+    return Method(f"HF universal assisted K={k}", hf_run(target, sampling, extra), "hf")
 
 
 def methods_for(target, module, hf_dir: Path, k: int, sampling: SamplingParams, slem_extra: int,
