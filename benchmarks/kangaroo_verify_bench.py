@@ -1,5 +1,5 @@
 """Kangaroo: verification from the shallow states (layers l+1..L) against a full-depth verification of
-the SAME drafts, paired step by step (issue 12).
+the SAME drafts, paired step by step.
 
     python -m benchmarks.kangaroo_verify_bench CHECKPOINT [--tree '[[0],[1],[2]]' ...] [--prompts 16]
         [--max-new-tokens 64] [--out FILE]

@@ -12,7 +12,7 @@ the draft length in drafter tokens for HF and SLEM (SLEM proposes at most K targ
 tokens for TLI (each TLI draft is one shared token). At temperature 0 every method's tokens are
 compared with plain decoding (they must be equal; mismatches are counted in the report); at a sampled
 temperature the mean target NLL per token of each method's outputs is reported (lossless methods match
-plain sampling within noise; HF's universal assisted generation with sampling did not in our smoke).
+plain sampling within noise; HF's universal assisted generation with sampling does not: docs/DECISIONS.md).
 Writes OUT/report.json (figures, command, environment) and OUT/report.md.
 """
 

@@ -1,4 +1,4 @@
-"""The issue-13 table: standalone drafters side by side on MT-Bench first turns, one interleaved run.
+"""Standalone drafters side by side on MT-Bench first turns, one interleaved run.
 
     python -m benchmarks.standalone_table CKPT [CKPT ...] [--prompts 80] [--max-new-tokens 128]
         [--temperature 0 1] [--draft-len 4] [--hf-assisted] --out DIR
@@ -11,7 +11,7 @@ Hugging Face assisted generation with the same drafter exported as a plain
 model (full-size head) at the same draft length. Baselines: our plain
 decoding and HF ``generate``, interleaved prompt by prompt.
 
-Figures per method (methods.md section 11): tau (tokens per target forward),
+Figures per method (docs/methods.md section 11): tau (tokens per target forward),
 alpha (accepted / tested drafts over every depth, i.e. the pooled per-position
 acceptance), accept@1, tokens/s and the speedup over our plain decoding, the
 draft time per drafted token from the decoder's own timers, and at
