@@ -19,22 +19,18 @@ and greedy rows identical to plain batched decoding (counted). Writes ``OUT/batc
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
-from pathlib import Path
 
 import torch
 
-from draftsmith.checkpoint import command_line, environment
+from benchmarks.common import add_common_args, parser, provenance, setup, write_json
+from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.batched import (BatchAwareLength, BatchedSpeculativeDecoder, GoodputTable, calibrate,
                                        plain_batched_decoder)
 from draftsmith.engine.drafters import first_layers_drafter
-from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.metrics import tokens_per_second
 from draftsmith.engine.sampling import SamplingParams
-from draftsmith.eval.mtbench import mtbench_prompts
-from draftsmith.target import default_device, load_target
 
 PLAIN, HF = "plain batched (ours)", "HF generate batched"
 
@@ -72,20 +68,11 @@ def hf_batched(target, prompts: list[list[int]], max_new_tokens: int, sampling: 
 
 
 def run(a) -> dict:
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    target = load_target(a.target, device=default_device(a.device))
-    if a.checkpoint:
-        drafter = drafter_from_checkpoint(a.checkpoint, target)
-    else:
-        drafter = first_layers_drafter(target, a.drafter_layers)
-    layout = None
-    if a.cpu_layout:
-        from draftsmith.engine.cpu_layout import apply_cpu_layout  # optional: CPU-only weight layout
-        layout = apply_cpu_layout(target, drafter)
+    bench = setup(a, drafters=lambda t: drafter_from_checkpoint(a.checkpoint, t) if a.checkpoint
+                  else first_layers_drafter(t, a.drafter_layers))
+    target, drafter, layout, out = bench.target, bench.drafters, bench.layout, bench.out
     sampling = SamplingParams(a.temperature, a.top_k if a.temperature > 0 else 0, a.top_p if a.temperature > 0 else 1.0)
-    prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
-    prompts = sorted(prompts, key=lambda p: len(p.ids))
+    prompts = sorted(bench.prompts(a.prompts), key=lambda p: len(p.ids))
     ids = [p.ids for p in prompts]
     sizes = sorted(set(a.batch_sizes))
     if a.passes < 1:
@@ -103,8 +90,7 @@ def run(a) -> dict:
         table = calibrate(make, ids, sizes, a.calib_ks, new_tokens=a.calib_tokens, repeats=a.calib_repeats,
                           log=print if a.verbose else None)
     calib_s = time.perf_counter() - t0
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    table.save(Path(a.out) / "goodput_table.json")  # now, so a stopped run can be redone with --policy-table
+    table.save(out / "goodput_table.json")  # now, so a stopped run can be redone with --policy-table
     policy = BatchAwareLength(table, margin=a.margin)
     print(f"calibration {calib_s:.0f} s; acceptance by depth {[round(x, 3) for x in table.acceptance]}; "
           f"K by batch size {policy.plan(sizes)}", flush=True)
@@ -153,15 +139,13 @@ def run(a) -> dict:
         row["policy_k"] = policy.choose(b)
         figures[str(b)] = row
     print(table_text(figures, names))
-    out = {"figures": figures, "calibration": table.to_dict(), "calibration_s": calib_s,
-           "config": {k: v for k, v in vars(a).items()}, "cpu_layout": layout, "target": target.name,
-           "drafter": getattr(drafter, "name", type(drafter).__name__), "command": command_line(),
-           "environment": environment()}
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "batched_bench.json").write_text(json.dumps(out, indent=1, default=str))
-    table.save(Path(a.out) / "goodput_table.json")
-    print(f"wrote {Path(a.out) / 'batched_bench.json'} and goodput_table.json")
-    return out
+    report = {"figures": figures, "calibration": table.to_dict(), "calibration_s": calib_s,
+              "config": {k: v for k, v in vars(a).items()}, "cpu_layout": layout, "target": target.name,
+              "drafter": getattr(drafter, "name", type(drafter).__name__), **provenance()}
+    path = write_json(out / "batched_bench.json", report, indent=1)
+    table.save(out / "goodput_table.json")
+    print(f"wrote {path} and goodput_table.json")
+    return report
 
 
 def table_text(figures: dict, names: list[str]) -> str:
@@ -178,11 +162,11 @@ def table_text(figures: dict, names: list[str]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.batched_bench", description=__doc__.split("\n")[0])
+    ap = parser("batched_bench", __doc__)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a trained drafter checkpoint directory (its target is loaded by --target)")
     src.add_argument("--drafter-layers", type=int, help="the untrained first-N-layers model drafter instead")
-    ap.add_argument("--target", default="smollm2-135m-instruct")
+    add_common_args(ap, threads=True, device=True, seed=True, cpu_layout=True, out="dir")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--prompts", type=int, default=16, help="MT-Bench first turns (spread over categories)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -199,13 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false",
-                    help="keep PyTorch's default weight layout (default: draftsmith.engine.cpu_layout, all methods)")
     ap.add_argument("--verbose", action="store_true", help="print every calibration cell")
-    ap.add_argument("--out", required=True)
     return ap
 
 

@@ -24,7 +24,6 @@ except inside this throw-away benchmark directory).
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import add_common_args, parser, setup, write_json
 from draftsmith.checkpoint import environment
 
 
@@ -165,8 +165,8 @@ def _bare_forward(target, seqs, batch_tokens) -> float:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap = parser("bench_pipeline", __doc__)
+    add_common_args(ap, threads=True, out="file", out_required=False)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch-tokens", type=int, default=8192)
@@ -183,21 +183,16 @@ def main(argv=None) -> dict:
                     "generation + separate cache pass vs fused generation+cache vs HF generate + separate cache pass")
     ap.add_argument("--shard-tokens", type=int, default=200_000, help="--fused-cache: tokens per cache shard")
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats of each pair; best of each kept")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    target = setup(args, out_file=True).target
 
     from draftsmith.recipe import parse_recipe
-    from draftsmith.target import load_target
     from draftsmith.train.cache import build_cache
     from draftsmith.common.chat import render_example
     from draftsmith.train.generate import prompt_ids
     from draftsmith.train.sources import mtbench_questions
     from draftsmith.train.trainer import train
 
-    target = load_target(args.target)
     if args.roofline:
         res = {"environment": environment(), "threads": torch.get_num_threads(), "roofline": _roofline(target)}
         for r in res["roofline"]["shapes"]:
@@ -206,7 +201,7 @@ def main(argv=None) -> dict:
         print(f"{res['roofline']['flop_per_token'] / 1e6:.0f} MFLOP of linear layers per token, "
               f"{res['threads']} threads", flush=True)
         if args.out:
-            Path(args.out).write_text(json.dumps(res, indent=2))
+            write_json(args.out, res)
         return res
     tok = target.tokenizer
     qs = mtbench_questions()[: args.prompts]
@@ -218,7 +213,7 @@ def main(argv=None) -> dict:
     from draftsmith.train.sources import Conversation, SkipLog, normalise, read_sharegpt, resolve_path
     pool, seen = [], set()
     try:  # after the first 128 (ShareGPT sample, MT-Bench): HumanEval's 164 problems, for --data-prompts up to 296
-        from benchmarks.online_shift import humaneval_messages
+        from benchmarks.common import humaneval_messages
         coding = [Conversation(f"humaneval:{k}", "humaneval", [m[0]["content"]]) for k, m in humaneval_messages()]
     except ImportError:
         coding = []
@@ -242,7 +237,7 @@ def main(argv=None) -> dict:
               f"{f['fused_cache_max_state_diff']}; {f['conversations']} conversations x <= {f['max_new_tokens']} "
               f"tokens, {res['threads']} threads", flush=True)
         if args.out:
-            Path(args.out).write_text(json.dumps(res, indent=2))
+            write_json(args.out, res)
         return res
     d = res["data_path"] = _data_path(target, pool[: args.data_prompts], args.data_new_tokens, args.hf_batch,
                                       args.rows, args.repeats)
@@ -256,7 +251,7 @@ def main(argv=None) -> dict:
           flush=True)
     if args.only_data:
         if args.out:
-            Path(args.out).write_text(json.dumps(res, indent=2))
+            write_json(args.out, res)
         return res
 
     # 1. generation: single vs batched, alternating, same prompts
@@ -306,7 +301,7 @@ def main(argv=None) -> dict:
     print(f"training:   {100 * t['outside_math_share']:.1f}% of {t['wall_s']:.1f} s wall outside model math "
           f"(data {t['data_s']:.2f} s, stats {t['stats_s']:.2f} s, checkpoints {t['checkpoint_s']:.2f} s; goal <= 10%)")
     if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=2))
+        write_json(args.out, res)
     return res
 
 

@@ -11,40 +11,35 @@ drafted token, tested or not).
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections import defaultdict
-from pathlib import Path
 
-import torch
-
+from benchmarks.common import add_common_args, parser, setup, write_json
 from draftsmith.checkpoint import load_checkpoint
-from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.policies import FixedLength
-from draftsmith.eval.mtbench import mtbench_prompts
-from draftsmith.target import load_target
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoints", nargs="+")
-    ap.add_argument("--target", default="smollm2-135m-instruct")
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--draft-len", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    t = load_target(a.target)
-    prompts = mtbench_prompts(t.tokenizer, a.prompts, spread=True)
+def drafters_of(checkpoints: list[str], t) -> dict:
+    """Every checkpoint's drafter, renormalised and (when it has an RDK map) with q_RDK, by name."""
     drafters = {}
-    for c in a.checkpoints:
+    for c in checkpoints:
         m, _ = load_checkpoint(c, t)
         for r in ([False, True] if getattr(m, "rdk", None) is not None else [False]):
             drafters[f"{c}/{'rdk' if r else 'renorm'}"] = m.decoder_drafter(t, t.fingerprint, use_rdk=r)
-    apply_cpu_layout(t, *drafters.values())
+    return drafters
+
+
+def main(argv=None) -> dict:
+    ap = parser("draft_time", __doc__)
+    ap.add_argument("checkpoints", nargs="+")
+    add_common_args(ap, threads=True, threads_default=1, out="file")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--draft-len", type=int, default=4)
+    a = ap.parse_args(argv)
+    bench = setup(a, out_file=True, layout=True, drafters=lambda t: drafters_of(a.checkpoints, t))
+    t, drafters = bench.target, bench.drafters
+    prompts = bench.prompts(a.prompts)
     decs = {"plain": SpeculativeDecoder(t, None)}
     decs |= {n: SpeculativeDecoder(t, d, policy=FixedLength(a.draft_len)) for n, d in drafters.items()}
     for dec in decs.values():  # warm-up
@@ -66,8 +61,7 @@ def main(argv=None) -> dict:
                   "verify_ms_per_step": 1000 * s["verify_s"] / s["steps"], "tokens_per_s": s["tokens"] / s["wall"],
                   "tau": s["tokens"] / s["steps"]}
         print(n, {k: (round(v, 2) if v is not None else None) for k, v in out[n].items()}, flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"args": vars(a), "methods": out}, indent=1))
+    write_json(a.out, {"args": vars(a), "methods": out}, indent=1)
     return out
 
 

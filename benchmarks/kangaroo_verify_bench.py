@@ -1,5 +1,5 @@
 """Kangaroo: verification from the shallow states (layers l+1..L) against a full-depth verification of
-the SAME drafts, paired step by step (issue 12).
+the SAME drafts, paired step by step.
 
     python -m benchmarks.kangaroo_verify_bench CHECKPOINT [--tree '[[0],[1],[2]]' ...] [--prompts 16]
         [--max-new-tokens 64] [--out FILE]
@@ -16,12 +16,10 @@ and the median of the per-step ratio full / skip.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
-import torch
+from benchmarks.common import add_common_args, parser, setup, write_json
 
 
 def paired_verify_times(dec, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[tuple[int, float, float]]]:
@@ -53,30 +51,28 @@ def paired_verify_times(dec, prompt: list[int], max_new_tokens: int) -> tuple[li
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from draftsmith.engine.cpu_layout import apply_cpu_layout
-    from draftsmith.engine.decoder import SpeculativeDecoder, plain_decoder
     from draftsmith.checkpoint import drafter_from_checkpoint
-    from draftsmith.engine.tree_build import parse_tree
-    from draftsmith.eval.mtbench import mtbench_prompts
     from draftsmith.drafters.kangaroo.decode import KangarooDrafter
-    from draftsmith.target import load_target
+    from draftsmith.engine.decoder import SpeculativeDecoder, plain_decoder
+    from draftsmith.engine.tree_build import parse_tree
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("kangaroo_verify_bench", __doc__)
     ap.add_argument("checkpoint")
-    ap.add_argument("--target", default=None, help="default: the checkpoint's target")
+    add_common_args(ap, target_default=None, out="file", out_required=False)
     ap.add_argument("--tree", action="append", default=None, help="chain | JSON paths (default: chain); repeatable")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    from draftsmith.checkpoint import read_manifest
-    t = read_manifest(a.checkpoint)["target"]
-    target = load_target(a.target or t["name"])
-    drafter = drafter_from_checkpoint(a.checkpoint, target)
-    if not isinstance(drafter, KangarooDrafter):
-        raise SystemExit(f"{a.checkpoint} is not a Kangaroo checkpoint")
-    apply_cpu_layout(target, drafter)
-    prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
+
+    def kangaroo(target):
+        drafter = drafter_from_checkpoint(a.checkpoint, target)
+        if not isinstance(drafter, KangarooDrafter):
+            raise SystemExit(f"{a.checkpoint} is not a Kangaroo checkpoint")
+        return drafter
+
+    bench = setup(a, checkpoint=a.checkpoint, out_file=True, layout=True, drafters=kangaroo)
+    target, drafter = bench.target, bench.drafters
+    prompts = bench.prompts(a.prompts)
     plain = plain_decoder(target)
     report = {"checkpoint": a.checkpoint, "exit_layer": drafter.exit_layer, "prompts": len(prompts),
               "max_new_tokens": a.max_new_tokens, "trees": {}}
@@ -102,8 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
               + ", ".join(f"{n} rows: {v['skip_ms']:.1f}/{v['full_ms']:.1f} ms ({v['steps']})"
                           for n, v in r["by_rows"].items()), flush=True)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(a.out, report)
     return report
 
 

@@ -14,13 +14,13 @@ copies. Timings are for this machine only; nothing here is a test.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import statistics
 import time
 
 import torch
+
+from benchmarks.common import add_common_args, parser, setup, write_json
 
 
 @torch.no_grad()
@@ -29,16 +29,14 @@ def main(argv: list[str] | None = None) -> dict:
     from draftsmith.engine.cpu_layout import cpu_decode_layout
     from draftsmith.engine.drafters import project
     from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
-    from draftsmith.target import load_target
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap = parser("layout_bench", __doc__)
+    add_common_args(ap, out="file", out_required=False)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 9])
     ap.add_argument("--prefix", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    target = load_target(a.target)
+    target = setup(a, out_file=True).target
     if next(target.model.parameters()).device.type != "cpu":
         raise SystemExit("the CPU decoding layout only applies to CPU targets")
     models = {"default": target.model, "cpu_layout": copy.deepcopy(target.model)}
@@ -78,8 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"prefix": a.prefix, "repeats": a.repeats, "threads": torch.get_num_threads(), "rows": rows,
            "environment": environment()}
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json(a.out, out)
     return out
 
 

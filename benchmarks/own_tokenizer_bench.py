@@ -12,30 +12,27 @@ the draft length in drafter tokens for HF and SLEM (SLEM proposes at most K targ
 tokens for TLI (each TLI draft is one shared token). At temperature 0 every method's tokens are
 compared with plain decoding (they must be equal; mismatches are counted in the report); at a sampled
 temperature the mean target NLL per token of each method's outputs is reported (lossless methods match
-plain sampling within noise; HF's universal assisted generation with sampling did not in our smoke).
+plain sampling within noise; HF's universal assisted generation with sampling does not: docs/DECISIONS.md).
 Writes OUT/report.json (figures, command, environment) and OUT/report.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import tempfile
 from pathlib import Path
 
 import torch
 
-from draftsmith.checkpoint import command_line, environment, load_checkpoint, read_manifest
-from draftsmith.drafters.own_tokenizer.model import hf_assistant
+from benchmarks.common import add_common_args, parser, provenance, recording, setup, write_json
+from draftsmith.checkpoint import load_checkpoint
 from draftsmith.drafters.own_tokenizer.decode import slem_drafter, tli_drafter
-from draftsmith.engine.cpu_layout import apply_cpu_layout, cpu_decode_layout
+from draftsmith.drafters.own_tokenizer.model import hf_assistant
+from draftsmith.engine.cpu_layout import cpu_decode_layout
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams
-from draftsmith.eval.bench import BASELINE, Method, _hf_run, hf_generate, ours, run_bench, table
-from draftsmith.eval.mtbench import mtbench_prompts
-from draftsmith.target import load_target
+from draftsmith.eval.bench import BASELINE, Method, hf_generate, hf_run, ours, run_bench, table
 
 
 def hf_universal(target, model, tokenizer, k: int, sampling: SamplingParams) -> Method:
@@ -46,7 +43,7 @@ def hf_universal(target, model, tokenizer, k: int, sampling: SamplingParams) -> 
     asst.generation_config.num_assistant_tokens_schedule = "constant"
     asst.generation_config.assistant_confidence_threshold = 0.0
     extra = {"assistant_model": asst, "tokenizer": target.tokenizer, "assistant_tokenizer": tokenizer}
-    return Method(f"HF universal assisted K={k}", _hf_run(target, sampling, extra), "hf")
+    return Method(f"HF universal assisted K={k}", hf_run(target, sampling, extra), "hf")
 
 
 def methods_for(target, module, hf_dir: Path, k: int, sampling: SamplingParams, slem_extra: int,
@@ -69,20 +66,6 @@ def methods_for(target, module, hf_dir: Path, k: int, sampling: SamplingParams, 
     return out
 
 
-def recording(methods: list[Method]) -> tuple[list[Method], dict[str, list[list[int]]]]:
-    """The same methods, each keeping the tokens of every run (the warm-up run first)."""
-    got: dict[str, list[list[int]]] = {m.name: [] for m in methods}
-
-    def wrap(m: Method) -> Method:
-        def run(ids, n, seed):
-            r = m.run(ids, n, seed)
-            got[m.name].append(list(r.tokens))
-            return r
-        return Method(m.name, run, m.family)
-
-    return [wrap(m) for m in methods], got
-
-
 @torch.no_grad()
 def target_nll(target, prompts, outputs: list[list[int]], sampling: SamplingParams) -> float:
     """Mean negative log-likelihood per token of ``outputs`` under the target's sampling distribution
@@ -101,37 +84,31 @@ def target_nll(target, prompts, outputs: list[list[int]], sampling: SamplingPara
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser("own_tokenizer_bench", __doc__)
     ap.add_argument("checkpoint")
+    add_common_args(ap, target=False, threads=True, cpu_layout=True, out="dir")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0])
     ap.add_argument("--slem-extra", type=int, default=0, help="SLEM: drafter tokens written beyond K")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate and HF universal assisted generation")
-    ap.add_argument("--no-cpu-layout", action="store_true")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    target = load_target(read_manifest(a.checkpoint)["target"]["name"])
+    bench = setup(a, checkpoint=a.checkpoint)
+    target, out = bench.target, bench.out
     module, manifest = load_checkpoint(a.checkpoint, target)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     hf_dir = Path(tempfile.mkdtemp(prefix="own-tok-hf-"))
     module.export_hf(hf_dir, target)  # before the CPU layout: the export holds the plain weights
-    if not a.no_cpu_layout:
-        apply_cpu_layout(target, module)
-    prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
-    report = {"checkpoint": a.checkpoint, "manifest_metrics": manifest.get("metrics"), "runs": {},
-              "command": command_line(), "environment": environment()}
+    bench.apply_layout(module)
+    prompts = bench.prompts(a.prompts)
+    report = {"checkpoint": a.checkpoint, "manifest_metrics": manifest.get("metrics"), "runs": {}, **provenance()}
     md = [f"# own-tokenizer drafter {a.checkpoint} on {target.name}", ""]
     for temp in a.temperature:
         s = SamplingParams(temp)
-        methods, got = recording(methods_for(target, module, hf_dir, a.draft_len, s, a.slem_extra,
-                                             hf=not a.no_hf, layout=not a.no_cpu_layout))
+        methods, results = recording(methods_for(target, module, hf_dir, a.draft_len, s, a.slem_extra,
+                                                 hf=not a.no_hf, layout=a.cpu_layout))
         figs = run_bench(methods, prompts, a.max_new_tokens, log=print)
+        got = {name: [list(r.tokens) for r in rs] for name, rs in results.items()}  # the warm-up run first
         if s.greedy:  # every method must give the plain greedy tokens, prompt by prompt
             base = got[BASELINE][1:]
             figs["greedy_mismatches_vs_plain"] = {name: sum(x != y for x, y in zip(toks[1:], base))
@@ -146,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         md += [f"## temperature {temp}, {len(prompts)} prompts, {a.max_new_tokens} new tokens", "", "```",
                figs["table"], "```", ""]
         print(figs["table"])
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    write_json(out / "report.json", report)
     (out / "report.md").write_text("\n".join(md) + "\n")
     return 0
 

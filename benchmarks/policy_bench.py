@@ -25,39 +25,30 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
-from draftsmith.checkpoint import command_line, environment
+from benchmarks.common import add_common_args, draft_ms_per_token, parser, provenance, recording, setup, write_json
 from draftsmith.classifiers.disco import model as disco
-from draftsmith.classifiers.specdec import model as specdec
 from draftsmith.classifiers.roc import RocRefitStop
-from draftsmith.train.predictors import load_drafter, temperature_dir
+from draftsmith.classifiers.specdec import model as specdec
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.policies import ConfidenceStop, FixedLength
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.eval.bench import BASELINE, ours, run_bench
-from draftsmith.eval.mtbench import mtbench_prompts
-from draftsmith.target import default_device, load_target
+from draftsmith.train.predictors import load_drafter, temperature_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.policy_bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("policy_bench", __doc__)
     ap.add_argument("drafter", help="drafter checkpoint, or first-layers:N / early-exit:L")
     ap.add_argument("--predictors", default=None, help="directory written by `draftsmith predictors` "
                     "(without it: fixed K, confidence and ROC refit only)")
-    ap.add_argument("--target", default=None, help="target name or directory (default: the default target)")
+    add_common_args(ap, target_default=None, threads=True, device=True, seed=True, cpu_layout=True, out="dir",
+                    target_help="target name or local Hugging Face directory (default: the default target)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--fixed", type=int, nargs="+", default=list(range(1, 9)), help="fixed draft lengths")
     ap.add_argument("--max-len", type=int, default=8, help="cap of every dynamic policy")
     ap.add_argument("--confidence", type=float, default=0.4)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false")
-    ap.add_argument("--out", required=True)
     return ap
 
 
@@ -107,14 +98,11 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     a = build_parser().parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    target = load_target(a.target or "smollm2-135m-instruct", device=default_device(a.device))
+    bench = setup(a)
+    target = bench.target
     drafter, ident = load_drafter(a.drafter, target)
-    if a.cpu_layout:
-        from draftsmith.engine.cpu_layout import apply_cpu_layout
-        apply_cpu_layout(target, drafter)
-    prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
+    bench.apply_layout(drafter)
+    prompts = bench.prompts(a.prompts)
     report = {"drafter": ident, "target": {"name": target.name, "fingerprint": target.fingerprint},
               "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "runs": {}, "quality": {}}
     md = [f"# Draft-length policies: {ident['name']} on {target.name}", "",
@@ -126,22 +114,14 @@ def main(argv: list[str] | None = None) -> dict:
         methods = [ours(BASELINE, SpeculativeDecoder(target, sampling=sampling))]
         methods += [ours(name, SpeculativeDecoder(target, drafter, policy=p, sampling=sampling)) for name, p in pols]
         print(f"== {label}: {', '.join(m.name for m in methods)}", flush=True)
-        results: dict[str, list] = {m.name: [] for m in methods}
-        wrapped = []
-        for m in methods:  # keep every result for the per-prompt token comparison
-            def run(ids, n, seed, _m=m):
-                r = _m.run(ids, n, seed)
-                results[_m.name].append(r)
-                return r
-            wrapped.append(type(m)(m.name, run, m.family))
+        wrapped, results = recording(methods)  # every result kept, for the per-prompt token comparison
         fig = run_bench(wrapped, prompts, a.max_new_tokens, seed=a.seed)
         base = fig["methods"][BASELINE]["tokens_per_s"]
         rows = []
         for m in methods:
             s = fig["methods"][m.name]
             rs = results[m.name][1:]  # the first call is the warm-up
-            drafted = sum(st.drafted for r in rs for st in r.steps)
-            s["draft_ms_per_token"] = 1000 * sum(st.draft_s for r in rs for st in r.steps) / drafted if drafted else None
+            s["draft_ms_per_token"] = draft_ms_per_token(rs)
             if sampling.greedy and m.name != BASELINE:
                 same = sum(r.tokens == b.tokens for r, b in zip(rs, results[BASELINE][1:]))
                 s["identical_to_plain"] = f"{same}/{len(rs)}"
@@ -162,10 +142,9 @@ def main(argv: list[str] | None = None) -> dict:
                     md.append(f"| {t} | {kind} | {h.get('mode', '-')} | {h['threshold']:.3f} | "
                               f"{'-' if h['roc_auc'] is None else format(h['roc_auc'], '.3f')} | {h['ece']:.3f} | "
                               f"{h['brier']:.3f} | {'-' if g is None else f'{100 * g:+.1f}%'} (K={h['best_fixed_k']}) |")
-    report["command"], report["environment"] = command_line(), environment()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    report.update(provenance())
+    out = bench.out
+    write_json(out / "report.json", report)
     (out / "report.md").write_text("\n".join(md) + "\n")
     print(f"wrote {out / 'report.json'} and report.md")
     return report

@@ -17,15 +17,14 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from benchmarks.common import add_common_args, parser, setup, write_json
 from draftsmith.checkpoint import load_checkpoint
-from draftsmith.target import load_target
-import numpy as np
-
-from draftsmith.drafters.standalone.rdk import build_rdk
-from draftsmith.drafters.standalone.model import StandaloneObjective
 from draftsmith.common.hidden_cache import HiddenCache, teacher_logits
+from draftsmith.drafters.standalone.model import StandaloneObjective
+from draftsmith.drafters.standalone.rdk import build_rdk
 
 FIGURES = ("expected_acceptance", "expected_acceptance_rdk", "greedy_acceptance", "greedy_acceptance_rdk",
            "target_mass_off_kept", "rdk_mass_off_kept", "oracle_acceptance", "oracle_acceptance_rdk")
@@ -84,17 +83,16 @@ def dense_probe(model, train: HiddenCache, held: HiddenCache, target, positions:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("rdk_probe", __doc__)
     ap.add_argument("checkpoints", nargs="+")
     ap.add_argument("--data", required=True, help="a run directory holding cache/train and cache/heldout")
-    ap.add_argument("--target", default="smollm2-135m-instruct")
+    add_common_args(ap, out="file")
     ap.add_argument("--variant", nargs="*", type=parse_variant,
                     default=[("conditional", 16, 1.0), ("column", 16, 1.0)])
     ap.add_argument("--positions", type=int, default=20000)
     ap.add_argument("--dense", action="store_true", help="also the dense conditional-expectation map M*")
-    ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    target = load_target(a.target)
+    target = setup(a, out_file=True).target
     train, held = HiddenCache(Path(a.data) / "cache" / "train", target), HiddenCache(Path(a.data) / "cache" / "heldout", target)
     rows = []
     for ck in a.checkpoints:
@@ -120,8 +118,7 @@ def main(argv=None) -> None:
             row = {"checkpoint": ck, "weights": "dense", "build_s": round(time.perf_counter() - t0, 1), **d}
             rows.append(row)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(rows, indent=1))
+    write_json(a.out, rows, indent=1)
 
 
 if __name__ == "__main__":

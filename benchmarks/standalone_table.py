@@ -1,4 +1,4 @@
-"""The issue-13 table: standalone drafters side by side on MT-Bench first turns, one interleaved run.
+"""Standalone drafters side by side on MT-Bench first turns, one interleaved run.
 
     python -m benchmarks.standalone_table CKPT [CKPT ...] [--prompts 80] [--max-new-tokens 128]
         [--temperature 0 1] [--draft-len 4] [--hf-assisted] --out DIR
@@ -11,7 +11,7 @@ Hugging Face assisted generation with the same drafter exported as a plain
 model (full-size head) at the same draft length. Baselines: our plain
 decoding and HF ``generate``, interleaved prompt by prompt.
 
-Figures per method (methods.md section 11): tau (tokens per target forward),
+Figures per method (docs/methods.md section 11): tau (tokens per target forward),
 alpha (accepted / tested drafts over every depth, i.e. the pooled per-position
 acceptance), accept@1, tokens/s and the speedup over our plain decoding, the
 draft time per drafted token from the decoder's own timers, and at
@@ -23,22 +23,18 @@ Writes DIR/report.json and DIR/table.md.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM
 
-from draftsmith.checkpoint import command_line, environment, load_checkpoint, read_manifest
-from draftsmith.engine.cpu_layout import apply_cpu_layout
+from benchmarks.common import add_common_args, draft_ms_per_token, parser, provenance, setup, write_json
+from draftsmith.checkpoint import load_checkpoint
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.metrics import summarize
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.eval.bench import Method, hf_assisted, hf_generate, ours
-from draftsmith.eval.mtbench import mtbench_prompts
-from draftsmith.target import default_device, load_target
 
 
 def variants(ckpt: Path, target, ks: int | list[int], sampling: SamplingParams, hf: bool,
@@ -74,17 +70,11 @@ def pooled_alpha(results) -> float | None:
     return sum(s.accepted for s in steps) / tested if tested else None
 
 
-def draft_ms_per_token(results) -> float | None:
-    """Drafting time per drafted token (every token the drafter wrote, tested or not)."""
-    steps = [s for r in results for s in r.steps]
-    drafted = sum(s.drafted for s in steps)
-    return 1000 * sum(s.draft_s for s in steps) / drafted if drafted else None
-
-
 def run(a) -> dict:
-    target = load_target(a.target or read_manifest(a.checkpoint[0])["target"]["name"], device=default_device(a.device))
-    prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
-    report = {"command": command_line(), "environment": environment(), "args": vars(a), "runs": {}}
+    bench = setup(a, checkpoint=a.checkpoint[0])
+    target = bench.target
+    prompts = bench.prompts(a.prompts)
+    report = {**provenance(), "args": vars(a), "runs": {}}
     for temp in a.temperature:
         sampling = SamplingParams(temp)
         plain_dec = SpeculativeDecoder(target, None, sampling=sampling)
@@ -97,7 +87,7 @@ def run(a) -> dict:
             for k in a.draft_len:
                 methods.append((hf_assisted(target, asst, k, sampling, name=f"HF assisted {h} K={k}"),
                                 {"hf_export": h, "draft_len": k}))
-        apply_cpu_layout(target, *[i["drafter"] for _, i in methods if "drafter" in i])
+        bench.apply_layout(*[i["drafter"] for _, i in methods if "drafter" in i])
         for m, _ in methods:  # warm-up: cache allocation and kernels out of the timings
             m.run(prompts[0].ids, 8, a.seed)
         per = {m.name: [] for m, _ in methods}
@@ -120,9 +110,8 @@ def run(a) -> dict:
                 row["equal_to_hf_generate"] = sum(r.tokens == q.tokens for r, q in zip(rs, per["HF generate"]))
             rows[m.name] = row
         report["runs"][f"T={temp}"] = {"prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "methods": rows}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    out = bench.out
+    write_json(out / "report.json", report)
     (out / "table.md").write_text(table(report))
     print(table(report))
     return report
@@ -150,10 +139,9 @@ def table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.standalone_table", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("standalone_table", __doc__)
     ap.add_argument("checkpoint", nargs="+", help="standalone drafter checkpoint directories")
-    ap.add_argument("--target", default=None)
+    add_common_args(ap, target_default=None, device=True, seed=True, out="dir")
     ap.add_argument("--prompts", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0])
@@ -162,9 +150,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-assisted", action="store_true", help="also HF assisted generation with each exported drafter")
     ap.add_argument("--hf-export", action="append", default=[], metavar="DIR",
                     help="also HF assisted generation with an `draftsmith export --to hf` directory (repeatable)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--out", required=True)
     return run(ap.parse_args(argv))
 
 

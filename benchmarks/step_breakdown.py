@@ -15,11 +15,11 @@ Python. Methods: our decoder with the checkpoint's drafter (one row per
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 
 import torch
+
+from benchmarks.common import add_common_args, parser, setup, write_json
 
 
 class ForwardClock:
@@ -61,41 +61,34 @@ class ForwardClock:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from draftsmith.checkpoint import environment, read_manifest
-    from draftsmith.eval.cli import parse_tree
-    from draftsmith.engine.cpu_layout import apply_cpu_layout
+    from draftsmith.checkpoint import drafter_from_checkpoint, environment
     from draftsmith.engine.decoder import SpeculativeDecoder
     from draftsmith.engine.drafters import first_layers_drafter
-    from draftsmith.checkpoint import drafter_from_checkpoint
-    from draftsmith.eval.mtbench import mtbench_prompts
     from draftsmith.engine.policies import FixedLength
     from draftsmith.engine.sampling import SamplingParams, TorchRandom
-    from draftsmith.target import load_target
+    from draftsmith.engine.tree_build import parse_tree
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("step_breakdown", __doc__)
     ap.add_argument("checkpoint")
-    ap.add_argument("--tree", action="append", default=None)
+    add_common_args(ap, target=False, cpu_layout=True, out="file", out_required=False)
+    ap.add_argument("--tree", action="append", default=None, help="tree of the checkpoint's drafter: chain | "
+                    "built:B | dynamic[:B,D,W] | JSON paths | JSON file; repeatable, one row each (default: chain)")
     ap.add_argument("--drafter-layers", type=int, default=4)
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false")
-    ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    t = read_manifest(a.checkpoint)["target"]
-    target = load_target(t["name"])
-    heads = drafter_from_checkpoint(a.checkpoint, target)
-    small = first_layers_drafter(target, a.drafter_layers)
-    if a.cpu_layout:
-        apply_cpu_layout(target, heads, small)
+    bench = setup(a, checkpoint=a.checkpoint, out_file=True,
+                  drafters=lambda t: [drafter_from_checkpoint(a.checkpoint, t), first_layers_drafter(t, a.drafter_layers)])
+    target, (heads, small) = bench.target, bench.drafters
     sampling = SamplingParams(temperature=a.temperature)
     decoders = {f"{heads.name} {spec}": SpeculativeDecoder(target, heads, tree=parse_tree(spec, a.checkpoint),
                                                            sampling=sampling)
                 for spec in (a.tree or ["chain"])}
     decoders[f"first-{a.drafter_layers}-layers K={a.draft_len}"] = SpeculativeDecoder(
         target, small, policy=FixedLength(a.draft_len), sampling=sampling)
-    prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
+    prompts = bench.prompts(a.prompts)
     rows = {}
     for name, dec in decoders.items():
         dec.generate(prompts[0].ids, 8, seed=0)  # warm-up
@@ -117,8 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"checkpoint": a.checkpoint, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
            "temperature": a.temperature, "cpu_layout": a.cpu_layout, "methods": rows, "environment": environment()}
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json(a.out, out)
     return out
 
 

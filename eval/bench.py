@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from draftsmith.engine.metrics import DecodeResult, acceptance_by_position, speedup, summarize, tau
+from draftsmith.engine.metrics import DecodeResult, speedup, summarize, tau
 from draftsmith.engine.sampling import SamplingParams
 
 BASELINE = "plain (ours)"
@@ -60,7 +60,10 @@ def _hf_kwargs(target, sampling: SamplingParams) -> dict:
     return kw
 
 
-def _hf_run(target, sampling: SamplingParams, extra: dict) -> Callable[[list[int], int, int], DecodeResult]:
+def hf_run(target, sampling: SamplingParams, extra: dict) -> Callable[[list[int], int, int], DecodeResult]:
+    """A ``run(prompt_ids, max_new_tokens, seed)`` for a `Method` that decodes with Hugging Face ``generate``
+    on ``target``: the target's EOS ids and ``sampling`` as generation settings, ``extra`` passed on to
+    ``generate`` (e.g. ``assistant_model``); target forwards counted with a forward hook, tokens cut after EOS."""
     model = target.model
     dev = next(model.parameters()).device
 
@@ -89,7 +92,7 @@ def _hf_run(target, sampling: SamplingParams, extra: dict) -> Callable[[list[int
 
 def hf_generate(target, sampling: SamplingParams) -> Method:
     """Hugging Face ``generate`` without a drafter."""
-    return Method("HF generate", _hf_run(target, sampling, {}), "hf")
+    return Method("HF generate", hf_run(target, sampling, {}), "hf")
 
 
 def hf_assisted(target, assistant: torch.nn.Module, num_tokens: int, sampling: SamplingParams,
@@ -100,7 +103,7 @@ def hf_assisted(target, assistant: torch.nn.Module, num_tokens: int, sampling: S
     asst.generation_config.num_assistant_tokens = int(num_tokens)
     asst.generation_config.num_assistant_tokens_schedule = "constant"
     asst.generation_config.assistant_confidence_threshold = 0.0  # 0 = off: always draft num_tokens
-    return Method(name or f"HF assisted K={num_tokens}", _hf_run(target, sampling, {"assistant_model": asst}), "hf")
+    return Method(name or f"HF assisted K={num_tokens}", hf_run(target, sampling, {"assistant_model": asst}), "hf")
 
 
 def run_bench(methods: list[Method], prompts: list, max_new_tokens: int, seed: int = 0, warmup_tokens: int = 8,

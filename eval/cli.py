@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 from draftsmith.drafters.kangaroo.decode import early_exit_drafter
-from draftsmith.eval.bench import Method, _hf_run, ours
+from draftsmith.eval.bench import Method, hf_run, ours
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.drafters import SelfDrafter
 from draftsmith.engine.policies import FixedLength
@@ -66,9 +66,9 @@ def _hf_early_exit(target, exit_layer: int, k: int, sampling) -> Method:
     are subtracted from the forward count: tau counts full-depth forwards only, as for ours."""
     model = target.model
     full = int(model.config.num_hidden_layers)
-    inner = _hf_run(target, sampling, {"assistant_early_exit": exit_layer, "num_assistant_tokens": k,
-                                      "num_assistant_tokens_schedule": "constant",
-                                      "assistant_confidence_threshold": 0.0})
+    inner = hf_run(target, sampling, {"assistant_early_exit": exit_layer, "num_assistant_tokens": k,
+                                     "num_assistant_tokens_schedule": "constant",
+                                     "assistant_confidence_threshold": 0.0})
 
     def run(ids, n, seed):
         drafts = [0]
