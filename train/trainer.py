@@ -232,7 +232,8 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
             summary["lr"] = scheduler.get_last_lr()[0]
             window = {}
             acc.log(summary, step=done)
-            bar.set_postfix(loss=f"{summary['loss']:.3f}", h1=f"{summary.get('head1/top1', 0):.3f}")
+            top1 = next((v for k, v in sorted(summary.items()) if k.endswith("/top1")), 0.0)  # head 1 / step 1
+            bar.set_postfix(loss=f"{summary['loss']:.3f}", top1=f"{top1:.3f}")
         if done % t.save_every == 0 or done == total:
             t3 = time.perf_counter()
             acc.wait_for_everyone()

@@ -1,0 +1,159 @@
+"""EAGLE-3 decoding: the drafter module as a `draftsmith.engine.decoder.SpeculativeDecoder` drafter.
+
+The target states EAGLE-3 fuses (outputs of three decoder layers) come from forward hooks on those layers:
+every target forward the decoder runs (the prefill, each verification) leaves them behind, and ``commit``
+keeps the rows of the accepted path. So the decoder's own forward is untouched and verification is the
+engine's, for chains, static trees and dynamic trees alike.
+
+Per step (state.length = L, the root token t_L not yet in the target's cache):
+  * the root's call feeds step 0 over the committed indices not fed yet (target state f_j with token
+    t_{j+1}, j < L), appending their keys to this drafter's prefix keys; its output at index L-1 gives the
+    root's children;
+  * a tree node at depth d >= 1 is step d at index L-1 (RoPE position L-1+d): input its parent's output
+    state and its own token; it attends to the prefix keys and to its ancestors' and its own keys.
+Nothing of a step's tree is kept: the next step feeds the accepted tokens again, from the target's true
+states. Drafter state is replaced, never mutated in place, so cloned decode states never share it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from draftsmith.common.hidden_cache import decoder_of
+from draftsmith.engine.policies import LengthPolicy
+from draftsmith.engine.trees import DraftTree
+
+if TYPE_CHECKING:  # the model module builds these drafters: importing it here would be a cycle
+    from draftsmith.drafters.eagle3.model import Eagle3Module
+
+
+@dataclass
+class _State:
+    k0: torch.Tensor  # [nkv, fed, hd] step-0 keys of indices 0..fed-1
+    v0: torch.Tensor
+    fed: int
+    feats: torch.Tensor  # [n, 3H] target states of indices fed..fed+n-1, not fed yet
+    root_len: int = -1  # the L whose root output is below
+    root_out: torch.Tensor | None = None  # [H] step 0's output at index L-1
+    nk: torch.Tensor | None = None  # [nkv, m, hd] keys of this step's nodes 1..m
+    nv: torch.Tensor | None = None
+    nout: list = field(default_factory=list)  # output state of node i (index 0: the root)
+
+
+class Eagle3Drafter:
+    """Drafts with an EAGLE-3 module; see the module docstring."""
+
+    needs_target_hidden = True  # the prefill runs first, so the hooks hold the prompt's states at start
+    supports_trees = True
+
+    def __init__(self, target, module: "Eagle3Module", target_fingerprint: str | None = None, name: str = "eagle3",
+                 policy: LengthPolicy | None = None):
+        self.target, self.module = target, module.eval().requires_grad_(False)
+        self.name, self.target_fingerprint = name, target_fingerprint
+        self.default_policy = policy
+        self.max_depth = None
+        body = decoder_of(target.model)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = [body.layers[i - 1].register_forward_hook(self._capture(j))
+                       for j, i in enumerate(module.aux_layers)]
+
+    def _capture(self, j: int):
+        def hook(_module, _args, output):
+            self._captured[j] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def close(self) -> None:
+        """Remove the hooks from the target's layers."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __del__(self):
+        self.close()
+
+    def _features(self) -> torch.Tensor:
+        """[rows, 3H]: the last target forward's states of the three layers, low | middle | high."""
+        if len(self._captured) != 3:
+            raise RuntimeError("no target states captured: the target's forward did not run through its layers")
+        return torch.cat([self._captured[j][0] for j in range(3)], dim=-1)
+
+    # ------------------------------------------------------------------ decoder interface
+    @torch.no_grad()
+    def start(self, dec, state) -> _State:
+        L = state.length
+        feats = self._features() if L > 0 else None
+        m = self.module
+        if feats is None or feats.shape[0] != L:
+            raise RuntimeError(f"EAGLE-3 needs the target's states of the {L} committed tokens at start; the last "
+                               f"forward gave {0 if feats is None else feats.shape[0]} rows")
+        dtype = m.fc.weight.dtype
+        empty = feats.new_zeros(m.layer.nkv, 0, m.layer.hd, dtype=dtype)
+        return _State(empty, empty, 0, feats.to(dtype))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [nh, r, hd] over keys k, v [nkv, S, hd] where mask [r, S] allows."""
+        lay = self.module.layer
+        s = (q @ lay.expand(k).transpose(-1, -2)) / math.sqrt(lay.hd)
+        s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ lay.expand(v)
+
+    def _feed(self, ds: _State, state) -> _State:
+        """Step 0 over the committed indices fed..L-1: their keys join the prefix; returns the new state."""
+        m, lay, L = self.module, self.module.layer, state.length
+        c = ds.fed
+        n = L - c
+        if ds.feats.shape[0] != n:
+            raise RuntimeError(f"EAGLE-3 holds target states for {ds.feats.shape[0]} indices, {n} are committed")
+        dev = ds.feats.device
+        ids = torch.tensor(state.tokens[c + 1: L + 1], device=dev)
+        pos = torch.arange(c, L, device=dev)
+        q, k, v = lay.qkv(m.embed_tokens(ids), m.fc(ds.feats), pos, m.inv_freq, m.rope_scale)
+        k0, v0 = torch.cat([ds.k0, k], dim=1), torch.cat([ds.v0, v], dim=1)
+        mask = torch.ones(n, L, dtype=torch.bool, device=dev).tril(c)
+        out = lay.finish(m.fc(ds.feats), self._attend(q, k0, v0, mask))
+        return _State(k0, v0, L, ds.feats[:0], L, out[-1])
+
+    @torch.no_grad()
+    def propose(self, dec, state, tree: DraftTree, start: int, end: int) -> torch.Tensor:
+        ds: _State = state.drafter_state
+        m, lay, L = self.module, self.module.layer, state.length
+        dev = ds.k0.device
+        rows = []
+        if start == 0:
+            if ds.root_len != L:
+                ds = self._feed(ds, state)
+            ds = _State(ds.k0, ds.v0, ds.fed, ds.feats, ds.root_len, ds.root_out, None, None, [ds.root_out])
+            state.drafter_state = ds
+            rows.append(ds.root_out[None])
+            start = 1
+        if end > start:
+            parents = [int(tree.parent[i]) for i in range(start, end)]
+            h_in = torch.stack([ds.nout[p] for p in parents])
+            pos = (L - 1) + torch.tensor(tree.depth[start:end], device=dev)
+            q, k, v = lay.qkv(m.embed_tokens(tree.tok[start:end]), h_in, pos, m.inv_freq, m.rope_scale)
+            nk = k if ds.nk is None else torch.cat([ds.nk, k], dim=1)
+            nv = v if ds.nv is None else torch.cat([ds.nv, v], dim=1)
+            anc = tree.ancestor_mask(dev)[start:end, 1:end]  # ancestors and self among nodes 1..end-1
+            mask = torch.cat([torch.ones(end - start, L, dtype=torch.bool, device=dev), anc], dim=1)
+            out = lay.finish(h_in, self._attend(q, torch.cat([ds.k0, nk], 1), torch.cat([ds.v0, nv], 1), mask))
+            state.drafter_state = _State(ds.k0, ds.v0, ds.fed, ds.feats, ds.root_len, ds.root_out, nk, nv,
+                                         ds.nout + list(out))
+            rows.append(out)
+        logits = m.project(torch.cat(rows) if len(rows) > 1 else rows[0])
+        return m.draft_head.to_target(logits) if m.draft_head is not None else logits
+
+    def commit(self, dec, state, tree: DraftTree, path: list[int]) -> None:
+        """Keep the target's states of the root and the accepted nodes (this step's verification rows)."""
+        ds: _State = state.drafter_state
+        f = self._features()
+        f = f[f.shape[0] - (tree.n + 1):]  # rows of the root and the nodes (any uncached prefix comes first)
+        new = f[torch.tensor(path, device=f.device)].to(ds.feats.dtype)
+        state.drafter_state = _State(ds.k0, ds.v0, ds.fed, torch.cat([ds.feats, new]))
+
+    def batch_adapter(self) -> Any:
+        raise ValueError(f"batched decoding does not support {self.name!r} (EAGLE-3) yet: use SpeculativeDecoder "
+                         "(batch size 1)")

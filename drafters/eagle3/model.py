@@ -1,0 +1,238 @@
+"""The EAGLE-3 drafter module: the fused target states -> one decoder layer -> a draft-vocabulary head.
+
+Architecture (EAGLE-3's reference code; docs/methods.md section 13):
+  * ``fc``: Linear(3H -> H, no bias) over the concatenated low, middle and high target states
+    (`aux_layers`, Hugging Face ``hidden_states`` indices);
+  * one decoder layer: the attention input is ``[input_norm(embed(token)); hidden_norm(h)]`` (2H), the
+    target's attention shape (GQA, RoPE), residual ``h`` (``norm_before_residual: false``), then a SwiGLU MLP;
+  * ``norm`` and an LM head over the draft vocabulary (a `PrunedHead` of the target's head: the kept ids
+    are EAGLE's ``d2t`` / ``t2d``), or the target's own head when ``vocab_keep`` is null;
+  * the target's token embedding, frozen and shared (not stored in the checkpoint).
+
+Index convention: step 0 at index i reads the target state f_i and token t_{i+1} and predicts t_{i+2};
+step k (k >= 1) at index i reads step k-1's output state at i and token t_{i+k+1}, sits at RoPE position
+i + k and attends to step 0's keys 0..i plus the keys of steps 1..k at the same index (the training-time
+test). At decoding, the committed prefix is step 0, and a tree node at depth d is step d at index L-1:
+its keys are the prefix's and its ancestors'. Training (`ttt`) and decoding (`decode.Eagle3Drafter`) share
+`Eagle3Layer`, so they compute the same function (a test checks it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.common.hidden_cache import HiddenCache, decoder_of
+from draftsmith.common.vocab import PrunedHead
+from draftsmith.drafters.eagle3.decode import Eagle3Drafter
+from draftsmith.drafters.eagle3.objective import Eagle3Objective, heldout_metrics
+from draftsmith.engine.policies import FixedLength
+from draftsmith.registry import KindBase, register
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer, split in the phases training and decoding share."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
+                 eps: float):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.nh, self.nkv, self.hd = num_heads, num_kv_heads, head_dim
+        self.input_norm = RMSNorm(hidden_size, eps)
+        self.hidden_norm = RMSNorm(hidden_size, eps)
+        self.q = nn.Linear(2 * hidden_size, num_heads * head_dim, bias=False)
+        self.k = nn.Linear(2 * hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(2 * hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.post_norm = RMSNorm(hidden_size, eps)
+        self.gate = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def rope(self, x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
+        """x [..., heads, T, hd] at positions pos [..., T]."""
+        ang = pos.to(inv_freq.dtype)[..., None] * inv_freq  # [..., T, hd/2]
+        emb = torch.cat([ang, ang], dim=-1).unsqueeze(-3)  # [..., 1, T, hd]
+        cos, sin = (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def qkv(self, emb: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scale: float):
+        """emb, h [..., T, H] at positions pos [..., T] -> q [..., nh, T, hd], k, v [..., nkv, T, hd]."""
+        x = torch.cat([self.input_norm(emb), self.hidden_norm(h)], dim=-1)
+        *lead, T, _ = x.shape
+
+        def heads(t: torch.Tensor, n: int) -> torch.Tensor:
+            return t.view(*lead, T, n, self.hd).transpose(-2, -3)
+
+        q = self.rope(heads(self.q(x), self.nh), pos, inv_freq, scale)
+        k = self.rope(heads(self.k(x), self.nkv), pos, inv_freq, scale)
+        return q, k, heads(self.v(x), self.nkv)
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual h [..., T, H] plus the attention output attn [..., nh, T, hd], then the MLP."""
+        *lead, _, T, _ = attn.shape
+        x = h + self.o(attn.transpose(-2, -3).reshape(*lead, T, self.nh * self.hd))
+        y = self.post_norm(x)
+        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+    def expand(self, kv: torch.Tensor) -> torch.Tensor:
+        """[..., nkv, S, hd] -> [..., nh, S, hd] (grouped-query attention)."""
+        return kv.repeat_interleave(self.nh // self.nkv, dim=-3)
+
+
+def attention_shape(target) -> dict:
+    c = target.config
+    nh = int(c.num_attention_heads)
+    return {"num_heads": nh, "num_kv_heads": int(getattr(c, "num_key_value_heads", None) or nh),
+            "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // nh),
+            "intermediate_size": int(c.intermediate_size), "eps": float(getattr(c, "rms_norm_eps", 1e-6))}
+
+
+def check_aux_layers(aux: list[int], num_layers: int) -> None:
+    if len(aux) != 3 or not all(1 <= i < num_layers for i in aux) or sorted(set(aux)) != list(aux):
+        conv = [2, num_layers // 2, num_layers - 3]
+        raise ValueError(f"aux_layers {aux} do not fit a target with {num_layers} layers: three increasing indices "
+                         f"in [1, {num_layers - 1}] are needed (the usual choice for it: {conv})")
+
+
+@register
+class Eagle3Module(KindBase, nn.Module):
+    kind = "eagle3"
+
+    def __init__(self, hidden_size: int, vocab_size: int, lm_head: nn.Module, embed: nn.Module, rotary: nn.Module,
+                 num_layers: int, aux_layers: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                 intermediate_size: int, eps: float = 1e-6, vocab_keep: int | None = 8192, ttt_steps: int = 7,
+                 step_decay: float = 0.8, train_head: bool = False, draft_len: int = 4):
+        super().__init__()
+        check_aux_layers(list(aux_layers), num_layers)
+        if train_head and not vocab_keep:
+            raise ValueError("train_head trains the draft vocabulary's head: it needs vocab_keep")
+        self.config = {"hidden_size": hidden_size, "vocab_size": vocab_size, "num_layers": num_layers,
+                       "aux_layers": list(aux_layers), "num_heads": num_heads, "num_kv_heads": num_kv_heads,
+                       "head_dim": head_dim, "intermediate_size": intermediate_size, "eps": eps,
+                       "vocab_keep": vocab_keep, "ttt_steps": ttt_steps, "step_decay": step_decay,
+                       "train_head": train_head, "draft_len": draft_len}
+        self.aux_layers, self.ttt_steps, self.step_decay = list(aux_layers), ttt_steps, step_decay
+        self.draft_len = draft_len
+        self.fc = nn.Linear(3 * hidden_size, hidden_size, bias=False)
+        self.layer = Eagle3Layer(hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps)
+        self.norm = RMSNorm(hidden_size, eps)
+        self.lm_head, self.embed = lm_head, embed  # the target's, frozen and not stored
+        self.shared_with_target = ("lm_head", "embed")
+        self.draft_head = PrunedHead(lm_head, torch.arange(int(vocab_keep))) if vocab_keep else None
+        if self.draft_head is not None and train_head:
+            self.draft_head.requires_grad_(True)
+        # The target's RoPE frequencies, copied (a buffer of ours: casting the drafter leaves the target's alone).
+        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def cache_needs(config: dict) -> list[str]:
+        return [f"layer:{int(i)}" for i in config["aux_layers"]] + ["final"]
+
+    @classmethod
+    def for_target(cls, target, aux_layers: list[int] = (2, 15, 27), vocab_keep: int | None = 8192,
+                   ttt_steps: int = 7, step_decay: float = 0.8, train_head: bool = False,
+                   draft_len: int = 4) -> "Eagle3Module":
+        """A fresh drafter for ``target``: random layer and ``fc``, the target's embedding and head rows."""
+        body = decoder_of(target.model)
+        m = cls(target.hidden_size, target.vocab_size, target.lm_head, target.model.get_input_embeddings(),
+                body.rotary_emb, len(body.layers), list(aux_layers), vocab_keep=vocab_keep, ttt_steps=ttt_steps,
+                step_decay=step_decay, train_head=train_head, draft_len=draft_len, **attention_shape(target))
+        p = next(target.model.parameters())
+        return m.to(device=p.device)
+
+    @classmethod
+    def from_config(cls, config: dict, target) -> "Eagle3Module":
+        body = decoder_of(target.model)
+        if int(config["hidden_size"]) != target.hidden_size or int(config["vocab_size"]) != target.vocab_size:
+            raise ValueError("EAGLE-3 config does not match the target's hidden or vocabulary size")
+        if int(config["num_layers"]) != len(body.layers):
+            raise ValueError(f"EAGLE-3 drafter was trained on a target with {config['num_layers']} layers, "
+                             f"this one has {len(body.layers)}")
+        return cls(lm_head=target.lm_head, embed=target.model.get_input_embeddings(), rotary=body.rotary_emb,
+                   **config)
+
+    @classmethod
+    def make_objective(cls, recipe, cache: HiddenCache, target, exclude: set[int]) -> Eagle3Objective:
+        d, t = recipe.drafter, recipe.train
+        return Eagle3Objective(cache, target, d.aux_layers, d.ttt_steps, d.step_decay, chunk_len=t.chunk_len,
+                               exclude=exclude)
+
+    def heldout_metrics(self, cache: HiddenCache, target) -> dict:
+        return heldout_metrics(self, cache, target)
+
+    def decoder_drafter(self, target, target_fingerprint: str | None = None, name: str = "eagle3") -> Eagle3Drafter:
+        return Eagle3Drafter(target, self, target_fingerprint=target_fingerprint, name=name,
+                             policy=FixedLength(self.draft_len))
+
+    def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
+        """Draft over ``kept_ids`` (sorted target ids, EAGLE's t2d); called by the trainer from the training data."""
+        if self.draft_head is None:
+            raise ValueError("this drafter drafts over the full vocabulary (vocab_keep is null)")
+        self.draft_head.set_kept(kept_ids, self.lm_head)
+
+    # ------------------------------------------------------------------ shared pieces
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """Output states [..., H] -> logits over the draft vocabulary [..., N] (V without pruning)."""
+        x = self.norm(h)
+        return self.draft_head(x) if self.draft_head is not None else self.lm_head(x)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids).to(self.fc.weight.dtype)
+
+    # ------------------------------------------------------------------ training-time test
+    def ttt(self, feats: torch.Tensor, next_ids: torch.Tensor, steps: int | None = None) -> list[torch.Tensor]:
+        """feats [B, T, 3H] (f_i), next_ids [B, T + steps] (token t_{i+1} at column i, right-padded) ->
+        per step k the draft logits [B, T, N] at every index i (meaningful where i + k + 2 is in range)."""
+        steps = steps or self.ttt_steps
+        B, T, _ = feats.shape
+        L = self.layer
+        h = self.fc(feats.to(self.fc.weight.dtype))
+        pos = torch.arange(T, device=feats.device).expand(B, T)
+        scale = 1.0 / math.sqrt(L.hd)
+        causal = torch.ones(T, T, dtype=torch.bool, device=feats.device).tril()
+        k0 = v0 = None
+        diag_k, diag_v, out = [], [], []
+        for k in range(steps):
+            q, kk, vv = L.qkv(self.embed_tokens(next_ids[:, k: k + T]), h, pos + k, self.inv_freq, self.rope_scale)
+            if k == 0:
+                k0, v0 = L.expand(kk), L.expand(vv)
+            else:
+                diag_k.append(L.expand(kk))
+                diag_v.append(L.expand(vv))
+            s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, T, T]
+            s0 = s0.masked_fill(~causal, torch.finfo(s0.dtype).min)
+            sd = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # each [B, nh, T, 1]
+            w = torch.softmax(torch.cat([s0, *sd], dim=-1).float(), dim=-1).to(q.dtype)
+            a = w[..., :T] @ v0
+            for s, dv in enumerate(diag_v):
+                a = a + w[..., T + s: T + s + 1] * dv
+            h = L.finish(h, a)
+            out.append(self.project(h))
+        return out
+
+    def forward(self, feats: torch.Tensor, next_ids: torch.Tensor) -> list[torch.Tensor]:
+        """The training-time test (one call through a possibly DDP-wrapped module)."""
+        return self.ttt(feats, next_ids)

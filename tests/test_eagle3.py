@@ -1,0 +1,177 @@
+"""EAGLE-3 on tiny random models: decoding computes what the training-time test trains, exact losslessness
+(chain, static and dynamic trees), greedy equality, training end to end with a checkpoint round trip, bad input."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith import registry
+from draftsmith.checkpoint import drafter_from_checkpoint, load_checkpoint
+from draftsmith.common.hidden_cache import HiddenCache
+from draftsmith.drafters.eagle3.model import Eagle3Module
+from draftsmith.drafters.eagle3.objective import Eagle3Objective, heldout_metrics
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.policies import FixedLength
+from draftsmith.engine.trees import DraftTree, DynamicTree, StaticTree
+from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
+from draftsmith.recipe import RecipeError, parse_recipe
+from draftsmith.train.cache import build_cache
+from draftsmith.train.trainer import build_drafter, train
+from tests.test_decoder import tiny
+from tests.test_decoder_enumeration import N_NEW, PROMPT as ENUM_PROMPT, TEMP, TOPKP
+from tests.test_train import _cycle_sequences
+from tests.tiny import make_tiny_target
+
+PROMPT = [1, 3, 4, 5, 5]
+AUX = [1, 2, 3]  # a 4-layer tiny target: outputs of its layers 1, 2, 3
+
+
+def module(target, std=0.5, seed=1, vocab_keep=None, **kw) -> Eagle3Module:
+    """A drafter with random (not tiny) weights, so every path through it matters."""
+    m = Eagle3Module.for_target(target, aux_layers=AUX, vocab_keep=vocab_keep, **kw)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.normal_(0, std / p.shape[1] ** 0.5 * 3)
+    return m.to(next(target.model.parameters()).dtype).eval()
+
+
+def feats_of(target, ids):
+    hs = target.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    return torch.cat([hs[i][0] for i in AUX], dim=-1)
+
+
+@pytest.mark.parametrize("vocab_keep", [None, 24])
+def test_decoding_computes_what_the_training_time_test_trains(vocab_keep):
+    """The drafter's chain logits for a teacher-forced path equal the TTT steps at index L-1."""
+    t = tiny(vocab=40, layers=4, dtype=torch.float64)
+    m = module(t, vocab_keep=vocab_keep)
+    if vocab_keep:
+        m.set_draft_vocab(torch.arange(3, 3 + vocab_keep))
+    seq = PROMPT + [7, 9, 11, 13]
+    K = 4
+    L = len(PROMPT) - 1
+    with torch.no_grad():
+        f = feats_of(t, seq)[None]
+        nxt = torch.tensor([seq[1:] + [0] * (K + 1)])
+        steps = m.ttt(f, nxt, steps=K)
+    dr = m.decoder_drafter(t)
+    dec = SpeculativeDecoder(t, dr, policy=FixedLength(K))
+    state = dec.start(PROMPT, 8)
+    tree = DraftTree(PROMPT[-1], 8, "cpu")
+    got = [dr.propose(dec, state, tree, 0, 1)[0]]
+    for k in range(1, K):
+        tree.add(k - 1, seq[L + k])
+        got.append(dr.propose(dec, state, tree, k, k + 1)[0])
+    for k in range(K):
+        want = steps[k][0, L - 1]
+        if vocab_keep:
+            want = m.draft_head.to_target(want)
+        assert torch.allclose(got[k], want, atol=1e-9), k
+
+
+def test_a_star_tree_node_equals_the_chain_node():
+    """Sibling nodes do not see each other: node 2 of a star equals node 1 of a chain with its token."""
+    t = tiny(vocab=40, layers=4, dtype=torch.float64)
+    m = module(t)
+    dr = m.decoder_drafter(t)
+    dec = SpeculativeDecoder(t, dr)
+    state = dec.start(PROMPT, 8)
+    star = DraftTree(PROMPT[-1], 8, "cpu")
+    dr.propose(dec, state, star, 0, 1)
+    star.add(0, 7)
+    star.add(0, 9)
+    both = dr.propose(dec, state, star, 1, 3)
+    chain = DraftTree(PROMPT[-1], 8, "cpu")
+    dr.propose(dec, state, chain, 0, 1)
+    chain.add(0, 9)
+    assert torch.allclose(both[1], dr.propose(dec, state, chain, 1, 2)[0], atol=1e-12)
+    assert not torch.allclose(both[0], both[1])
+
+
+@pytest.fixture(scope="module")
+def enum_tgt():
+    return tiny(vocab=6, seed=0, std=0.5, layers=4, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def enum_refs(enum_tgt):
+    return {s: target_distribution(enum_tgt, ENUM_PROMPT, N_NEW, s.temperature, s.top_k, s.top_p)
+            for s in (TEMP, TOPKP)}
+
+
+@pytest.mark.parametrize("tree, sampling", [
+    (None, TEMP), (None, TOPKP),
+    (StaticTree([(0,), (1,), (0, 0), (1, 0)]), TEMP),
+    (DynamicTree(budget=4, max_depth=2, width=2, expand_batch=2), TOPKP),
+], ids=["chain-T0.8", "chain-topk-topp", "static-T0.8", "dynamic-topk-topp"])
+def test_eagle3_is_exact(enum_tgt, enum_refs, tree, sampling):
+    dr = module(enum_tgt, vocab_keep=4)
+    dr.set_draft_vocab(torch.tensor([0, 2, 3, 5]))
+    dec = SpeculativeDecoder(enum_tgt, dr.decoder_drafter(enum_tgt), policy=FixedLength(2), tree=tree,
+                             sampling=sampling)
+    got = exact_distribution(dec, ENUM_PROMPT, N_NEW)
+    assert abs(sum(got.values()) - 1.0) < 1e-12
+    assert total_variation(got, enum_refs[sampling]) < 1e-9
+
+
+@pytest.mark.parametrize("tree", [None, StaticTree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]),
+                                  DynamicTree(budget=6, max_depth=3, width=2, expand_batch=2)],
+                         ids=["chain", "static", "dynamic"])
+def test_greedy_equals_plain_decoding(tree):
+    t = tiny(vocab=40, layers=4)
+    plain = SpeculativeDecoder(t).generate(PROMPT, 24).tokens
+    dec = SpeculativeDecoder(t, module(t).decoder_drafter(t), policy=FixedLength(3), tree=tree)
+    assert dec.generate(PROMPT, 24).tokens == plain
+    assert dec.generate(PROMPT, 24).tokens == plain  # a second generation on the same drafter
+
+
+def _recipe(tmp_path, **train_kw):
+    t = {"max_steps": 16, "batch_size": 4, "chunk_len": 64, "lr": 1e-2, "warmup_steps": 2, "tracker": "none",
+         "save_every": 8, "log_every": 4, "loss": "soft", "calibration_every": 0, **train_kw}
+    return parse_recipe({"name": "e3", "output_dir": str(tmp_path / "run"), "seed": 3,
+                         "drafter": {"kind": "eagle3", "aux_layers": AUX, "vocab_keep": 30, "ttt_steps": 3,
+                                     "draft_len": 3},
+                         "train": t})
+
+
+def test_training_end_to_end_checkpoint_and_decoding(tmp_path):
+    t = make_tiny_target(init_std=0.3, layers=4)
+    r = _recipe(tmp_path)
+    needs = registry.get("eagle3").cache_needs(r.drafter.model_dump())
+    assert needs == ["layer:1", "layer:2", "layer:3", "final"]
+    build_cache(t, _cycle_sequences(), needs, tmp_path / "cache", dtype="float32")
+    cache = HiddenCache(tmp_path / "cache", t)
+    before = heldout_metrics(build_drafter(r, t), cache, t)
+    ckpt, timing = train(r, t, tmp_path / "cache", r.out)
+    assert timing["steps"] == 16
+    man = json.loads((ckpt / "manifest.json").read_text())
+    assert man["kind"] == "eagle3" and man["target"]["fingerprint"] == t.fingerprint
+    stored = load_file(str(ckpt / "model.safetensors"))
+    assert "draft_head.kept_ids" in stored and not any(k.startswith(("lm_head", "embed")) for k in stored)
+    model, _ = load_checkpoint(ckpt, t)
+    after = heldout_metrics(model, cache, t)
+    # training must lift every step's agreement with the target well above the random start
+    assert all(a > b + 0.2 for a, b in zip(after["step_top1"], before["step_top1"])), (before, after)
+    assert after["predicted_chain_tau"] > before["predicted_chain_tau"] + 0.3, (before, after)
+    dr = drafter_from_checkpoint(ckpt, t)
+    plain = SpeculativeDecoder(t).generate(PROMPT, 24).tokens
+    res = SpeculativeDecoder(t, dr).generate(PROMPT, 24)
+    assert res.tokens == plain
+    # a stale cache without the states the drafter fuses is a clear error
+    build_cache(t, _cycle_sequences(n=4), ["layer:1", "final"], tmp_path / "stale", dtype="float32")
+    with pytest.raises(ValueError, match="needs \\['layer:2', 'layer:3'\\] too"):
+        Eagle3Objective(HiddenCache(tmp_path / "stale", t), t, AUX)
+
+
+def test_bad_configs_are_clear_errors():
+    with pytest.raises(RecipeError, match="aux_layers"):
+        parse_recipe({"name": "x", "drafter": {"kind": "eagle3", "aux_layers": [3, 2, 1]}})
+    with pytest.raises(RecipeError, match="unknown key"):
+        parse_recipe({"name": "x", "drafter": {"kind": "eagle3", "ttt_step": 3}})
+    t = make_tiny_target(layers=4)
+    with pytest.raises(ValueError, match="do not fit a target with 4 layers"):
+        Eagle3Module.for_target(t, aux_layers=[2, 15, 27])
