@@ -234,11 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.target import TargetMismatchError
     try:
         if argv[:1] == ["serve"]:  # the server and the online job own their options, like eval
-            from draftsmith.serve.cli import serve_main
-            return serve_main(argv[1:])
+            from draftsmith.cli import serve
+            return serve.main(argv[1:])
         if argv[:1] == ["online"]:
-            from draftsmith.train.online_cli import online_main
-            return online_main(argv[1:])
+            from draftsmith.cli import online
+            return online.main(argv[1:])
         if argv[:1] == ["eval"]:  # the decoder CLI owns its own options (argparse REMAINDER drops leading flags)
             from draftsmith.eval.cli import eval_main
             eval_main(argv[1:])  # returns the report (already written); the exit status is 0
