@@ -37,7 +37,7 @@ from draftsmith.recipe import Recipe
 from draftsmith.target import Target
 from draftsmith.train import generate, remote, sources
 from draftsmith.common.hidden_cache import HiddenCache
-from draftsmith.train.cache import build_cache
+from draftsmith.train.cache import build_cache, merge_caches
 from draftsmith.drafters.own_tokenizer.training import heldout_figures, train_text_drafter
 from draftsmith.train.trainer import train
 
@@ -377,7 +377,6 @@ def merge_runs(out: Path, runs: list[Path]) -> dict:
     the training caches merged by linking their shards (`merge_caches`), the held-out split of the first
     run (every run must hold the same one). Prompts found in more than one run are counted, not removed
     (their cached shards are shared)."""
-    from draftsmith.train.cache import merge_caches
     out, runs = Path(out), [Path(r) for r in runs]
     for r in runs:
         for need in ("data/meta.json", "data/train.jsonl", "cache/train/index.json"):

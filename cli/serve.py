@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+import uvicorn
+
 from draftsmith.serve.app import DecodingService, create_app
 from draftsmith.target import default_device, load_target
 
@@ -40,11 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def serve_main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Entry point of ``draftsmith serve``."""
-    import torch
-    import uvicorn
-
     a = build_parser().parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from draftsmith.publish import PublishStore
 from draftsmith.recipe import load_recipe
 from draftsmith.target import default_device, load_target
@@ -24,7 +26,7 @@ from draftsmith.train.ledger import Ledger
 from draftsmith.train.online import OnlineJob
 
 
-def online_main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     """Entry point of ``draftsmith online``."""
     if argv[:1] == ["rollback"]:
         ap = argparse.ArgumentParser(prog="draftsmith online rollback")
@@ -69,7 +71,6 @@ def online_main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     recipe = load_recipe(a.recipe, a.overrides)
     if recipe.threads:
-        import torch
         torch.set_num_threads(recipe.threads)
     target = load_target(recipe.target, device=default_device(a.device))
     job = OnlineJob(recipe, target, a.logs, state_dir=a.state, publish_dir=a.publish)

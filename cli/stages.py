@@ -1,0 +1,101 @@
+"""``draftsmith data|cache|train|trees|report|bench RECIPE``, ``draftsmith run RECIPE`` (every stage in
+order) and ``draftsmith quickstart`` (``run quickstart``): the stages of cli/pipeline.py, with what each
+one prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from draftsmith.cli import pipeline
+from draftsmith.cli.shared import recipe_from, target_of
+
+STAGES = ("data", "cache", "train", "trees", "report", "bench")
+
+
+def add_parser(subparsers, name: str, summary: str) -> None:
+    """``name`` is a stage, ``run`` or ``quickstart``."""
+    sp = subparsers.add_parser(name, help=summary)
+    if name == "quickstart":
+        sp.add_argument("overrides", nargs="*")
+        sp.set_defaults(func=run, recipe="quickstart", stages=STAGES)
+        return
+    sp.add_argument("recipe", help="recipe YAML path or built-in name (quickstart, medusa-large)")
+    sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=5e-4")
+    if name in ("train", "run"):
+        sp.add_argument("--fresh", action="store_true", help="ignore existing checkpoints (no resume)")
+    sp.set_defaults(func=run, stages=STAGES if name == "run" else (name,))
+
+
+def run(args: argparse.Namespace) -> int:
+    if int(os.environ.get("RANK", "0")) != 0:  # under a launcher only rank 0 talks
+        sys.stdout = open(os.devnull, "w")
+    recipe = recipe_from(args)
+    recipe.out.mkdir(parents=True, exist_ok=True)
+    (recipe.out / "recipe.json").write_text(json.dumps(recipe.model_dump(mode="json"), indent=2))
+    (recipe.out / "command.txt").write_text(" ".join(sys.argv) + "\n")
+    if recipe.shared_data:  # same data and cache for every recipe that names this directory
+        shared = Path(recipe.shared_data)
+        for sub in ("data", "cache"):
+            (shared / sub).mkdir(parents=True, exist_ok=True)
+            link = recipe.out / sub
+            if link.is_symlink() and link.resolve() != (shared / sub).resolve():
+                link.unlink()
+            if not link.exists():
+                link.symlink_to((shared / sub).resolve(), target_is_directory=True)
+            elif not link.is_symlink():
+                raise ValueError(f"{link} exists and is not a link to shared_data {shared}: move it away first")
+    t_all = time.time()
+    target = target_of(recipe)
+    times = {}
+    ckpt = recipe.out / "final"
+    for st in args.stages:
+        t0 = time.time()
+        if st == "data":
+            pipeline.stage_data(recipe, target)
+            meta = json.loads((recipe.out / "data" / "meta.json").read_text())
+            gen, held = meta.get("generation", {}), meta.get("heldout_generation", {})  # a merged set has no
+            skipped = meta.get("skipped", {}).get("total", sum(r.get("skipped", {}).get("total", 0)  # run-level keys
+                                                                for r in meta.get("runs", [])))
+            print(f"data: {gen.get('conversations', 0)} conversations, {gen.get('response_tokens', 0)} response "
+                  f"tokens; {meta.get('sources', {}).get('held_out_mtbench', 0)} MT-Bench questions removed from "
+                  f"training sources, {held.get('conversations', 0)} MT-Bench answers held out; "
+                  f"skipped {skipped} bad rows")
+        elif st == "cache":
+            res = pipeline.stage_cache(recipe, target)
+            for split, idx in res.items():
+                print(f"cache/{split}: {idx['tokens']} tokens, {idx['loss_tokens']} assistant tokens, "
+                      f"{idx['bytes_per_token']:.0f} bytes/token on disk ({idx['dtype']}, needs {idx['needs']})")
+        elif st == "train":
+            ckpt, timing = pipeline.stage_train(recipe, target, resume=not getattr(args, "fresh", False))
+            print(f"train: {timing['steps']} steps in {timing['wall_s']:.1f} s "
+                  f"({timing['distributed_type']}, {timing['world_size']} process(es)); "
+                  f"{100 * timing['outside_math_share']:.1f}% of wall time outside model math")
+        elif st == "trees":
+            tr = pipeline.stage_trees(recipe, target, ckpt)
+            if "skipped" in tr:
+                print(f"trees: {tr['skipped']}")
+            else:
+                kind = "held-out" if tr["source"].get("held_out", True) else "(NOT held-out: trained on)"
+                print(f"trees from {tr['source']['sequences']} {kind} training sequences: " + ", ".join(
+                    f"{b} nodes -> expected tau {t['expected_tau']:.2f}" for b, t in tr["trees"].items()) +
+                    f" (chain K={len(tr['rank_acc'])}: {tr['chain_expected_tau'][str(len(tr['rank_acc']))]:.2f})")
+            if "best" in tr:
+                print("measured step cost on this machine (verification vs a 1-row forward): " + ", ".join(
+                    f"{b} nodes x{t['step_cost']:.2f} -> {t['relative_speed']:.2f}x plain" for b, t in
+                    tr["trees"].items()) + f"; best: built:{tr['best']} (--tree built:best)")
+        elif st == "report":
+            pipeline.stage_report(recipe, target, ckpt)
+            print((recipe.out / "report.md").read_text())
+        elif st == "bench":
+            b = pipeline.stage_bench(recipe, target, ckpt)
+            print(f"decoding {b['prompts']} MT-Bench first turns, {b['max_new_tokens']} new tokens, greedy "
+                  f"(interleaved, this machine):")
+            print(b["table"])
+        times[st] = round(time.time() - t0, 1)
+    print(f"stage seconds: {times}; total {time.time() - t_all:.1f} s; outputs in {recipe.out}")
+    return 0
