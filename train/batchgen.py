@@ -47,6 +47,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.train.batchgen_cache import RaggedCache, row_attention
 
 ATTENTION_MODES = ("auto", "rows", "masked")
@@ -209,7 +210,7 @@ class BatchGenerator:
         from transformers import DynamicCache
         pkv = DynamicCache()
         ids = torch.tensor([common], device=self.device)
-        h = self.body(input_ids=ids, past_key_values=pkv, use_cache=True).last_hidden_state[0]
+        h = self.body(input_ids=ids, **cache_arg(self.body, pkv), use_cache=True).last_hidden_state[0]
         self._prefix = common
         self._prefix_kv = [(layer.keys, layer.values) for layer in pkv.layers]
         self._prefix_states = h
@@ -239,7 +240,7 @@ class BatchGenerator:
         pos = torch.arange(off, off + width, device=self.device).expand(k, width)
         cache.set_prefill(row0, k, self._prefix_kv, off)
         h = self.body(input_ids=ids.to(self.device), position_ids=pos, attention_mask=mask,
-                      past_key_values=cache, use_cache=True).last_hidden_state
+                      **cache_arg(self.body, cache), use_cache=True).last_hidden_state
         if self.states is not None:  # padding positions hold garbage, past every row's length
             if off:
                 self.states[row0:row0 + k, :off] = self._prefix_states[:off].to(self.state_dtype)
@@ -275,8 +276,8 @@ class BatchGenerator:
         ids = torch.tensor(pending, device=self.device)[:, None]
         per_row = self.row_attention(lengths, span)
         with row_attention(self.model, lengths) if per_row else nullcontext():
-            h = self.body(input_ids=ids, position_ids=lens[:, None], attention_mask=mask, past_key_values=cache,
-                          use_cache=True).last_hidden_state[:, 0]
+            h = self.body(input_ids=ids, position_ids=lens[:, None], attention_mask=mask,
+                          **cache_arg(self.body, cache), use_cache=True).last_hidden_state[:, 0]
         self.stats["row_attention_steps"] += int(per_row)
         if self.states is not None:
             self.states[torch.arange(n, device=self.device), lens] = h.to(self.state_dtype)
