@@ -286,9 +286,12 @@ class BatchGenerator:
         return pick_tokens(self._logits(h), rows, self.temperature, self.top_p)
 
     def run(self, jobs: Iterable[Job], on_done: Callable[..., Iterable[Job] | None],
-            want: Callable[[Job, list[int], bool], list[int] | None] | None = None) -> None:
+            want: Callable[[Job, list[int], bool], list[int] | None] | None = None,
+            on_step: Callable[[], None] | None = None) -> None:
         """Generate every job; ``on_done(job, tokens, finished)`` is called as each ends and may return
         follow-up jobs (e.g. the next turn of a conversation), which join the queue's front.
+        ``on_step()``, if given, is called after every forward (a prefill group or a decode step), with
+        ``stats`` up to date: a progress display moves with the tokens while no job has ended yet.
 
         ``tokens`` stop at (and include) the first end-of-sequence token; ``finished`` is False when
         the job's ``max_new_tokens`` cut it.
@@ -399,6 +402,8 @@ class BatchGenerator:
                 # walk backwards so compaction (which moves the last row) never skips a row
                 for i in range(len(rows) - 1, row0 - 1, -1):
                     advance(i, first[i - row0])
+                if on_step is not None:
+                    on_step()
             if not rows:
                 continue
             nxt = self._decode(rows, list(pending))
@@ -406,6 +411,8 @@ class BatchGenerator:
                 r.length += 1
             for i in range(len(rows) - 1, -1, -1):
                 advance(i, nxt[i])
+            if on_step is not None:
+                on_step()
 
     def _check(self, job: Job) -> None:
         if not job.prompt:
