@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 import torch
 
+from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.drafters import project
 from draftsmith.engine.drafting import GrowContext, grow_chain, grow_dynamic, grow_static
 from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
@@ -210,7 +211,7 @@ class SpeculativeDecoder:
             c, torch.ones(L - c, L - c, dtype=torch.bool, device=self.device).tril(), self.dtype)
         h = self.body(input_ids=torch.tensor([state.tokens[c:L]], device=self.device),
                       position_ids=torch.arange(c, L, device=self.device)[None], attention_mask=mask,
-                      past_key_values=self.cache, use_cache=True).last_hidden_state
+                      **cache_arg(self.body, self.cache), use_cache=True).last_hidden_state
         state.hidden, state.cached = h[0, -1:], L
         state.fresh_hidden = h[0] if c == 0 or state.fresh_hidden is None else torch.cat([state.fresh_hidden, h[0]])
 
@@ -266,7 +267,7 @@ class SpeculativeDecoder:
             mask = prefix_block_mask(c, block, self.dtype)
         self.cache.set_write(c)
         h = self.body(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
-                      past_key_values=self.cache, use_cache=True).last_hidden_state[0, pre:]
+                      **cache_arg(self.body, self.cache), use_cache=True).last_hidden_state[0, pre:]
         return project(self.lm_head, h), h
 
     def verify(self, state: DecodeState, tree: DraftTree, logits: torch.Tensor, rng: RandomSource) -> Verdict:

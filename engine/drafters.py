@@ -46,6 +46,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.cpu_layout import WEIGHT_T, linear_rows, packed_weight
 from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
 from draftsmith.engine.trees import DraftTree
@@ -241,7 +242,7 @@ class ModelDrafter:
                  mask: torch.Tensor | None) -> torch.Tensor:
         ds.cache.set_write(write)
         h = self.body(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
-                      past_key_values=ds.cache, use_cache=True).last_hidden_state[0]
+                      **cache_arg(self.body, ds.cache), use_cache=True).last_hidden_state[0]
         ds.hidden = h
         return h
 

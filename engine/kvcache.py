@@ -9,10 +9,12 @@ back: they lie beyond the committed length and are overwritten by the next
 step. After a tree step, `compact` moves the accepted path's entries to
 consecutive slots.
 
-It is a ``transformers.Cache`` subclass, so HF models take it as
-``past_key_values``; the attention mask is always passed explicitly as a 4D
-additive float mask (see `additive_mask`), which HF hands to the attention
-kernel unchanged (eager adds it, sdpa passes it as ``attn_mask``).
+It is a ``transformers.Cache`` subclass, so HF models take it as their cache
+argument (``cache``, or ``past_key_values`` in older transformers: callers pass
+``**cache_arg(body, cache)`` from `draftsmith.engine.cache_kw`); the attention
+mask is always passed explicitly as a 4D additive float mask (see
+`additive_mask`), which HF hands to the attention kernel unchanged (eager adds
+it, sdpa passes it as ``attn_mask``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.kvcache import PreallocatedLayer, kv_dims
 
 
@@ -134,5 +135,5 @@ def ragged_forward(body: torch.nn.Module, cache: RowsCache, ids: torch.Tensor, w
     mask = torch.zeros((n, 1, m, span), dtype=dtype, device=dev)
     mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
     cache.set_block(slots, span, rows)
-    return body(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
+    return body(input_ids=ids, position_ids=pos, attention_mask=mask, **cache_arg(body, cache),
                 use_cache=True).last_hidden_state

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.drafters import project
 from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
 from draftsmith.engine.trees import DynamicTree, StaticTree
@@ -90,7 +91,7 @@ def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (1, prefix + n_max), generator=g).to(dev)
     cache.set_write(0)
-    body(input_ids=ids[:, :prefix], position_ids=torch.arange(prefix, device=dev)[None], past_key_values=cache,
+    body(input_ids=ids[:, :prefix], position_ids=torch.arange(prefix, device=dev)[None], **cache_arg(body, cache),
          use_cache=True)
 
     def once(n: int) -> float:
@@ -99,7 +100,7 @@ def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int 
         cache.set_write(prefix)
         t0 = time.perf_counter()
         h = body(input_ids=ids[:, prefix:prefix + n], position_ids=torch.arange(prefix, prefix + n, device=dev)[None],
-                 attention_mask=m, past_key_values=cache, use_cache=True).last_hidden_state[0]
+                 attention_mask=m, **cache_arg(body, cache), use_cache=True).last_hidden_state[0]
         project(head, h)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)

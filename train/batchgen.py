@@ -47,6 +47,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.train.batchgen_cache import RaggedCache, row_attention
 
 ATTENTION_MODES = ("auto", "rows", "masked")
@@ -209,7 +210,7 @@ class BatchGenerator:
         from transformers import DynamicCache
         pkv = DynamicCache()
         ids = torch.tensor([common], device=self.device)
-        h = self.body(input_ids=ids, past_key_values=pkv, use_cache=True).last_hidden_state[0]
+        h = self.body(input_ids=ids, **cache_arg(self.body, pkv), use_cache=True).last_hidden_state[0]
         self._prefix = common
         self._prefix_kv = [(layer.keys, layer.values) for layer in pkv.layers]
         self._prefix_states = h
@@ -239,7 +240,7 @@ class BatchGenerator:
         pos = torch.arange(off, off + width, device=self.device).expand(k, width)
         cache.set_prefill(row0, k, self._prefix_kv, off)
         h = self.body(input_ids=ids.to(self.device), position_ids=pos, attention_mask=mask,
-                      past_key_values=cache, use_cache=True).last_hidden_state
+                      **cache_arg(self.body, cache), use_cache=True).last_hidden_state
         if self.states is not None:  # padding positions hold garbage, past every row's length
             if off:
                 self.states[row0:row0 + k, :off] = self._prefix_states[:off].to(self.state_dtype)
@@ -275,8 +276,8 @@ class BatchGenerator:
         ids = torch.tensor(pending, device=self.device)[:, None]
         per_row = self.row_attention(lengths, span)
         with row_attention(self.model, lengths) if per_row else nullcontext():
-            h = self.body(input_ids=ids, position_ids=lens[:, None], attention_mask=mask, past_key_values=cache,
-                          use_cache=True).last_hidden_state[:, 0]
+            h = self.body(input_ids=ids, position_ids=lens[:, None], attention_mask=mask,
+                          **cache_arg(self.body, cache), use_cache=True).last_hidden_state[:, 0]
         self.stats["row_attention_steps"] += int(per_row)
         if self.states is not None:
             self.states[torch.arange(n, device=self.device), lens] = h.to(self.state_dtype)
@@ -285,9 +286,12 @@ class BatchGenerator:
         return pick_tokens(self._logits(h), rows, self.temperature, self.top_p)
 
     def run(self, jobs: Iterable[Job], on_done: Callable[..., Iterable[Job] | None],
-            want: Callable[[Job, list[int], bool], list[int] | None] | None = None) -> None:
+            want: Callable[[Job, list[int], bool], list[int] | None] | None = None,
+            on_step: Callable[[], None] | None = None) -> None:
         """Generate every job; ``on_done(job, tokens, finished)`` is called as each ends and may return
         follow-up jobs (e.g. the next turn of a conversation), which join the queue's front.
+        ``on_step()``, if given, is called after every forward (a prefill group or a decode step), with
+        ``stats`` up to date: a progress display moves with the tokens while no job has ended yet.
 
         ``tokens`` stop at (and include) the first end-of-sequence token; ``finished`` is False when
         the job's ``max_new_tokens`` cut it.
@@ -398,6 +402,8 @@ class BatchGenerator:
                 # walk backwards so compaction (which moves the last row) never skips a row
                 for i in range(len(rows) - 1, row0 - 1, -1):
                     advance(i, first[i - row0])
+                if on_step is not None:
+                    on_step()
             if not rows:
                 continue
             nxt = self._decode(rows, list(pending))
@@ -405,6 +411,8 @@ class BatchGenerator:
                 r.length += 1
             for i in range(len(rows) - 1, -1, -1):
                 advance(i, nxt[i])
+            if on_step is not None:
+                on_step()
 
     def _check(self, job: Job) -> None:
         if not job.prompt:

@@ -44,6 +44,23 @@ KV_BUDGET_BYTES = int(os.environ.get("DRAFTSMITH_KV_BYTES", 4 << 30))
 log = logging.getLogger(__name__)
 
 
+def _token_ticker(bar, gen: BatchGenerator, extra=None):
+    """A `BatchGenerator.run` step hook: the bar's postfix shows the tokens generated so far (and ``extra()``),
+    redrawn at most every ``bar.mininterval`` seconds, so the bar moves while no job has ended yet (the first
+    ones end only after a whole reply's worth of decode steps). The count and ETA stay the bar's own."""
+    if getattr(bar, "disable", False):  # (a disabled tqdm has no mininterval)
+        return None
+    last, every = [0.0], bar.mininterval
+
+    def on_step() -> None:
+        now = time.monotonic()
+        if now - last[0] >= every:
+            last[0] = now
+            tail = extra() if extra is not None else ""
+            bar.set_postfix_str(f"{gen.stats['generated_tokens']} tok" + (f", {tail}" if tail else ""))
+    return on_step
+
+
 class PromptTooLongError(ValueError):
     """A prompt does not fit in the context with room for the response."""
 
@@ -338,7 +355,7 @@ def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path
             write(job.key[0], captured)
             return None
 
-        gen.run(jobs, on_done, want=want if fused is not None else None)
+        gen.run(jobs, on_done, want=want if fused is not None else None, on_step=_token_ticker(bar, gen))
         f.flush()
         os.fsync(f.fileno())
     bar.close()
@@ -477,17 +494,29 @@ def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_
                              temperature=temperature, top_p=top_p)
         draws = draws_done
         limit = draws_done + 8 * (count - len(out)) + 64  # a target that cannot write prompts stops somewhere
-        while len(out) < count and draws < limit:
-            # ask for what is missing plus a margin for rejections; results taken in draw order
-            n = min(round_size, int((count - len(out)) * 1.3) + 8)
-            got: dict[int, tuple[list[int], bool]] = {}
-            jobs = [Job(draws + k, start(draws + k), max_new_tokens, job_seed(seed, "magpie", draws + k))
-                    for k in range(n)]
-            gen.run(jobs, lambda j, ids, fin: got.__setitem__(j.key, (ids, fin)))
-            before = len(out)
-            for k in sorted(got):
+        got: dict[int, tuple[list[int], bool]] = {}  # a round's results not taken yet
+        nxt = [draws]  # the next draw to take: results are taken in draw order, each as soon as it can be
+
+        def done_draw(j: Job, ids: list[int], fin: bool) -> None:
+            got[j.key] = (ids, fin)
+            while nxt[0] in got:
+                k = nxt[0]
                 if len(out) < count:
                     take(*got[k], k)
+                del got[k]
+                nxt[0] = k + 1
+
+        def rejected() -> str:
+            return f"{sum(v for k, v in stats.items() if k.startswith('rejected_'))} rejected"
+
+        ticker = _token_ticker(bar, gen, rejected)
+        while len(out) < count and draws < limit:
+            # ask for what is missing plus a margin for rejections
+            n = min(round_size, int((count - len(out)) * 1.3) + 8)
+            jobs = [Job(draws + k, start(draws + k), max_new_tokens, job_seed(seed, "magpie", draws + k))
+                    for k in range(n)]
+            before, nxt[0] = len(out), draws
+            gen.run(jobs, done_draw, on_step=ticker)
             draws += n
             if on_round is not None:
                 on_round(out[before:], draws)

@@ -38,12 +38,12 @@ with no adapter (first l layers, the target's final norm, the LM head).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 
 from draftsmith.engine import drafters as engine  # engine.project, looked up per call: step_breakdown's clock wraps it
+from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.kvcache import prefix_block_mask
 from draftsmith.engine.policies import ConfidenceStop, LengthPolicy
 from draftsmith.engine.trees import DraftTree
@@ -106,10 +106,6 @@ class KangarooDrafter:
         if full_verify:
             self.verify_forward = None  # the decoder then runs its own full-depth forward
         self._buffers: tuple | None = None
-        # The layers' name for the cache argument: `cache` in transformers 5.x (`past_key_values` is a deprecated
-        # alias there, renamed and warned about on every call), `past_key_values` before.
-        params = inspect.signature(body.layers[0].forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     def variant(self, *, policy: LengthPolicy | None = None, full_verify: bool | None = None,
                 name: str | None = None) -> "KangarooDrafter":
@@ -151,7 +147,7 @@ class KangarooDrafter:
         rope = dec.body.rotary_emb(x[None], pos)
         dec.cache.set_write(start)
         h = x[None]
-        kw = {self._cache_kw: dec.cache}
+        kw = cache_arg(dec.body.layers[0], dec.cache)  # `cache` or `past_key_values` (engine.cache_kw)
         for layer in dec.body.layers[lo:hi]:
             out = layer(h, attention_mask=mask, position_ids=pos, use_cache=True, position_embeddings=rope, **kw)
             h = out[0] if isinstance(out, tuple) else out

@@ -28,11 +28,11 @@ overwritten.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 import torch
 
+from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.drafters import project
 from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
 from draftsmith.engine.trees import DraftTree
@@ -82,7 +82,7 @@ class _OwnTokenizerBase:
             start, torch.ones(n, n, dtype=torch.bool, device=dev).tril(), ds.cache.layers[0].keys.dtype)
         ds.cache.set_write(start)
         h = self.body(input_ids=torch.tensor([ids], device=dev), position_ids=torch.arange(start, start + n,
-                      device=dev)[None], attention_mask=mask, past_key_values=ds.cache, use_cache=True)
+                      device=dev)[None], attention_mask=mask, **cache_arg(self.body, ds.cache), use_cache=True)
         del ds.fed[start:]
         ds.fed.extend(ids)
         return project(self.head, h.last_hidden_state[0, -1:])
