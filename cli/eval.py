@@ -1,14 +1,29 @@
-"""``draftsmith eval CHECKPOINT ...``: benchmark drafters with the lossless decoder.
+"""``draftsmith eval``: benchmark a drafter checkpoint against plain decoding and Hugging Face.
 
-The parser and the benchmark are draftsmith.eval.cli's (``python -m draftsmith.eval.cli`` runs it too):
-``draftsmith eval`` hands it every argument after ``eval`` (see ``draftsmith eval -h``).
+    draftsmith eval CHECKPOINT [--plain] [--drafter-layers N] [--hf-assisted] [--prompts N]
+                    [--max-new-tokens 128] [--temperature 0 ...] [--tree SPEC ...] --out DIR
+
+CHECKPOINT is a drafter checkpoint directory, or ``none`` to benchmark
+baselines only. Plain decoding with our decoder always runs: it is the
+baseline every speedup names. Writes DIR/report.json (every figure, the
+command, the config and the environment), DIR/report.md and PNG plots.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from draftsmith.eval.cli import eval_main
+from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environment, read_manifest
+from draftsmith.engine.cpu_layout import apply_cpu_layout
+from draftsmith.engine.drafters import SelfDrafter
+from draftsmith.engine.sampling import SamplingParams
+from draftsmith.engine.tree_build import TREES, parse_tree
+from draftsmith.eval.bench import default_methods, run_bench, table
+from draftsmith.eval.compare import self_drafter_methods, tree_specs_for
+from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
+from draftsmith.eval.report import write_report
+from draftsmith.target import default_device, load_target
 
 
 def add_parser(subparsers, name: str, summary: str) -> None:
@@ -26,3 +41,126 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str]) -> int:
     eval_main(argv)  # returns the report (already written); the exit status is 0
     return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="draftsmith eval", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", nargs="+",
+                    help="drafter checkpoint directories (several are benchmarked side by side, interleaved), "
+                         "or 'none' for baselines only")
+    ap.add_argument("--target", default=None, help="target name or directory (default: the checkpoint's target)")
+    ap.add_argument("--plain", action="store_true", help="also run Hugging Face generate (plain decoding)")
+    ap.add_argument("--drafter-layers", type=int, default=None,
+                    help="also run a standalone drafter made of the target's first N layers (untrained baseline)")
+    ap.add_argument("--draft-len", type=int, default=4, help="draft length K for chains (ours and HF assisted)")
+    ap.add_argument("--hf-assisted", action="store_true",
+                    help="also run HF assisted generation with the --drafter-layers model as assistant")
+    ap.add_argument("--prompts", type=int, default=80,
+                    help="number of MT-Bench first turns (fewer than 80: evenly spread over the categories)")
+    ap.add_argument("--prompts-file", default=None, metavar="JSONL",
+                    help="your own prompts instead of MT-Bench: one JSON object a line, {\"prompt\": ...}, "
+                         "{\"messages\": [...]} or {\"turns\": [...]}, optional \"category\" (--prompts caps the count)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several allowed")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--tree", action="append", default=None,
+                    help="tree for the checkpoint's drafter: chain | built:B | dynamic[:B,D,W] | JSON paths | JSON "
+                         "file; repeatable (default: chain); NAME=SPEC applies to the checkpoint of that recipe name "
+                         "only (several checkpoints side by side)")
+    ap.add_argument("--confidence", type=float, default=None,
+                    help="Kangaroo checkpoints: threshold of the second early exit (default: the checkpoint's)")
+    ap.add_argument("--fixed-len", type=int, nargs="+", default=[],
+                    help="Kangaroo checkpoints: also draft at these fixed lengths (the same adapter, no early exit)")
+    ap.add_argument("--full-verify", action="store_true",
+                    help="Kangaroo checkpoints: also verify the same drafts through all L layers (vs l+1..L)")
+    ap.add_argument("--early-exit", type=int, default=None, metavar="L",
+                    help="also run the untrained early-exit self-drafter (first L layers + LM head, --draft-len)")
+    ap.add_argument("--hf-early-exit", type=int, default=None, metavar="L",
+                    help="also run Hugging Face assisted generation with assistant_early_exit=L (--draft-len)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
+    ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false",
+                    help="keep PyTorch's default weight layout on CPU (default: column-major linears, oneDNN-packed "
+                         "copies for 2+ rows and a transposed LM-head copy for every method, see "
+                         "draftsmith.engine.cpu_layout)")
+    ap.add_argument("--out", required=True, help="output directory")
+    return ap
+
+
+def eval_main(argv: list[str] | None = None) -> dict:
+    """Entry point of ``draftsmith eval``; returns the report dict."""
+
+    a = build_parser().parse_args(argv)
+    if a.hf_assisted and not a.drafter_layers:
+        raise SystemExit("--hf-assisted needs --drafter-layers N (the assistant model)")
+    ckpts = [] if [c.lower() for c in a.checkpoint] == ["none"] else [Path(c) for c in a.checkpoint]
+    target_name = a.target
+    if target_name is None and ckpts:
+        t = read_manifest(ckpts[0])["target"]
+        target_name = t["path"] if Path(t["path"]).exists() else t["name"]
+    target = load_target(target_name or "smollm2-135m-instruct", device=default_device(a.device))
+    drafters = []
+    for c in ckpts:
+        d = drafter_from_checkpoint(c, target)
+        d.name = (read_manifest(c).get("recipe") or {}).get("name") or d.name
+        if a.confidence is not None and isinstance(d, SelfDrafter):  # another second-early-exit threshold
+            d.set_confidence(a.confidence)
+        specs = tree_specs_for(a.tree or ["chain"], d.name)
+        if not getattr(d, "supports_trees", True):  # chain-only drafters: the other specs are for other checkpoints
+            if "chain" not in specs and len(a.checkpoint) == 1:
+                raise ValueError(f"{c} holds a {d.name!r} drafter, which drafts chains only: add --tree chain")
+            if specs != ["chain"]:
+                print(f"{d.name}: chains only, drafted as a chain (trees {[t for t in specs if t != 'chain']} are for the other checkpoints)")
+            specs = ["chain"]
+        if not (Path(c) / TREES).exists():  # built:N needs trees built for this checkpoint (the trees stage)
+            built = [t for t in specs if t.strip().startswith("built:")]
+            if built and len(built) == len(specs) and len(a.checkpoint) == 1:
+                raise ValueError(f"{c} has no built trees ({TREES}) for {built}: run `draftsmith trees` on it "
+                                 "or give another --tree")
+            if built:
+                print(f"{d.name}: no built trees, so {built} are for the other checkpoints")
+                specs = [t for t in specs if t not in built] or ["chain"]
+        drafters.append((d, [(t, parse_tree(t, c)) for t in specs]))
+    layout = None
+    if a.cpu_layout:
+        layout = apply_cpu_layout(target, *[d for d, _ in drafters])
+        if layout["applied"]:
+            print(f"CPU decoding layout: {layout['linears']} linears column-major, "
+                  f"{layout.get('packed', 0)} oneDNN-packed, {layout['heads']} head copies")
+    if a.prompts_file:
+        prompts, bad = user_prompts(target.tokenizer, a.prompts_file, a.prompts)
+        if bad["skipped"]:
+            print(f"prompts file: skipped {sum(bad['skipped'].values())} lines {bad['skipped']} "
+                  f"(first at {bad['first_skipped_at']})")
+    else:
+        prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
+    room = target.context_length - a.max_new_tokens - 64  # 64: the largest draft block a method verifies
+    too_long = [p for p in prompts if len(p.ids) > room]
+    if too_long:
+        print(f"skipped {len(too_long)} prompts longer than {room} tokens (context {target.context_length} - "
+              f"{a.max_new_tokens} new tokens - a draft block of 64), first: #{too_long[0].question_id}")
+        prompts = [p for p in prompts if len(p.ids) <= room]
+        if not prompts:
+            raise ValueError("every prompt is too long for the target's context")
+    runs = {}
+    for temp in a.temperature:
+        sampling = SamplingParams(temp, a.top_k if temp > 0 else 0, a.top_p if temp > 0 else 1.0)
+        label = "greedy" if sampling.greedy else f"T={temp}"
+        methods = default_methods(target, sampling, drafter_layers=a.drafter_layers, draft_len=a.draft_len,
+                                  hf=a.plain, hf_assisted_too=a.hf_assisted, cpu_layout=a.cpu_layout)
+        for d, trees in drafters:
+            methods += default_methods(target, sampling, drafter_layers=None, hf=False, heads=d, trees=trees)[1:]
+            methods += self_drafter_methods(target, d, sampling, a, trees)
+        methods += self_drafter_methods(target, None, sampling, a)
+        print(f"== {label}: {', '.join(m.name for m in methods)}", flush=True)
+        runs[label] = run_bench(methods, prompts, a.max_new_tokens, seed=a.seed)
+        print(table(runs[label]), flush=True)
+    config = {k: v for k, v in vars(a).items()}
+    config["cpu_layout"] = layout
+    config["target"] = {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint}
+    report = write_report(a.out, runs, config, command_line(), environment())
+    print(f"wrote {Path(a.out) / 'report.json'}, report.md and {len(report['plots'])} plots")
+    return report
+

@@ -24,7 +24,11 @@ from typing import Callable
 
 import torch
 
+from draftsmith.engine.cpu_layout import apply_cpu_layout
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.drafters import first_layers_drafter
 from draftsmith.engine.metrics import DecodeResult, speedup, summarize, tau
+from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams
 
 BASELINE = "plain (ours)"
@@ -176,9 +180,6 @@ def default_methods(target, sampling: SamplingParams, *, drafter_layers: int | N
                     cpu_layout: bool = False) -> list[Method]:
     """The standard comparison set (see the module docstring). ``cpu_layout``: give the standalone
     drafter `draftsmith.engine.cpu_layout`'s layout (the caller does the target's and ``heads``')."""
-    from draftsmith.engine.decoder import SpeculativeDecoder
-    from draftsmith.engine.drafters import first_layers_drafter
-    from draftsmith.engine.policies import FixedLength
 
     methods = [ours(BASELINE, SpeculativeDecoder(target, sampling=sampling))]
     if hf:
@@ -186,7 +187,6 @@ def default_methods(target, sampling: SamplingParams, *, drafter_layers: int | N
     if drafter_layers:
         dr = first_layers_drafter(target, drafter_layers)
         if cpu_layout:
-            from draftsmith.engine.cpu_layout import apply_cpu_layout
             apply_cpu_layout(target, dr)
         methods.append(ours(f"ours first-{drafter_layers}-layers K={draft_len}",
                             SpeculativeDecoder(target, dr, policy=FixedLength(draft_len), sampling=sampling)))

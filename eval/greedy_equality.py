@@ -23,6 +23,14 @@ import time
 
 import torch
 
+from draftsmith.checkpoint import drafter_from_checkpoint
+from draftsmith.engine.cpu_layout import apply_cpu_layout
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.engine.tree_build import parse_tree
+from draftsmith.engine.trees import DynamicTree
+from draftsmith.eval.mtbench import mtbench_prompts
+from draftsmith.target import default_device, load_target
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token (a length difference counts); None if equal."""
@@ -44,7 +52,6 @@ def top2_gap(target, context: list[int]) -> float:
 def greedy_equality(target, methods: dict, prompts: list, max_new_tokens: int = 128,
                     tie_gap: float = 1e-3) -> dict:
     """Run plain greedy and every method on every prompt; count and explain divergences."""
-    from draftsmith.engine.decoder import SpeculativeDecoder
 
     plain = SpeculativeDecoder(target)
     report = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "tie_gap": tie_gap, "methods": {}}
@@ -124,13 +131,6 @@ def _summary(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from draftsmith.engine.decoder import SpeculativeDecoder
-    from draftsmith.engine.drafters import first_layers_drafter
-    from draftsmith.checkpoint import drafter_from_checkpoint
-    from draftsmith.eval.mtbench import mtbench_prompts
-    from draftsmith.engine.trees import DynamicTree
-    from draftsmith.engine.tree_build import parse_tree
-    from draftsmith.target import default_device, load_target
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -186,7 +186,6 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"unknown or unavailable methods {unknown}; available: {sorted(methods)}")
         methods = {k: v for k, v in methods.items() if k in a.methods}
     if a.cpu_layout:
-        from draftsmith.engine.cpu_layout import apply_cpu_layout
         drafters = {id(d.drafter): d.drafter for d in methods.values() if d.drafter is not None}
         print("CPU decoding layout:", apply_cpu_layout(target, *drafters.values()))
     prompts = mtbench_prompts(target.tokenizer, a.prompts)

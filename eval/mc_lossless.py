@@ -21,7 +21,15 @@ from collections import Counter
 
 import torch
 
-from draftsmith.engine.sampling import SamplingParams, TorchRandom, processed_probs
+from draftsmith.checkpoint import drafter_from_checkpoint
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.drafters import first_layers_drafter, HeadDrafter
+from draftsmith.engine.policies import FixedLength
+from draftsmith.engine.sampling import processed_probs, SamplingParams, TorchRandom
+from draftsmith.engine.tree_build import parse_tree
+from draftsmith.engine.trees import DynamicTree
+from draftsmith.heads.medusa.model import MedusaHeads
+from draftsmith.target import load_target
 
 REST = ("rest",)
 OTHER = "*"
@@ -133,14 +141,6 @@ def mc_lossless(dec, prompt: list[int], n_new: int, n_samples: int, seed: int = 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from draftsmith.engine.decoder import SpeculativeDecoder
-    from draftsmith.engine.drafters import HeadDrafter, first_layers_drafter
-    from draftsmith.checkpoint import drafter_from_checkpoint
-    from draftsmith.engine.policies import FixedLength
-    from draftsmith.engine.trees import DynamicTree
-    from draftsmith.engine.tree_build import parse_tree
-    from draftsmith.heads.medusa.model import MedusaHeads
-    from draftsmith.target import load_target
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct")

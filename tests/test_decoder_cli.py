@@ -5,7 +5,7 @@ import json
 import torch
 
 from draftsmith.checkpoint import save_checkpoint
-from draftsmith.eval.cli import eval_main, parse_tree
+from draftsmith.cli.eval import eval_main, parse_tree
 from draftsmith.engine.trees import DynamicTree, StaticTree
 from draftsmith.heads.medusa.model import MedusaHeads
 from tests.tiny import make_tiny_target
@@ -107,7 +107,7 @@ def test_eval_on_a_users_prompts_file(tmp_path, capsys):
 
 def test_tree_specs_per_checkpoint():
     """--tree NAME=SPEC goes to the checkpoint of that recipe name only; plain specs go to every checkpoint."""
-    from draftsmith.eval.cli import tree_specs_for
+    from draftsmith.eval.compare import tree_specs_for
 
     specs = ["chain", "kg=[[0],[1]]", "hydra=built:best", "[[0],[1],[2]]", "runs/a=b/tree.json"]
     assert tree_specs_for(specs, "kg") == ["chain", "[[0],[1]]", "[[0],[1],[2]]", "runs/a=b/tree.json"]

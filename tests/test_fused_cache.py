@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from draftsmith.cli import pipeline
-from draftsmith.common.hidden_cache import HiddenCache
+from draftsmith.common.hidden_cache import HiddenCache, field_file
 from draftsmith.recipe import parse_recipe
 from draftsmith.train import cache as cache_mod
 from draftsmith.train.batchgen import BatchGenerator, Job
@@ -67,7 +67,7 @@ def _assert_same_cache(a, b, tol):
         for f in ("tokens", "mask", "starts"):
             assert np.array_equal(np.load(a / sh / f"{f}.npy"), np.load(b / sh / f"{f}.npy")), (sh, f)
         for nd in ia["needs"]:
-            x, y = (np.load(d / sh / cache_mod._field_file(nd)) for d in (a, b))
+            x, y = (np.load(d / sh / field_file(nd)) for d in (a, b))
             assert x.dtype == y.dtype and x.shape == y.shape
             if ia["dtype"] == "bfloat16":
                 x, y = (torch.from_numpy(v.astype(np.int16)).view(torch.bfloat16).float().numpy() for v in (x, y))

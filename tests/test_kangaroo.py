@@ -395,7 +395,7 @@ def test_eval_cli_runs_kangaroo_side_by_side(tmp_path):
     """`draftsmith eval` on a kangaroo checkpoint: double early exit, fixed lengths, full-depth verification,
     the early-exit peers (ours and HF's); a tree spec drafts a tree."""
     from draftsmith.cli import main
-    from draftsmith.eval.cli import eval_main
+    from draftsmith.cli.eval import eval_main
 
     t = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, layers=3, save_to=tmp_path / "target")
     save_checkpoint(tmp_path / "ck", random_adapter(t, exit_layer=1), t)
