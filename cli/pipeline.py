@@ -20,7 +20,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import torch
 
 from draftsmith import paths, registry
 from draftsmith.checkpoint import command_line, environment, load_checkpoint, update_metrics

@@ -26,7 +26,6 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from tqdm.auto import tqdm
