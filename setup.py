@@ -21,7 +21,8 @@ def packages() -> tuple[list[str], dict[str, str]]:
     for pkg, folder in FOLDERS.items():
         inits = sorted(p.parent for p in (ROOT / folder).rglob("__init__.py"))
         if folder == "recipes":  # data folders: packages too, so setuptools ships them without a warning
-            inits = [ROOT / folder, *sorted(d for d in (ROOT / folder).iterdir() if d.is_dir() and d.name != "__pycache__")]
+            inits = [ROOT / folder,
+                     *sorted(d for d in (ROOT / folder).iterdir() if d.is_dir() and d.name != "__pycache__")]
         for where in inits:
             if "__pycache__" in where.parts:
                 continue

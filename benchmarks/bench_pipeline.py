@@ -127,15 +127,18 @@ def _fused_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeat
                 if mode not in best or row["response_tokens_per_s"] > best[mode]["response_tokens_per_s"]:
                     best[mode] = {**row, "dir": str(d / "cache")}
         a, b = HiddenCache(best["batched+cache"]["dir"]), HiddenCache(best["fused"]["dir"])
-        same = len(a) == len(b) and all(np.array_equal(a.tokens(i), b.tokens(i)) and np.array_equal(a.mask(i), b.mask(i))
+        same = len(a) == len(b) and all(np.array_equal(a.tokens(i), b.tokens(i))
+                                        and np.array_equal(a.mask(i), b.mask(i))
                                         for i in range(len(a)))
-        diff = max(float((a.states(i, "final") - b.states(i, "final")).abs().max()) for i in range(len(a))) if same else None
+        diff = max(float((a.states(i, "final") - b.states(i, "final")).abs().max())
+                   for i in range(len(a))) if same else None
     for v in best.values():
         v.pop("dir")
     res.update(best)
     res.update({"fused_over_batched_cache": best["fused"]["response_tokens_per_s"] /
                 best["batched+cache"]["response_tokens_per_s"],
-                "fused_over_hf_cache": best["fused"]["response_tokens_per_s"] / best["hf+cache"]["response_tokens_per_s"],
+                "fused_over_hf_cache": best["fused"]["response_tokens_per_s"] /
+                best["hf+cache"]["response_tokens_per_s"],
                 "batched_cache_over_hf_cache": best["batched+cache"]["response_tokens_per_s"] /
                 best["hf+cache"]["response_tokens_per_s"],
                 "fused_cache_tokens_identical": same, "fused_cache_max_state_diff": diff})
@@ -218,7 +221,8 @@ def main(argv=None) -> dict:
     except ImportError:
         coding = []
     for c in list(read_sharegpt(resolve_path("builtin:sharegpt-dummy"), "sharegpt", SkipLog())) + [
-            Conversation(f"mtbench:{q['question_id']}", "mtbench", [q["turns"][0]]) for q in mtbench_questions()] + coding:
+            Conversation(f"mtbench:{q['question_id']}", "mtbench", [q["turns"][0]])
+            for q in mtbench_questions()] + coding:
         if normalise(c.user_turns[0]) not in seen:
             seen.add(normalise(c.user_turns[0]))
             pool.append(Conversation(c.id, c.source, c.user_turns[:1]))

@@ -61,7 +61,8 @@ def add_common_args(ap: argparse.ArgumentParser, *, target: bool = True, target_
         default = "torch's" if threads_default is None else threads_default
         ap.add_argument("--threads", type=int, default=threads_default, help=f"torch CPU threads (default: {default})")
     if device:
-        ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
+        ap.add_argument("--device", default=None,
+                        help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     if seed:
         ap.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     if cpu_layout:

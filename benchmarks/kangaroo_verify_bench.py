@@ -22,7 +22,8 @@ import time
 from benchmarks.common import add_common_args, parser, setup, write_json
 
 
-def paired_verify_times(dec, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[tuple[int, float, float]]]:
+def paired_verify_times(dec, prompt: list[int],
+                        max_new_tokens: int) -> tuple[list[int], list[tuple[int, float, float]]]:
     """Decode greedily; per step (rows verified, skip ms, full ms), both paths on the same drafts."""
     from draftsmith.engine.sampling import TorchRandom
 

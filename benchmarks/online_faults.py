@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--logs", default=None, help="kills: replay these logs instead of synthetic records")
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--every-records", type=int, default=10, help="kills: records per update of the job")
-    ap.add_argument("--min-delay", type=float, default=0.0, help="kills: seconds after the run commits before a kill ...")
+    ap.add_argument("--min-delay", type=float, default=0.0,
+                    help="kills: seconds after the run commits before a kill ...")
     ap.add_argument("--max-delay", type=float, default=2.0, help="... at most")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=120.0)

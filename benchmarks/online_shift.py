@@ -16,8 +16,8 @@
 5. MT-Bench first turns (--mtbench): the initial and the final drafter, to show what general chat lost.
 ``--recheck-mtbench --out DIR --mtbench 80``: only step 5 again, on more first turns, for a finished run
 (DIR/mtbench_recheck.json).
-Writes DIR/results.json and DIR/acceptance.png (DIR/curve.json and the plot after every update too). Greedy responses are checked against plain decoding
-for the first --check-greedy requests.
+Writes DIR/results.json and DIR/acceptance.png (DIR/curve.json and the plot after every update too). Greedy
+responses are checked against plain decoding for the first --check-greedy requests.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def compare_mtbench(target, init: Path | None, store: PublishStore, prompts: int
     """Acceptance on MT-Bench first turns: the initial drafter (None: plain) against the published current one."""
     from draftsmith.eval.mtbench import mtbench_prompts
     ps = [(p.ids, max_new_tokens) for p in mtbench_prompts(target.tokenizer, prompts, spread=True)]
-    return {"initial": decode_acceptance(target, init, ps), "final": decode_acceptance(target, store.current_path(), ps),
+    return {"initial": decode_acceptance(target, init, ps),
+            "final": decode_acceptance(target, store.current_path(), ps),
             "final_version": store.current(), "prompts": len(ps), "max_new_tokens": max_new_tokens}
 
 
@@ -94,7 +95,8 @@ def recheck_mtbench(out: Path, prompts: int, max_new_tokens: int) -> dict:
     r["margin"] = res["recipe"]["online"]["margin"]
     r["change"] = r["final"]["acceptance"] - r["initial"]["acceptance"]
     write_json(out / "mtbench_recheck.json", r)
-    print(f"MT-Bench ({r['prompts']} first turns x {max_new_tokens} tokens) acceptance {r['initial']['acceptance']:.3f} "
+    print(f"MT-Bench ({r['prompts']} first turns x {max_new_tokens} tokens) acceptance "
+          f"{r['initial']['acceptance']:.3f} "
           f"-> {r['final']['acceptance']:.3f} ({r['change']:+.3f}; gate margin {r['margin']}), tau "
           f"{r['initial']['tau']:.3f} -> {r['final']['tau']:.3f}; wrote {out / 'mtbench_recheck.json'}")
     return r

@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"drafter": ident, "target": {"name": target.name, "fingerprint": target.fingerprint},
               "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "runs": {}, "quality": {}}
     md = [f"# Draft-length policies: {ident['name']} on {target.name}", "",
-          f"{len(prompts)} MT-Bench first turns, {a.max_new_tokens} new tokens, one interleaved run per temperature.", ""]
+          f"{len(prompts)} MT-Bench first turns, {a.max_new_tokens} new tokens, "
+          "one interleaved run per temperature.", ""]
     for temp in a.temperature:
         sampling = SamplingParams(temp)
         label = "greedy" if sampling.greedy else f"T={temp}"
@@ -134,14 +135,16 @@ def main(argv: list[str] | None = None) -> dict:
         if summary.exists():
             report["quality"] = json.loads(summary.read_text())
             md += ["## Predictor quality on the calibration split (training prompts held out)", "",
-                   "| temperature | predictor | mode | threshold | ROC AUC | ECE | Brier | simulated gain vs best fixed K |",
+                   "| temperature | predictor | mode | threshold | ROC AUC | ECE | Brier "
+                   "| simulated gain vs best fixed K |",
                    "|---|---|---|---|---|---|---|---|"]
             for t, res in report["quality"].items():
                 for kind, h in res.items():
                     g = h.get("simulated_gain_over_best_fixed")
                     md.append(f"| {t} | {kind} | {h.get('mode', '-')} | {h['threshold']:.3f} | "
                               f"{'-' if h['roc_auc'] is None else format(h['roc_auc'], '.3f')} | {h['ece']:.3f} | "
-                              f"{h['brier']:.3f} | {'-' if g is None else f'{100 * g:+.1f}%'} (K={h['best_fixed_k']}) |")
+                              f"{h['brier']:.3f} | {'-' if g is None else f'{100 * g:+.1f}%'} "
+                              f"(K={h['best_fixed_k']}) |")
     report.update(provenance())
     out = bench.out
     write_json(out / "report.json", report)

@@ -93,7 +93,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dense", action="store_true", help="also the dense conditional-expectation map M*")
     a = ap.parse_args(argv)
     target = setup(a, out_file=True).target
-    train, held = HiddenCache(Path(a.data) / "cache" / "train", target), HiddenCache(Path(a.data) / "cache" / "heldout", target)
+    train, held = (HiddenCache(Path(a.data) / "cache" / "train", target),
+                   HiddenCache(Path(a.data) / "cache" / "heldout", target))
     rows = []
     for ck in a.checkpoints:
         model, _ = load_checkpoint(ck, target)

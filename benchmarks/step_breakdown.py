@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.0)
     a = ap.parse_args(argv)
     bench = setup(a, checkpoint=a.checkpoint, out_file=True,
-                  drafters=lambda t: [drafter_from_checkpoint(a.checkpoint, t), first_layers_drafter(t, a.drafter_layers)])
+                  drafters=lambda t: [drafter_from_checkpoint(a.checkpoint, t),
+                                      first_layers_drafter(t, a.drafter_layers)])
     target, (heads, small) = bench.target, bench.drafters
     sampling = SamplingParams(temperature=a.temperature)
     decoders = {f"{heads.name} {spec}": SpeculativeDecoder(target, heads, tree=parse_tree(spec, a.checkpoint),

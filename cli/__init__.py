@@ -67,7 +67,8 @@ def _module(name: str) -> ModuleType:
 def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
     """The ``draftsmith`` parser. The subcommands in ``commands`` (default: all) get their arguments,
     which imports their modules; the others are only listed, by name and summary."""
-    ap = argparse.ArgumentParser(prog="draftsmith", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="draftsmith", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, (module, summary) in SUBCOMMANDS.items():
         if commands is None or name in commands:

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="number of MT-Bench first turns (fewer than 80: evenly spread over the categories)")
     ap.add_argument("--prompts-file", default=None, metavar="JSONL",
                     help="your own prompts instead of MT-Bench: one JSON object a line, {\"prompt\": ...}, "
-                         "{\"messages\": [...]} or {\"turns\": [...]}, optional \"category\" (--prompts caps the count)")
+                         "{\"messages\": [...]} or {\"turns\": [...]}, optional \"category\" "
+                         "(--prompts caps the count)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several allowed")
     ap.add_argument("--top-k", type=int, default=0)
@@ -112,7 +113,8 @@ def eval_main(argv: list[str] | None = None) -> dict:
             if "chain" not in specs and len(a.checkpoint) == 1:
                 raise ValueError(f"{c} holds a {d.name!r} drafter, which drafts chains only: add --tree chain")
             if specs != ["chain"]:
-                print(f"{d.name}: chains only, drafted as a chain (trees {[t for t in specs if t != 'chain']} are for the other checkpoints)")
+                print(f"{d.name}: chains only, drafted as a chain (trees {[t for t in specs if t != 'chain']} "
+                      "are for the other checkpoints)")
             specs = ["chain"]
         if not (Path(c) / TREES).exists():  # built:N needs trees built for this checkpoint (the trees stage)
             built = [t for t in specs if t.strip().startswith("built:")]

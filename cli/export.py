@@ -17,7 +17,8 @@ def add_parser(subparsers, name: str, summary: str) -> None:
         sp.add_argument("source", help="directory with config.json and model.safetensors or medusa_lm_head.safetensors")
         sp.add_argument("--out", required=True, help="new checkpoint directory")
         sp.add_argument("--target", default=None,
-                        help="target name or directory (default: its base_model_name_or_path if local, else the default)")
+                        help="target name or directory (default: its base_model_name_or_path if local, "
+                             "else the default)")
         sp.set_defaults(func=run_import)
         return
     sp.add_argument("source", help="checkpoint directory, or first-layers:N (the untrained baseline, --to hf)")

@@ -47,7 +47,8 @@ class EmptyDatasetError(ValueError):
     """A stage was given no usable data."""
 
 
-def collect_prompts(recipe: Recipe, target: Target, skips: sources.SkipLog, stats: Counter) -> list[sources.Conversation]:
+def collect_prompts(recipe: Recipe, target: Target, skips: sources.SkipLog,
+                    stats: Counter) -> list[sources.Conversation]:
     holdout = sources.mtbench_holdout_keys()
     convs: list[sources.Conversation] = []
     seen: set[tuple[str, ...]] = set()
@@ -153,7 +154,8 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
         qs = [sources.Conversation(id=f"mtbench:{q['question_id']}", source=f"mtbench:{q['category']}",
                                    user_turns=[q["turns"][0]]) for q in sources.mtbench_questions()]
         # Greedy MT-Bench answers depend only on the target and the budget: generated once per target.
-        shared = paths.home() / "heldout" / f"{target.fingerprint.split(':')[1]}-mtbench-{d.heldout_max_new_tokens}.jsonl"
+        shared = paths.home() / "heldout" / (f"{target.fingerprint.split(':')[1]}-mtbench-"
+                                             f"{d.heldout_max_new_tokens}.jsonl")
         shared.parent.mkdir(parents=True, exist_ok=True)
         hstats = generate.regenerate(target, qs, shared,
                                      **{**kw, "max_new_tokens": d.heldout_max_new_tokens, "temperature": 0.0,
@@ -266,10 +268,12 @@ def stage_cache(recipe: Recipe, target: Target) -> dict:
     return res
 
 
-def stage_train(recipe: Recipe, target: Target, resume: bool = True, stop_after: int | None = None) -> tuple[Path, dict]:
+def stage_train(recipe: Recipe, target: Target, resume: bool = True,
+                stop_after: int | None = None) -> tuple[Path, dict]:
     if _trains_on_text(recipe):
         return train_text_drafter(recipe, target)
-    meta = json.loads((recipe.out / "data" / "meta.json").read_text()) if (recipe.out / "data" / "meta.json").exists() else {}
+    meta = (json.loads((recipe.out / "data" / "meta.json").read_text())
+            if (recipe.out / "data" / "meta.json").exists() else {})
     ckpt, timing = train(recipe, target, recipe.out / "cache" / "train", recipe.out, resume=resume,
                          stop_after=stop_after, data_provenance={"data_dir": str(recipe.out / "data"), **meta})
     final = recipe.out / "final"

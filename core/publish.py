@@ -89,7 +89,8 @@ class PublishStore:
         n = int(_VERSION.match(vs[-1]).group(1)) + 1 if vs else 1
         hist = self.history()
         if hist:  # never reuse a number, even after its directory was pruned
-            n = max(n, 1 + max(int(_VERSION.match(h["version"]).group(1)) for h in hist if _VERSION.match(h["version"])))
+            n = max(n, 1 + max(int(_VERSION.match(h["version"]).group(1))
+                               for h in hist if _VERSION.match(h["version"])))
         return f"v{n:06d}"
 
     def history(self) -> list[dict]:

@@ -21,7 +21,8 @@ from draftsmith.schema import StrictModel
 class SourceConfig(StrictModel):
     type: Literal["sharegpt", "jsonl", "hf_dataset", "magpie"] = Field(
         description="sharegpt/jsonl/hf_dataset read prompts from `path`; magpie has the target write `count` prompts")
-    path: Optional[str] = Field(None, description="file or directory; 'builtin:sharegpt-dummy' = fastchat's dummy_conversation.json")
+    path: Optional[str] = Field(None, description="file or directory; 'builtin:sharegpt-dummy' = fastchat's "
+                                                  "dummy_conversation.json")
     max_conversations: Optional[int] = Field(None, ge=1, description="keep at most this many from the source")
     count: Optional[int] = Field(None, ge=1, description="magpie: number of prompts to synthesise")
     split: Optional[str] = Field(None, description="hf_dataset: split name")
@@ -60,7 +61,8 @@ class DataConfig(StrictModel):
     max_rows: int = Field(96, ge=1, description="engine batched: sequences in flight at once (fewer if the KV "
                                                 "cache would exceed DRAFTSMITH_KV_BYTES, default 4 GiB)")
     max_seq_len: int = Field(2048, ge=16, description="longest training conversation in tokens")
-    on_long_prompt: Literal["error", "truncate", "skip"] = Field("error", description="prompt + response longer than the context")
+    on_long_prompt: Literal["error", "truncate", "skip"] = Field("error", description="prompt + response longer "
+                                                                                      "than the context")
     heldout_mtbench: bool = Field(True, description="target answers to MT-Bench first turns form the held-out set")
     heldout_max_new_tokens: int = Field(128, ge=1)
     magpie_max_new_tokens: int = Field(64, ge=1)
@@ -113,7 +115,8 @@ class TrainConfig(StrictModel):
     init_from: Optional[str] = Field(None, description="start from this checkpoint's weights (same kind and shape, "
                                      "same target; fresh optimizer and schedule), e.g. to go on training a drafter "
                                      "on more data; a pruned head keeps the checkpoint's kept ids")
-    tracker: Literal["wandb", "none"] = Field("wandb", description="wandb runs offline unless WANDB_MODE says otherwise")
+    tracker: Literal["wandb", "none"] = Field("wandb",
+                                              description="wandb runs offline unless WANDB_MODE says otherwise")
 
 
 class EvalConfig(StrictModel):

@@ -170,7 +170,8 @@ def calibrate(make_decoder: Callable[[int], Any], prompts: Sequence[Sequence[int
                 if k == ks[-1]:
                     rows_kmax.extend(res.rows)
                 if log:
-                    log(f"calibrate rep {rep} b={b} K={k}: {statistics.median(full) * 1e3 if full else float('nan'):.1f}"
+                    log(f"calibrate rep {rep} b={b} K={k}: "
+                        f"{statistics.median(full) * 1e3 if full else float('nan'):.1f}"
                         f" ms/step over {len(full)} steps, tau {res.tau:.2f}")
     costs: dict[int, dict[int, float]] = {}
     for (b, k), xs in samples.items():

@@ -169,7 +169,8 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ setup
     @torch.no_grad()
     def start(self, prompt_ids, max_new_tokens: int) -> DecodeState:
-        """Validate, (re)use the pre-allocated cache; prefill now only for drafters that need the target's hidden state."""
+        """Validate, (re)use the pre-allocated cache; prefill now only for drafters that need the target's hidden
+        state."""
         ids = as_prompt(prompt_ids)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")

@@ -116,9 +116,9 @@ def ragged_forward(body: torch.nn.Module, cache: RowsCache, ids: torch.Tensor, w
 
     Row i's entry j is written at slot ``write[i] + j`` with position ``pos[i, j]``; it sees the row's
     committed prefix, slots ``[0, prefix[i])``, and the slots ``block_start[i] + c`` where
-    ``block[i, j, c]`` is True (its tree ancestors and itself); ``rows`` names the cache rows. Padding entries must see at least
-    themselves; what they compute is never read, and their slots lie past the row's committed length
-    (overwritten later).
+    ``block[i, j, c]`` is True (its tree ancestors and itself); ``rows`` names the cache rows. Padding entries
+    must see at least themselves; what they compute is never read, and their slots lie past the row's committed
+    length (overwritten later).
     """
     n, m = ids.shape
     dev = ids.device

@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct")
-    ap.add_argument("--checkpoint", default=None, help="a trained head drafter to test with a static and a dynamic tree")
+    ap.add_argument("--checkpoint", default=None,
+                    help="a trained head drafter to test with a static and a dynamic tree")
     ap.add_argument("--drafter-layers", type=int, default=8)
     ap.add_argument("--tree", action="append", default=None,
                     help="with --checkpoint: also its drafter with this tree (chain-free spec as for `eval --tree`; "

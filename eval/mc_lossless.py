@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt", default="Write a story.")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint", action="append", default=[],
-                    help="also test a trained drafter checkpoint (its chain; repeatable), e.g. Kangaroo or pruned heads")
+                    help="also test a trained drafter checkpoint (its chain; repeatable), e.g. Kangaroo or "
+                         "pruned heads")
     ap.add_argument("--tree", action="append", default=[],
                     help="also test each checkpoint's drafter with this tree (as for `eval --tree`); repeatable")
     ap.add_argument("--only-checkpoints", action="store_true", help="skip the built-in random drafters")

@@ -55,7 +55,8 @@ class ExportError(ValueError):
 
 
 class FirstLayersBaseline:
-    """The untrained ``first-layers:N`` baseline (the target's first N layers, norm and head) as an exportable drafter."""
+    """The untrained ``first-layers:N`` baseline (the target's first N layers, norm and head) as an exportable
+    drafter."""
 
     kind = "first-layers"
 
@@ -319,5 +320,6 @@ def import_drafter(src: str | Path, out: str | Path, target: Target) -> Path:
     return out
 
 
-__all__ = ["FORMATS", "CheckpointError", "ExportError", "ExportFormat", "FirstLayersBaseline", "MissingFileError", "Source",
-           "export", "formats_for", "import_drafter", "import_target", "load_drafter", "load_source", "source_target"]
+__all__ = ["FORMATS", "CheckpointError", "ExportError", "ExportFormat", "FirstLayersBaseline", "MissingFileError",
+           "Source", "export", "formats_for", "import_drafter", "import_target", "load_drafter", "load_source",
+           "source_target"]

@@ -76,8 +76,8 @@ def check(ckpt: str | Path, out: str | Path, prompts: int = 16, max_new_tokens: 
             import_drafter(out / fmt, out / f"{fmt}-imported", tgt)
             drafters[f"{fmt} imported"] = drafter_from_checkpoint(out / f"{fmt}-imported", tgt)
     report: dict = {"checkpoint": str(ckpt), "target": {"name": tgt.name, "fingerprint": tgt.fingerprint},
-                    "prompts": len(rows), "max_new_tokens": max_new_tokens, "tree": tree, "formats": fmts, "pruned": pruned,
-                    "heads": {}, "hf": {}, "command": command_line(), "environment": environment()}
+                    "prompts": len(rows), "max_new_tokens": max_new_tokens, "tree": tree, "formats": fmts,
+                    "pruned": pruned, "heads": {}, "hf": {}, "command": command_line(), "environment": environment()}
     for name, d in drafters.items():
         report["heads"][name] = {"identical_tokens": 0, "identical_steps": 0, "tau": [], "first_diff": {},
                                  "steps_differ": []}
@@ -128,7 +128,8 @@ def check(ckpt: str | Path, out: str | Path, prompts: int = 16, max_new_tokens: 
             hf["ours_identical"] += same
             hf["tau_ours"].append(r["tau"][rows.index(p)])
         else:
-            a, b = _decode(tgt, baseline, p.ids, max_new_tokens, None), _decode(tgt, exported, p.ids, max_new_tokens, None)
+            a, b = (_decode(tgt, baseline, p.ids, max_new_tokens, None),
+                    _decode(tgt, exported, p.ids, max_new_tokens, None))
             same = a[:2] == b[:2]
             hf["ours_identical"] += same
             hf["tau_ours"].append(b[2])
@@ -155,9 +156,11 @@ def summary(report: dict) -> str:
     if hf is None:
         return "\n".join(lines + ["", "(no hf export for this kind; --hf-baseline checks first-layers:N)", "",
                                    "OK" if report["ok"] else "DIFFERENCES FOUND"])
-    lines += ["", f"hf export ({hf.get('assistant', 'first-layers')}): HF generate(assistant_model=export) == target greedy on {hf['assisted_equals_target']}/"
+    lines += ["", f"hf export ({hf.get('assistant', 'first-layers')}): HF generate(assistant_model=export) == "
+              f"target greedy on {hf['assisted_equals_target']}/"
               f"{n} (first differing position per prompt: {hf['first_diff'] or 'none'}); our decoder identical from "
-              f"the export and its source on {hf['ours_identical']}/{n}", "", "OK" if report["ok"] else "DIFFERENCES FOUND"]
+              f"the export and its source on {hf['ours_identical']}/{n}", "",
+              "OK" if report["ok"] else "DIFFERENCES FOUND"]
     return "\n".join(lines)
 
 

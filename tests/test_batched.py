@@ -4,8 +4,9 @@ Greedy: every row equals batch-1 decoding (plain, and the single-sequence specul
 very different prompt lengths and end-of-sequence times, for every drafter family, chains and static trees.
 Sampling: one row's output distribution, enumerated exactly with injected randomness while the other rows
 draw from their own seeded sources (and end at other times, which changes the batch-aware K), equals the
-target's; and a Monte Carlo chi-square per row with 600 rows of one prompt among rows of other lengths. Also: a row ending early changes no other row; the batch-aware policy takes K = 0 when the
-calibration says speculation loses; bad input is a clear error.
+target's; and a Monte Carlo chi-square per row with 600 rows of one prompt among rows of other lengths. Also: a row
+ending early changes no other row; the batch-aware policy takes K = 0 when the calibration says speculation loses;
+bad input is a clear error.
 """
 
 import pytest

@@ -120,7 +120,8 @@ def test_merged_caches_read_as_one_in_order_and_refuse_mismatches(tiny_target, t
         (run / "data" / "meta.json").write_text(json.dumps({"generation": {"response_tokens": 10 * len(seqs)}}))
         (run / "data" / "heldout.jsonl").write_text("")
         (run / "data" / "train.jsonl").write_text("".join(
-            json.dumps({"id": f"{name}{i}", "messages": [{"role": "user", "content": "same" if i == 0 else f"{name}{i}"}]})
+            json.dumps({"id": f"{name}{i}",
+                        "messages": [{"role": "user", "content": "same" if i == 0 else f"{name}{i}"}]})
             + "\n" for i in range(len(seqs))))
     meta = merge_runs(tmp_path / "m", [tmp_path / "a", tmp_path / "b"])
     assert meta["sources"]["prompts_in_more_than_one_run"] == 1 and meta["generation"]["response_tokens"] == 70

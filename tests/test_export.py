@@ -120,7 +120,8 @@ def test_tgi_file_mirrors_tgi_loader(target, tmp_path, layers):
     out = export(tmp_path / "ck", "vllm-medusa", tmp_path / "ex", target, base_model="org/base")
     cfg = json.loads((out / "config.json").read_text())
     assert "architectures" not in cfg  # TGI would take the directory for another speculator
-    assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"], cfg["base_model_name_or_path"]) == (3, layers, "org/base")
+    assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"],
+            cfg["base_model_name_or_path"]) == (3, layers, "org/base")
     w = load_file(str(out / "medusa_lm_head.safetensors"))
     n, d = cfg["medusa_num_layers"], target.hidden_size
     h = torch.randn(4, d)

@@ -72,7 +72,8 @@ def _resolve(name: str) -> str | None:
 
 class Import:
     def __init__(self, src: str, target: str, names: list[str], local: bool, line: int, comment: bool):
-        self.src, self.target, self.names, self.local, self.line, self.comment = src, target, names, local, line, comment
+        self.src, self.target, self.names, self.local, self.line, self.comment = (
+            src, target, names, local, line, comment)
 
 
 def _imports() -> list[Import]:

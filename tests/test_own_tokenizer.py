@@ -112,8 +112,8 @@ def _prompt(tgt, q):
 
 def _recipe(out):
     return parse_recipe({"name": "own-test", "output_dir": str(out), "drafter": {
-        "kind": "own-tokenizer", "init": "scratch", "tokenizer_vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2},
+        "kind": "own-tokenizer", "init": "scratch", "tokenizer_vocab_size": 320, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2},
         "train": {"max_steps": 150, "batch_size": 8, "chunk_len": 32, "lr": 3e-3, "warmup_steps": 5,
                   "log_every": 1000}})
 

@@ -103,7 +103,8 @@ def _ctx(logits_for_node, sampling, cap, rng=None):
 def test_grow_static_greedy_ranks():
     logits = torch.tensor([0.0, 3.0, 1.0, 2.0, -1.0])  # ranking: 1, 3, 2, 0, 4
     tr = DraftTree(0, 8, "cpu")
-    grow_static(tr, _ctx(lambda t, i: logits, SamplingParams(), cap=5), StaticTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]))
+    grow_static(tr, _ctx(lambda t, i: logits, SamplingParams(), cap=5),
+                StaticTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]))
     assert tr.tokens().tolist() == [0, 1, 3, 2, 1, 3, 1]
     assert tr.parent == [-1, 0, 0, 0, 1, 1, 2]
     # the depth cap (room left before max_new_tokens) prunes deeper paths
@@ -124,15 +125,16 @@ def test_grow_dynamic_budget_depth_and_values():
     # Confidence: token 1 (.7), token 2 (.2), ... at every node; best-first keeps the most probable paths.
     probs = torch.tensor([0.04, 0.7, 0.2, 0.06])
     tr = DraftTree(0, 16, "cpu")
-    grow_dynamic(tr, _ctx(lambda t, i: probs.log(), SamplingParams(), cap=3), DynamicTree(budget=5, max_depth=3, width=2,
-                                                                                         expand_batch=1))
+    grow_dynamic(tr, _ctx(lambda t, i: probs.log(), SamplingParams(), cap=3),
+                 DynamicTree(budget=5, max_depth=3, width=2, expand_batch=1))
     # values: (1)=.7, (1,1)=.49, (1,1,1)=.343, (2)=.2, (1,2)=.14, (2,1)=.14 -> the budget of 5 takes the top 5
     # (ties broken by creation order: (1,2) was queued before (2,1)).
     paths = sorted(tuple(tr.tokens()[tr.path(i)].tolist()[1:]) for i in range(1, tr.n + 1))
     assert paths == [(1,), (1, 1), (1, 1, 1), (1, 2), (2,)]
     assert max(tr.depth) == 3 and tr.n == 5
     tr = DraftTree(0, 16, "cpu")
-    grow_dynamic(tr, _ctx(lambda t, i: probs.log(), SamplingParams(), cap=1), DynamicTree(budget=5, max_depth=3, width=2))
+    grow_dynamic(tr, _ctx(lambda t, i: probs.log(), SamplingParams(), cap=1),
+                 DynamicTree(budget=5, max_depth=3, width=2))
     assert tr.n == 2 and max(tr.depth) == 1
 
 

@@ -249,7 +249,8 @@ class BatchGenerator:
         self.stats["prefill_forwards"] += 1
         self.stats["prompt_tokens"] += sum(len(r.job.prompt) for r in rows)
         self.stats["prefix_tokens_reused"] += off * k
-        return pick_tokens(self._logits(h[torch.arange(k, device=self.device), last]), rows, self.temperature, self.top_p)
+        return pick_tokens(self._logits(h[torch.arange(k, device=self.device), last]), rows,
+                           self.temperature, self.top_p)
 
     def row_attention(self, lengths: list[int], span: int) -> bool:
         """Attend row by row in this decode step? ``attention="rows"``: always; ``"masked"``: never;

@@ -103,7 +103,8 @@ def _matches(sdir: Path, starts: np.ndarray, tokens: np.ndarray, mask: np.ndarra
              dtype: str, hidden: int) -> bool:
     """A shard on disk holds exactly these sequences and every needed field in the right dtype and shape."""
     try:
-        if not (np.array_equal(np.load(sdir / "starts.npy"), starts) and np.array_equal(np.load(sdir / "tokens.npy"), tokens)
+        if not (np.array_equal(np.load(sdir / "starts.npy"), starts)
+                and np.array_equal(np.load(sdir / "tokens.npy"), tokens)
                 and np.array_equal(np.load(sdir / "mask.npy"), mask)):
             return False
         for nd in needs:
@@ -231,7 +232,8 @@ class StreamingCacheWriter:
                  prior: list[dict] = ()):
         if dtype not in NP_DTYPE:
             raise ValueError(f"cache dtype must be one of {sorted(NP_DTYPE)}, got {dtype!r}")
-        self.out_dir, self.hidden, self.dtype, self.shard_tokens = Path(out_dir), int(hidden_size), dtype, int(shard_tokens)
+        self.out_dir, self.hidden, self.dtype, self.shard_tokens = (
+            Path(out_dir), int(hidden_size), dtype, int(shard_tokens))
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.stats: Counter = Counter()
         for stray in self.out_dir.glob(".fused-shard-*"):  # a shard being filled when the last run stopped

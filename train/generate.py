@@ -307,7 +307,8 @@ def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path
                 f.write(line + "\n")
                 stats["conversations"] += 1
                 if writer is not None:
-                    seq = seqs.pop(i) if i in seqs else sequence_from_line(line, tok, max_seq_len, Counter(), warn=False)
+                    seq = seqs.pop(i) if i in seqs else sequence_from_line(line, tok, max_seq_len, Counter(),
+                                                                           warn=False)
                     if seq is not None:
                         f.flush()  # a shard never holds a conversation the file does not
                         if captured is not None and captured.states is not None:

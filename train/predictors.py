@@ -139,7 +139,8 @@ def _headline(cal: dict) -> dict:
     q = cal.get("quality") or {}
     fx = cal["fixed"]
     return {"mode": cal.get("mode") or ("lag" if cal.get("lag", True) else "no lag"),
-            "threshold": cal["tuning"]["threshold"], "cap": cal["tuning"].get("cap"), "roc_auc": q.get("roc_auc"), "ece": q.get("ece"),
+            "threshold": cal["tuning"]["threshold"], "cap": cal["tuning"].get("cap"),
+            "roc_auc": q.get("roc_auc"), "ece": q.get("ece"),
             "brier": q.get("brier"), "simulated_tokens_per_cost": cal["tuning"]["simulated"]["tokens_per_cost"],
             "simulated_mean_draft_len": cal["tuning"]["simulated"]["mean_draft_len"],
             "best_fixed_k": fx["best_k"], "best_fixed_tokens_per_cost": fx["best"]["tokens_per_cost"],

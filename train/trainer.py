@@ -173,7 +173,8 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
         start = meta["step"]
         log.info("resumed from %s at step %d", ckpt, start)
     ds = getattr(acc.state, "deepspeed_plugin", None)
-    if ds is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size() != acc.num_processes:
+    if (ds is not None and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() != acc.num_processes):
         # Seen with accelerate 1.15 + DeepSpeed on CPU: each process believes it is rank 0 of 1,
         # so every rank would train on the same batches and write the same files.
         raise RuntimeError(

@@ -189,7 +189,8 @@ class OwnTokenizerDrafter(KindBase, torch.nn.Module):
     """
 
     kind = "own-tokenizer"
-    trains_on_text = True  # the pipeline skips the state cache and trains it with draftsmith.drafters.own_tokenizer.training
+    # the pipeline skips the state cache and trains it with draftsmith.drafters.own_tokenizer.training
+    trains_on_text = True
     # The output head is tied to the embeddings: saved once (the checkpoint writer skips these keys and the
     # loader accepts them missing; tie_weights restores them).
     shared_with_target = ("model.lm_head",)
@@ -266,7 +267,8 @@ class OwnTokenizerDrafter(KindBase, torch.nn.Module):
         return self.model
 
     def export_hf(self, out: str | Path, target: Target) -> Path:
-        """A plain HF directory (model + its own tokenizer) for ``generate(assistant_model=..., assistant_tokenizer=...)``."""
+        """A plain HF directory (model + its own tokenizer) for
+        ``generate(assistant_model=..., assistant_tokenizer=...)``."""
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         self.to_hf_model().save_pretrained(out)

@@ -30,7 +30,8 @@ class StandaloneConfig(KindConfig):
     intermediate_size: Optional[int] = Field(None, ge=8, description="init: scratch only (default: the target's)")
     divergence: Literal["fkl", "rkl", "tvd", "jsd"] = Field(
         "fkl", description="fkl: KL(p||q); rkl: KL(q||p); tvd: total variation; jsd: DistillSpec's JSD[beta]")
-    jsd_beta: float = Field(0.5, gt=0, lt=1, description="jsd: beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q")
+    jsd_beta: float = Field(0.5, gt=0, lt=1,
+                            description="jsd: beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q")
     train_embeddings: Optional[bool] = Field(None, description="also train the embeddings and output head "
                                              "(default: only for init: scratch)")
     lora: Optional[LoraSettings] = Field(None, description="train peft LoRA adapters instead of the layers' weights "

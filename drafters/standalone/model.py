@@ -291,7 +291,8 @@ class StandaloneDrafter(KindBase, nn.Module):
         p = next(target.model.parameters())
         model = self.plain_model().to(device=p.device, dtype=p.dtype)
         dh = None if self.draft_head is None else copy.deepcopy(self.draft_head).to(device=p.device, dtype=p.dtype)
-        return StandaloneModelDrafter(model, draft_head=dh, rdk=None if rdk is None else copy.deepcopy(rdk).to(p.device),
+        return StandaloneModelDrafter(model, draft_head=dh,
+                                      rdk=None if rdk is None else copy.deepcopy(rdk).to(p.device),
                                       target_fingerprint=target_fingerprint, name=name,
                                       policy=FixedLength(self.draft_len))
 
@@ -399,9 +400,10 @@ def heldout_metrics(model: StandaloneDrafter, cache: HiddenCache, target, window
     """Figures over every labelled position of a cache: ``expected_acceptance`` (alpha of a sampled draft at
     T = 1), ``greedy_acceptance`` (argmax q == argmax p), top-1/top-5 on the data's token t+1, and with an
     RDK map the same two acceptances under q_RDK. A pruned head also reports ``target_mass_off_kept``: the
-    target's mean probability on the pruned ids, the most any off-set proposal (RDK's) can add to alpha; with an RDK map also the alpha of a perfectly
-    distilled pruned drafter (q' = the target renormalised over the kept ids), drafting from q' alone
-    (``oracle_acceptance``, = 1 - the off-set mass) and from q_RDK (``oracle_acceptance_rdk``)."""
+    target's mean probability on the pruned ids, the most any off-set proposal (RDK's) can add to alpha; with an
+    RDK map also the alpha of a perfectly distilled pruned drafter (q' = the target renormalised over the kept
+    ids), drafting from q' alone (``oracle_acceptance``, = 1 - the off-set mass) and from q_RDK
+    (``oracle_acceptance_rdk``)."""
     obj = StandaloneObjective(cache, target, chunk_len=1 << 30)
     dh, rdk = model.draft_head, model.rdk
     sums = {"expected_acceptance": 0.0, "greedy_acceptance": 0.0, "top1": 0.0, "top5": 0.0}
