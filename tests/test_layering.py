@@ -121,7 +121,7 @@ def folder_table() -> dict[tuple[str, str], int]:
     tab: dict[tuple[str, str], int] = defaultdict(int)
     for i in IMPORTS:
         a, b = folder_of(i.src), folder_of(i.target)
-        if a != b:
+        if a != b and i.src not in EXEMPT:
             tab[(a, b)] += 1
     return dict(tab)
 
@@ -253,6 +253,9 @@ def test_the_checks_can_fail():
         IMPORTS = _imports()
 
 
-if __name__ == "__main__":  # the folder-level import table, for the docs
+if __name__ == "__main__":  # the folder-level import table (imported names), for the docs
     for (a, b), n in sorted(folder_table().items(), key=lambda kv: (LAYER[kv[0][0]], kv[0])):
         print(f"{a:12s} -> {b:12s} {n}")
+    local = [i for i in IMPORTS if i.local]
+    print(f"{len(MODULES)} modules; function-local imports of draftsmith modules: {len(local)} names, each with a "
+          f"comment: {all(i.comment for i in local)}")
