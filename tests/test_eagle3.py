@@ -175,3 +175,66 @@ def test_bad_configs_are_clear_errors():
     t = make_tiny_target(layers=4)
     with pytest.raises(ValueError, match="do not fit a target with 4 layers"):
         Eagle3Module.for_target(t, aux_layers=[2, 15, 27])
+
+
+@pytest.mark.parametrize("fmt", ["vllm-eagle3", "eagle3"])
+def test_export_reloads_and_imports_back(tmp_path, fmt):
+    from draftsmith.checkpoint import save_checkpoint
+    from draftsmith.export import export, import_drafter, load_drafter
+
+    t = make_tiny_target(init_std=0.3, layers=4)
+    m = module(t, vocab_keep=30)
+    m.set_draft_vocab(torch.arange(30) * 3)
+    save_checkpoint(tmp_path / "ck", m, t)
+    out = export(tmp_path / "ck", fmt, tmp_path / "ex", t)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["norm_before_residual"] is False and cfg["draft_vocab_size"] == 30
+    w = load_file(str(out / "model.safetensors"))
+    assert torch.equal(w["d2t"] + torch.arange(30), torch.arange(30) * 3) and int(w["t2d"].sum()) == 30
+    assert not any("embed" in k for k in w)
+    plain = SpeculativeDecoder(t).generate(PROMPT, 16)
+    ours = SpeculativeDecoder(t, drafter_from_checkpoint(tmp_path / "ck", t)).generate(PROMPT, 16)
+    back = SpeculativeDecoder(t, load_drafter(out, t)).generate(PROMPT, 16)
+    assert back.tokens == ours.tokens == plain.tokens
+    assert [s.accepted for s in back.steps] == [s.accepted for s in ours.steps]
+    import_drafter(out, tmp_path / "imported", t)
+    again = SpeculativeDecoder(t, drafter_from_checkpoint(tmp_path / "imported", t)).generate(PROMPT, 16)
+    assert [s.accepted for s in again.steps] == [s.accepted for s in ours.steps]
+
+
+def test_bad_exports_are_clear_errors(tmp_path):
+    from safetensors.torch import save_file
+
+    from draftsmith.checkpoint import CheckpointError, save_checkpoint
+    from draftsmith.export import export, import_drafter
+    from draftsmith.target import TargetMismatchError
+
+    t = make_tiny_target(init_std=0.3, layers=4)
+    m = module(t, vocab_keep=30)
+    m.set_draft_vocab(torch.arange(30) * 3)
+    save_checkpoint(tmp_path / "ck", m, t)
+    out = export(tmp_path / "ck", "vllm-eagle3", tmp_path / "ex", t)
+    w = load_file(str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+
+    def variant(name, tensors=None, config=None):
+        d = tmp_path / name
+        d.mkdir()
+        save_file(tensors if tensors is not None else w, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps(config if config is not None else cfg))
+        return d
+
+    with pytest.raises(CheckpointError, match="d2t has shape"):
+        import_drafter(variant("short", {**w, "d2t": w["d2t"][:20]}), tmp_path / "o1", t)
+    with pytest.raises(CheckpointError, match="no d2t"):
+        import_drafter(variant("nod2t", {k: v for k, v in w.items() if k != "d2t"}), tmp_path / "o2", t)
+    with pytest.raises(CheckpointError, match="eagle_aux_hidden_state_layer_ids"):
+        import_drafter(variant("layers", config={**cfg, "eagle_aux_hidden_state_layer_ids": [2, 15, 27]}),
+                       tmp_path / "o3", t)
+    with pytest.raises(CheckpointError, match="norm_before_residual"):
+        import_drafter(variant("nbr", config={k: v for k, v in cfg.items() if k != "norm_before_residual"}),
+                       tmp_path / "o4", t)
+    with pytest.raises(TargetMismatchError):
+        import_drafter(out, tmp_path / "o5", make_tiny_target(init_std=0.3, layers=4, seed=5))
+    with pytest.raises(ValueError, match="cannot be exported to 'vllm-medusa'"):
+        export(tmp_path / "ck", "vllm-medusa", tmp_path / "ex2", t)
