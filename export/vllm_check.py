@@ -1,0 +1,173 @@
+"""Prove exports in vLLM: each drafter vLLM serves, exported, loaded by vLLM on the same target, decoded greedily.
+
+    python -m draftsmith.export.vllm_check CKPT [CKPT ...] --prompts 80 --max-new-tokens 128 --draft-len 3 \\
+        --out DIR [--vllm-python .venv-vllm/bin/python] [--threads 1]
+
+For every checkpoint and every format of it vLLM loads (``vllm-eagle3`` as method ``eagle3``, ``vllm-medusa``
+as ``medusa``, ``hf`` as ``draft_model``), on MT-Bench first turns, one request at a time:
+  * vLLM's tokens with the drafter against vLLM without one and against our plain decoding (divergences
+    counted, with the target's top-2 logit gap at the first differing position: a near tie means float
+    noise, not a bug);
+  * vLLM's mean acceptance length (1 + accepted / drafts, its own counters) against our decoder's with the
+    same drafter and chain length (1 + accepted / drafting steps), and both per position;
+  * vLLM's tok/s with and without the drafter, ours with and without it.
+vLLM runs in its own environment (scripts/vllm_env.sh builds it) through ``export/vllm_worker.py``.
+Writes DIR/vllm_check.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environment
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.policies import FixedLength
+from draftsmith.eval.greedy_equality import first_divergence, top2_gap
+from draftsmith.eval.mtbench import mtbench_prompts
+from draftsmith.export import export, formats_for, load_source, source_target
+from draftsmith.target import load_target
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+#: our format -> vLLM's speculative method
+VLLM_METHODS = {"vllm-eagle3": "eagle3", "vllm-medusa": "medusa", "hf": "draft_model"}
+DEFAULT_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_python(path: str | None = None) -> Path | None:
+    """The vLLM environment's interpreter, or None when it is not built (no interpreter, or no vllm in it)."""
+    p = Path(path) if path else DEFAULT_PYTHON
+    built = any(p.parent.parent.glob("lib/python3*/site-packages/vllm/__init__.py"))
+    return p if p.exists() and built else None
+
+
+def run_vllm(python: Path, target_dir: str, prompts: list[list[int]], max_tokens: int, out: Path,
+             speculative: dict | None = None, threads: int = 1, timeout: float = 3600) -> dict:
+    """One vLLM process: generate greedily for every prompt; returns the worker's JSON."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    job = out.with_suffix(".job.json")
+    job.write_text(json.dumps({"target": str(target_dir), "prompts": prompts, "max_tokens": max_tokens,
+                               "speculative_config": speculative, "threads": threads}))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind",
+               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+    iomp = sorted(python.parent.parent.glob("lib/libiomp5.so"))
+    if iomp:  # vLLM's CPU speculative decoding asks for Intel's OpenMP runtime
+        env["LD_PRELOAD"] = str(iomp[0])
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        r = subprocess.run([str(python), str(WORKER), str(job), str(out)], stdout=f, stderr=subprocess.STDOUT,
+                           env=env, timeout=timeout)
+    if r.returncode != 0 or not out.exists():
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"vLLM worker failed (exit {r.returncode}); its log {log} ends with:\n{tail}")
+    return json.loads(out.read_text())
+
+
+def ours(target, drafter, prompts: list[list[int]], max_new_tokens: int, k: int) -> dict:
+    dec = SpeculativeDecoder(target, drafter, policy=FixedLength(k) if drafter is not None else None)
+    tokens, steps, t0 = [], [], time.perf_counter()
+    for p in prompts:
+        r = dec.generate(p, max_new_tokens)
+        tokens.append(list(r.tokens))
+        steps += r.steps
+    wall = time.perf_counter() - t0
+    drafting = [s for s in steps if s.drafted]
+    per_pos = [sum(1 for s in drafting if s.accepted >= i) for i in range(1, k + 1)]
+    return {"tokens": tokens, "wall_s": wall, "generated": sum(map(len, tokens)),
+            "mean_acceptance_length": 1 + sum(s.accepted for s in drafting) / max(len(drafting), 1),
+            "drafts": len(drafting), "accepted_per_position": per_pos}
+
+
+def compare(target, prompts: list[list[int]], a: list[list[int]], b: list[list[int]]) -> dict:
+    """Divergences between two greedy outputs per prompt, with the target's top-2 gap where they first differ."""
+    div = []
+    for p, x, y in zip(prompts, a, b):
+        i = first_divergence(x, y)
+        if i is not None:
+            div.append({"position": i, "top2_gap": top2_gap(target, p + x[:i])})
+    return {"equal": len(prompts) - len(div), "of": len(prompts), "divergences": div}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m draftsmith.export.vllm_check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", nargs="+")
+    ap.add_argument("--prompts", type=int, default=80, help="MT-Bench first turns, spread over the categories")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--draft-len", type=int, default=3, help="chain length, ours and vLLM's")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--vllm-python", default=None, help="vLLM's interpreter (default: .venv-vllm/bin/python)")
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    python = vllm_python(a.vllm_python)
+    if python is None:
+        raise SystemExit("no vLLM environment: run `bash scripts/vllm_env.sh` (or pass --vllm-python)")
+    torch.set_num_threads(a.threads)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = load_target(source_target(a.checkpoint[0], a.target))
+    prompts = [p.ids for p in mtbench_prompts(target.tokenizer, a.prompts, spread=True)]
+    n, k = a.max_new_tokens, a.draft_len
+    report: dict = {"target": {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint},
+                    "prompts": len(prompts), "max_new_tokens": n, "draft_len": k, "runs": {},
+                    "command": command_line(), "environment": environment()}
+    plain_ours = ours(target, None, prompts, n, k)
+    plain_vllm = run_vllm(python, str(target.path), prompts, n, out / "vllm-plain.json", threads=a.threads)
+    report["plain"] = {"ours_tok_s": plain_ours["generated"] / plain_ours["wall_s"],
+                       "vllm_tok_s": plain_vllm["generated"] / plain_vllm["wall_s"],
+                       "vllm_vs_ours": compare(target, prompts, plain_vllm["tokens"], plain_ours["tokens"])}
+    for ck in a.checkpoint:
+        src = load_source(ck, target)
+        for fmt in [f for f in formats_for(src) if f in VLLM_METHODS]:
+            where = out / f"{Path(ck).parent.name}-{fmt}"
+            if not where.exists():
+                export(ck, fmt, where, target)
+            mine = ours(target, drafter_from_checkpoint(ck, target), prompts, n, k)
+            spec = {"method": VLLM_METHODS[fmt], "model": str(where), "num_speculative_tokens": k}
+            theirs = run_vllm(python, str(target.path), prompts, n, out / f"{where.name}.json", spec, a.threads)
+            s = theirs["spec"]
+            drafts = s.get("num_drafts", 0)
+            report["runs"][where.name] = {
+                "checkpoint": str(ck), "format": fmt, "vllm_method": VLLM_METHODS[fmt],
+                "vllm_vs_vllm_plain": compare(target, prompts, theirs["tokens"], plain_vllm["tokens"]),
+                "vllm_vs_ours_plain": compare(target, prompts, theirs["tokens"], plain_ours["tokens"]),
+                "ours_vs_ours_plain": compare(target, prompts, mine["tokens"], plain_ours["tokens"]),
+                "vllm_mean_acceptance_length": 1 + s.get("num_accepted_tokens", 0) / drafts if drafts else None,
+                "ours_mean_acceptance_length": mine["mean_acceptance_length"],
+                "vllm_accepted_per_position": s.get("num_accepted_tokens_per_pos"),
+                "ours_accepted_per_position": mine["accepted_per_position"],
+                "vllm_drafts": drafts, "ours_drafts": mine["drafts"],
+                "vllm_tok_s": theirs["generated"] / theirs["wall_s"], "ours_tok_s": mine["generated"] / mine["wall_s"],
+                "vllm_speedup_vs_vllm_plain": (theirs["generated"] / theirs["wall_s"]) / report["plain"]["vllm_tok_s"],
+                "ours_speedup_vs_ours_plain": (mine["generated"] / mine["wall_s"]) / report["plain"]["ours_tok_s"]}
+    (out / "vllm_check.json").write_text(json.dumps(report, indent=2, default=str))
+    print(table(report))
+    return report
+
+
+def table(report: dict) -> str:
+    p = report["plain"]
+    lines = [f"plain: vLLM {p['vllm_tok_s']:.2f} tok/s, ours {p['ours_tok_s']:.2f} tok/s; vLLM = ours on "
+             f"{p['vllm_vs_ours']['equal']}/{p['vllm_vs_ours']['of']}",
+             "| run | vLLM = vLLM plain | vLLM = ours plain | acc. length vLLM / ours | vLLM tok/s (x plain) | "
+             "ours tok/s (x plain) |", "|---|---|---|---|---|---|"]
+    for name, r in report["runs"].items():
+        va, oa = r["vllm_mean_acceptance_length"], r["ours_mean_acceptance_length"]
+        lines.append(f"| {name} | {r['vllm_vs_vllm_plain']['equal']}/{r['vllm_vs_vllm_plain']['of']} | "
+                     f"{r['vllm_vs_ours_plain']['equal']}/{r['vllm_vs_ours_plain']['of']} | "
+                     f"{'-' if va is None else f'{va:.3f}'} / {oa:.3f} | {r['vllm_tok_s']:.2f} "
+                     f"({r['vllm_speedup_vs_vllm_plain']:.2f}x) | {r['ours_tok_s']:.2f} "
+                     f"({r['ours_speedup_vs_ours_plain']:.2f}x) |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
