@@ -31,7 +31,7 @@ from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environ
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.policies import FixedLength
 from draftsmith.eval.greedy_equality import first_divergence, top2_gap
-from draftsmith.eval.mtbench import mtbench_prompts
+from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
 from draftsmith.export import export, formats_for, load_source, source_target
 from draftsmith.target import load_target
 
@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", nargs="+")
     ap.add_argument("--prompts", type=int, default=80, help="MT-Bench first turns, spread over the categories")
+    ap.add_argument("--prompts-file", default=None, help="a JSONL of your own prompts instead of MT-Bench (as for "
+                    "`draftsmith eval --prompts-file`)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--draft-len", type=int, default=3, help="chain length, ours and vLLM's")
     ap.add_argument("--threads", type=int, default=1)
@@ -114,10 +116,22 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     target = load_target(source_target(a.checkpoint[0], a.target))
-    prompts = [p.ids for p in mtbench_prompts(target.tokenizer, a.prompts, spread=True)]
     n, k = a.max_new_tokens, a.draft_len
+    if a.prompts_file:
+        rows, skipped = user_prompts(target.tokenizer, a.prompts_file, a.prompts)
+    else:
+        rows, skipped = mtbench_prompts(target.tokenizer, a.prompts, spread=True), {}
+    room = target.context_length - n - k - 1  # a prompt must leave room for the reply and a draft block
+    prompts = [p.ids for p in rows if len(p.ids) <= room]
+    skipped = {**dict(skipped), "longer than the context allows": len(rows) - len(prompts)}
+    if skipped["longer than the context allows"]:
+        print(f"skipped {skipped['longer than the context allows']} prompts longer than {room} tokens "
+              f"(context {target.context_length} - {n} new tokens - a draft block of {k + 1})")
+    if not prompts:
+        raise SystemExit(f"no prompt fits: every one is longer than {room} tokens")
     report: dict = {"target": {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint},
-                    "prompts": len(prompts), "max_new_tokens": n, "draft_len": k, "runs": {},
+                    "prompts": len(prompts), "prompts_skipped": skipped, "max_new_tokens": n, "draft_len": k,
+                    "runs": {},
                     "command": command_line(), "environment": environment()}
     plain_ours = ours(target, None, prompts, n, k)
     plain_vllm = run_vllm(python, str(target.path), prompts, n, out / "vllm-plain.json", threads=a.threads)

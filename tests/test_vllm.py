@@ -3,6 +3,8 @@
 Medusa heads, exported, loaded by vLLM, decoded greedily: vLLM's tokens with each drafter equal vLLM's without
 one and our plain decoding's; vLLM's acceptance counters are read."""
 
+import json
+
 import pytest
 import torch
 
@@ -23,9 +25,11 @@ def test_exports_decode_in_vllm_as_without_a_drafter(tmp_path):
     torch.manual_seed(0)
     med = MedusaHeads(t.hidden_size, t.vocab_size, t.lm_head, num_heads=3)
     save_checkpoint(tmp_path / "med" / "final", med, t)
-    rep = vllm_check([str(tmp_path / "e3" / "final"), str(tmp_path / "med" / "final"), "--target",
-                      str(tmp_path / "target"), "--prompts", "3", "--max-new-tokens", "16", "--draft-len", "3",
-                      "--out", str(tmp_path / "out")])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Name a colour.", "Count to five.", "Hi!")))
+    rep = vllm_check(["--prompts-file", str(prompts), str(tmp_path / "e3" / "final"), str(tmp_path / "med" / "final"),
+                      "--target", str(tmp_path / "target"), "--prompts", "3", "--max-new-tokens", "16",
+                      "--draft-len", "3", "--out", str(tmp_path / "out")])
     assert set(rep["runs"]) == {"e3-vllm-eagle3", "med-vllm-medusa"}
     for r in rep["runs"].values():
         assert r["vllm_vs_vllm_plain"]["equal"] == 3 and r["ours_vs_ours_plain"]["equal"] == 3, r
