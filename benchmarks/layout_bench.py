@@ -21,6 +21,7 @@ import time
 import torch
 
 from benchmarks.common import add_common_args, parser, setup, write_json
+from draftsmith.engine.cache_kw import cache_arg
 
 
 @torch.no_grad()
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, m in models.items():
         caches[name] = SlotCache.for_model(m, a.prefix + max(a.rows) + 1)
         caches[name].set_write(0)
-        m.get_decoder()(input_ids=prefix, past_key_values=caches[name], use_cache=True)
+        m.get_decoder()(input_ids=prefix, **cache_arg(m.get_decoder(), caches[name]), use_cache=True)
 
     def forward(name: str, q: int) -> torch.Tensor:
         m, cache = models[name], caches[name]
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
         mask = None if q == 1 else prefix_block_mask(
             a.prefix, torch.ones(q, q, dtype=torch.bool).tril(), torch.float32)
         h = m.get_decoder()(input_ids=block[:, :q], position_ids=torch.arange(a.prefix, a.prefix + q)[None],
-                            attention_mask=mask, past_key_values=cache, use_cache=True).last_hidden_state[0]
+                            attention_mask=mask, **cache_arg(m.get_decoder(), cache),
+                            use_cache=True).last_hidden_state[0]
         return project(m.get_output_embeddings(), h)
 
     rows = []

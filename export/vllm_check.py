@@ -49,12 +49,14 @@ def vllm_python(path: str | None = None) -> Path | None:
 
 
 def run_vllm(python: Path, target_dir: str, prompts: list[list[int]], max_tokens: int, out: Path,
-             speculative: dict | None = None, threads: int = 1, timeout: float = 3600) -> dict:
+             speculative: dict | None = None, threads: int = 1, timeout: float = 3600,
+             max_model_len: int = 2048) -> dict:
     """One vLLM process: generate greedily for every prompt; returns the worker's JSON."""
     out.parent.mkdir(parents=True, exist_ok=True)
     job = out.with_suffix(".job.json")
     job.write_text(json.dumps({"target": str(target_dir), "prompts": prompts, "max_tokens": max_tokens,
-                               "speculative_config": speculative, "threads": threads}))
+                               "speculative_config": speculative, "threads": threads,
+                               "max_model_len": max_model_len}))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
     iomp = sorted(python.parent.parent.glob("lib/libiomp5.so"))
@@ -134,7 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "runs": {},
                     "command": command_line(), "environment": environment()}
     plain_ours = ours(target, None, prompts, n, k)
-    plain_vllm = run_vllm(python, str(target.path), prompts, n, out / "vllm-plain.json", threads=a.threads)
+    ctx = min(2048, target.context_length)
+    plain_vllm = run_vllm(python, str(target.path), prompts, n, out / "vllm-plain.json", threads=a.threads,
+                          max_model_len=ctx)
     report["plain"] = {"ours_tok_s": plain_ours["generated"] / plain_ours["wall_s"],
                        "vllm_tok_s": plain_vllm["generated"] / plain_vllm["wall_s"],
                        "vllm_vs_ours": compare(target, prompts, plain_vllm["tokens"], plain_ours["tokens"])}
@@ -146,7 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
                 export(ck, fmt, where, target)
             mine = ours(target, drafter_from_checkpoint(ck, target), prompts, n, k)
             spec = {"method": VLLM_METHODS[fmt], "model": str(where), "num_speculative_tokens": k}
-            theirs = run_vllm(python, str(target.path), prompts, n, out / f"{where.name}.json", spec, a.threads)
+            theirs = run_vllm(python, str(target.path), prompts, n, out / f"{where.name}.json", spec, a.threads,
+                              max_model_len=ctx)
             s = theirs["spec"]
             drafts = s.get("num_drafts", 0)
             report["runs"][where.name] = {

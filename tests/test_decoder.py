@@ -12,6 +12,7 @@ from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.trees import DynamicTree
 from draftsmith.heads.medusa.model import MedusaHeads
 from draftsmith.target import TargetMismatchError
+from draftsmith.engine.cache_kw import cache_arg
 from tests.tiny import make_tiny_model, make_tiny_target
 
 PROMPT = [1, 5, 6, 7, 8]
@@ -132,8 +133,9 @@ def test_medusa_projects_only_the_heads_the_draft_reads(tgt, plain_tokens, monke
 
 def _fresh_prefill(model, tokens):
     cache = SlotCache.for_model(model, len(tokens) + 1)
-    model.get_decoder()(input_ids=torch.tensor([tokens]), position_ids=torch.arange(len(tokens))[None],
-                        past_key_values=cache.set_write(0), use_cache=True)
+    body = model.get_decoder()
+    body(input_ids=torch.tensor([tokens]), position_ids=torch.arange(len(tokens))[None],
+         **cache_arg(body, cache.set_write(0)), use_cache=True)
     return cache
 
 

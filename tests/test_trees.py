@@ -7,6 +7,7 @@ from draftsmith.engine.drafting import GrowContext, grow_dynamic, grow_static
 from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
 from draftsmith.engine.sampling import SamplingParams, TorchRandom
 from draftsmith.engine.trees import DraftTree, DynamicTree, StaticTree, chain_paths, validate_paths
+from draftsmith.engine.cache_kw import cache_arg
 from tests.tiny import make_tiny_model
 
 
@@ -64,11 +65,11 @@ def test_tree_attention_through_public_forward(impl):
     cache = SlotCache.for_model(model, 32)
     body = model.get_decoder()
     with torch.no_grad():
-        body(input_ids=torch.tensor([prefix]), position_ids=torch.arange(5)[None], past_key_values=cache.set_write(0),
-             use_cache=True)
+        body(input_ids=torch.tensor([prefix]), position_ids=torch.arange(5)[None],
+             **cache_arg(body, cache.set_write(0)), use_cache=True)
         mask = prefix_block_mask(5, tr.ancestor_mask("cpu"), torch.float32)
         h = body(input_ids=tr.tokens()[None], position_ids=(5 + torch.tensor(tr.depth))[None], attention_mask=mask,
-                 past_key_values=cache.set_write(5), use_cache=True).last_hidden_state[0]
+                 **cache_arg(body, cache.set_write(5)), use_cache=True).last_hidden_state[0]
         got = model.lm_head(h)
         toks = tr.tokens().tolist()
         for i in range(tr.n + 1):

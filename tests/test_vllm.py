@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(vllm_python() is None, reason="no vLLM environme
 
 
 def test_exports_decode_in_vllm_as_without_a_drafter(tmp_path):
-    t = make_tiny_target(init_std=0.3, layers=4, save_to=tmp_path / "target")
+    # vLLM's CPU attention kernels need a head size it supports (64 here: 128 hidden, 2 heads)
+    t = make_tiny_target(init_std=0.3, layers=4, hidden_size=128, heads=2, kv_heads=1, save_to=tmp_path / "target")
     e3 = module(t, vocab_keep=48)
     e3.set_draft_vocab(torch.arange(48) * 2)
     save_checkpoint(tmp_path / "e3" / "final", e3, t)
