@@ -8,8 +8,8 @@
   draftsmith quickstart [...]                `run quickstart` on the default target
   draftsmith info PATH                       describe a checkpoint, cache or recipe
   draftsmith eval CHECKPOINT [...]           decode MT-Bench with the lossless decoder
-  draftsmith export CKPT --to FMT --out DIR  vllm-medusa | hf | draftsmith, checked by reload
-  draftsmith import SRC --out CKPT           a vLLM-Medusa or original-Medusa dir -> checkpoint
+  draftsmith export CKPT --to FMT --out DIR  vllm-eagle3 | eagle3 | vllm-medusa | hf | draftsmith, checked by reload
+  draftsmith import SRC --out CKPT           an engine-layout dir (EAGLE-3, Medusa) -> checkpoint
   draftsmith traces RECIPE [--checkpoint C]  acceptance traces of a chain drafter on training prompts
   draftsmith predictors TRACES               DISCO and SpecDec++ trained and tuned on those traces
   draftsmith serve [--publish DIR --logs DIR] OpenAI-compatible server, lossless decoding, logs traffic
@@ -50,7 +50,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "traces": ("traces", "record acceptance traces of a chain drafter on the recipe's training prompts"),
     "predictors": ("predictors", "train DISCO and SpecDec++ on acceptance traces (per temperature)"),
     "merge": ("merge", "data + caches of several finished data runs as one directory (for shared_data)"),
-    "import": ("export", "a vLLM-Medusa or original-Medusa / TGI directory -> draftsmith checkpoint"),
+    "import": ("export", "an engine-layout directory (EAGLE-3: speculators or EAGLE; Medusa: vLLM or TGI) -> "
+                         "draftsmith checkpoint"),
 }
 
 #: Subcommands that parse their own arguments: name -> module whose main(argv) gets every argument after

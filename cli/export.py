@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from draftsmith.export import export, import_drafter, import_target, source_target
+from draftsmith.export import FORMATS, export, import_drafter, import_target, source_target
 from draftsmith.target import load_target
 
 
@@ -22,7 +22,7 @@ def add_parser(subparsers, name: str, summary: str) -> None:
         sp.set_defaults(func=run_import)
         return
     sp.add_argument("source", help="checkpoint directory, or first-layers:N (the untrained baseline, --to hf)")
-    sp.add_argument("--to", required=True, choices=("vllm-medusa", "hf", "draftsmith"), help="export format")
+    sp.add_argument("--to", required=True, choices=list(FORMATS), help="export format")
     sp.add_argument("--out", required=True, help="new output directory")
     sp.add_argument("--target", default=None, help="target name or directory (default: the checkpoint's)")
     sp.add_argument("--base-model", default=None,

@@ -80,7 +80,8 @@ def test_tree_attention_through_public_forward(impl):
         # A bool mask works with sdpa but eager attention adds it to the scores as 0/1, ignoring the tree:
         # hence the additive float mask, which both honour.
         hb = body(input_ids=tr.tokens()[None], position_ids=(5 + torch.tensor(tr.depth))[None],
-                  attention_mask=(mask == 0), past_key_values=cache.set_write(5), use_cache=True).last_hidden_state[0]
+                  attention_mask=(mask == 0), **cache_arg(body, cache.set_write(5)),
+                  use_cache=True).last_hidden_state[0]
         assert torch.allclose(model.lm_head(hb), got, atol=1e-4) == (impl == "sdpa")
 
 
