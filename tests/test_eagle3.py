@@ -238,3 +238,15 @@ def test_bad_exports_are_clear_errors(tmp_path):
         import_drafter(out, tmp_path / "o5", make_tiny_target(init_std=0.3, layers=4, seed=5))
     with pytest.raises(ValueError, match="cannot be exported to 'vllm-medusa'"):
         export(tmp_path / "ck", "vllm-medusa", tmp_path / "ex2", t)
+
+
+def test_monte_carlo_chi_square_passes_with_eagle3():
+    """The Monte Carlo harness (prefilled prompt, cloned decode states) with a sampled EAGLE-3 tree."""
+    from draftsmith.engine.sampling import SamplingParams
+    from draftsmith.eval.mc_lossless import mc_lossless
+
+    t = tiny(vocab=12, seed=2, std=0.5, layers=4)
+    dr = module(t, std=0.3).decoder_drafter(t)
+    dec = SpeculativeDecoder(t, dr, tree=StaticTree([(0,), (1,), (0, 0)]), sampling=SamplingParams(0.9))
+    r = mc_lossless(dec, PROMPT, n_new=3, n_samples=600, seed=0)
+    assert r["cells"] > 10 and r["p_value"] > 1e-3, r
