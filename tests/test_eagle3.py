@@ -250,3 +250,16 @@ def test_monte_carlo_chi_square_passes_with_eagle3():
     dec = SpeculativeDecoder(t, dr, tree=StaticTree([(0,), (1,), (0, 0)]), sampling=SamplingParams(0.9))
     r = mc_lossless(dec, PROMPT, n_new=3, n_samples=600, seed=0)
     assert r["cells"] > 10 and r["p_value"] > 1e-3, r
+
+
+def test_a_dropped_drafter_takes_its_hooks_off_the_target():
+    import gc
+
+    t = tiny(vocab=40, layers=4)
+    layer = t.model.model.layers[0]
+    before = len(layer._forward_hooks)
+    dr = module(t).decoder_drafter(t)
+    assert len(layer._forward_hooks) == before + 1
+    del dr
+    gc.collect()
+    assert len(layer._forward_hooks) == before

@@ -31,6 +31,12 @@ if TYPE_CHECKING:  # the model module builds these drafters: importing it here w
     from draftsmith.drafters.eagle3.model import Eagle3Module
 
 
+def _capture(store: dict, j: int):
+    def hook(_module, _args, output):
+        store[j] = output[0] if isinstance(output, tuple) else output
+    return hook
+
+
 @dataclass
 class _State:
     k0: torch.Tensor  # [nkv, fed, hd] step-0 keys of indices 0..fed-1
@@ -58,13 +64,10 @@ class Eagle3Drafter:
         self.max_depth = None
         body = decoder_of(target.model)
         self._captured: dict[int, torch.Tensor] = {}
-        self._hooks = [body.layers[i - 1].register_forward_hook(self._capture(j))
+        # The hooks hold the captured tensors' dict, not the drafter: a drafter nobody holds is collected
+        # and its __del__ takes its hooks off the target's layers.
+        self._hooks = [body.layers[i - 1].register_forward_hook(_capture(self._captured, j))
                        for j, i in enumerate(module.aux_layers)]
-
-    def _capture(self, j: int):
-        def hook(_module, _args, output):
-            self._captured[j] = output[0] if isinstance(output, tuple) else output
-        return hook
 
     def close(self) -> None:
         """Remove the hooks from the target's layers."""
