@@ -114,10 +114,11 @@ class Eagle3Drafter:
         dev = ds.feats.device
         ids = torch.tensor(state.tokens[c + 1: L + 1], device=dev)
         pos = torch.arange(c, L, device=dev)
-        q, k, v = lay.qkv(m.embed_tokens(ids), m.fc(ds.feats), pos, m.inv_freq, m.rope_scale)
+        h = m.fc(ds.feats)
+        q, k, v = lay.qkv(m.embed_tokens(ids), h, pos, m.inv_freq, m.rope_scale)
         k0, v0 = torch.cat([ds.k0, k], dim=1), torch.cat([ds.v0, v], dim=1)
         mask = torch.ones(n, L, dtype=torch.bool, device=dev).tril(c)
-        out = lay.finish(m.fc(ds.feats), self._attend(q, k0, v0, mask))
+        out = lay.finish(h, self._attend(q, k0, v0, mask))
         return _State(k0, v0, L, ds.feats[:0], L, out[-1])
 
     @torch.no_grad()
