@@ -1,20 +1,20 @@
-"""Export drafters to the layouts serving engines load; import Medusa heads back.
+"""Export drafters to the layouts serving engines load; import them back.
 
-    draftsmith export CKPT --to vllm-medusa|hf|draftsmith --out DIR [--target T] [--base-model NAME]
+    draftsmith export CKPT --to FORMAT --out DIR [--target T] [--base-model NAME]
     draftsmith export first-layers:N --to hf --out DIR [--target T]
     draftsmith import SRC --out CKPT [--target T]
 
-Formats (which kinds each holds is decided here, from what the drafter is):
-  * ``vllm-medusa``: Medusa heads in vLLM's names plus the TGI / original
-    Medusa file, one directory (`draftsmith.heads.medusa.export`);
-  * ``hf``: a standalone drafter as a plain Hugging Face causal-LM directory
-    (config, safetensors, tokenizer, generation config) for transformers'
-    assisted generation, vLLM's ``draft_model`` and SGLang's STANDALONE. A
-    drafter can be written there when it has ``to_hf_model() -> PreTrainedModel``;
-    today that is the untrained ``first-layers:N`` baseline;
-  * ``draftsmith``: our checkpoint layout plus a model card, for kinds no
-    engine loads (Hydra, Hydra++, Kangaroo): ``draftsmith eval`` and the
-    decoder load it like any checkpoint.
+Formats: a kind that an engine serves brings its own in its folder's ``export.py`` (registered with
+`draftsmith.registry.register_format`, found by the registry): ``vllm-medusa`` (Medusa heads in vLLM's
+names plus the TGI / original Medusa file, `draftsmith.heads.medusa.export`), ``vllm-eagle3`` and
+``eagle3`` (EAGLE-3 in the speculators and EAGLE/SGLang layouts, `draftsmith.drafters.eagle3.export`).
+Two more hold any drafter that fits them:
+  * ``hf``: a drafter with ``to_hf_model() -> PreTrainedModel`` (standalone drafters, the untrained
+    ``first-layers:N`` baseline) as a plain Hugging Face causal-LM directory, for transformers' assisted
+    generation, vLLM's ``draft_model`` and SGLang's STANDALONE;
+  * ``draftsmith``: our checkpoint layout plus a model card, for kinds no engine loads (Hydra, Hydra++,
+    Kangaroo): ``draftsmith eval`` and the decoder load it like any checkpoint.
+``draftsmith import`` reads every format a kind registers a reader for.
 
 Every export carries provenance as top-level ``draftsmith_*`` config keys (the
 place engines keep unknown keys) and a README.md model card whose YAML front
