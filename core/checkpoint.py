@@ -226,3 +226,18 @@ def drafter_from_checkpoint(path: str | Path, target: Target):
     module, manifest = load_checkpoint(path, target, device=p.device)
     kind = manifest.get("kind", "drafter")
     return module.to(dtype=p.dtype).decoder_drafter(target, manifest["target"]["fingerprint"], kind)
+
+
+def read_export_config(src: str | Path, target: Target, what: str) -> tuple[Path, Path, dict]:
+    """(directory, its config.json path, the config) of a drafter directory in a serving engine's layout;
+    one that draftsmith exported also has its target fingerprint checked against ``target``."""
+    src = Path(src)
+    if not src.is_dir():
+        raise MissingFileError(f"{src}: no such directory")
+    cfg_path = src / CONFIG
+    config = read_json(cfg_path, f"{what} config")
+    fp = config.get("draftsmith_target_fingerprint")
+    if fp:
+        check_fingerprint(fp, target, what=f"{what} export {src}")
+    return src, cfg_path, config
+

@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.checkpoint import CheckpointError, MissingFileError, check_safetensors, read_json, read_safetensors
+from draftsmith.checkpoint import (CheckpointError, MissingFileError, check_safetensors, read_export_config,
+                                   read_safetensors)
 from draftsmith.drafters.eagle3.model import Eagle3Module, check_aux_layers
 from draftsmith.registry import ExportFormat, register_format
-from draftsmith.target import Target, check_fingerprint
+from draftsmith.target import Target
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 #: our parameter names -> the layer's names in the engines (after the layer prefix)
@@ -112,14 +113,7 @@ def _writer(fmt: str):
 
 def read_eagle3_dir(src: str | Path, target: Target) -> tuple[Eagle3Module, dict]:
     """An EAGLE-3 drafter for ``target`` from a directory in either layout; returns (module, config)."""
-    src = Path(src)
-    if not src.is_dir():
-        raise MissingFileError(f"{src}: no such directory")
-    cfg_path = src / CONFIG
-    config = read_json(cfg_path, "EAGLE-3 config")
-    fp = config.get("draftsmith_target_fingerprint")
-    if fp:
-        check_fingerprint(fp, target, what=f"EAGLE-3 export {src}")
+    src, cfg_path, config = read_export_config(src, target, "EAGLE-3")
     speculators = config.get("speculators_model_type") == "eagle3"
     layer = config.get("transformer_layer_config", {}) if speculators else config
     aux = config.get("eagle_aux_hidden_state_layer_ids") if speculators else \

@@ -23,30 +23,14 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from draftsmith.common.hidden_cache import HiddenCache, decoder_of
+from draftsmith.common.layers import RMSNorm, rotate_half
 from draftsmith.common.vocab import PrunedHead
 from draftsmith.drafters.eagle3.decode import Eagle3Drafter
 from draftsmith.drafters.eagle3.objective import Eagle3Objective, heldout_metrics
 from draftsmith.engine.policies import FixedLength
 from draftsmith.registry import KindBase, register
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
+from torch import nn
 
 
 class Eagle3Layer(nn.Module):
@@ -74,7 +58,7 @@ class Eagle3Layer(nn.Module):
         ang = pos.to(inv_freq.dtype)[..., None] * inv_freq  # [..., T, hd/2]
         emb = torch.cat([ang, ang], dim=-1).unsqueeze(-3)  # [..., 1, T, hd]
         cos, sin = (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + rotate_half(x) * sin
 
     def qkv(self, emb: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scale: float):
         """emb, h [..., T, H] at positions pos [..., T] -> q [..., nh, T, hd], k, v [..., nkv, T, hd]."""

@@ -29,19 +29,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from draftsmith.drafters.kangaroo.decode import KangarooDrafter, check_exit_layer, check_threshold
 from draftsmith.common.chunks import make_chunks
-from draftsmith.common.vocab import PrunedHead, draft_head
-from draftsmith.registry import KindBase, register
 from draftsmith.common.hidden_cache import HiddenCache, decoder_of, teacher_logits
+from draftsmith.common.layers import rotate_half
 from draftsmith.common.losses import hard_ce, soft_ce, topk_hits
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
+from draftsmith.common.vocab import PrunedHead, draft_head
+from draftsmith.drafters.kangaroo.decode import KangarooDrafter, check_exit_layer, check_threshold
+from draftsmith.registry import KindBase, register
+from torch import nn
 
 
 def attention_shape(target) -> dict:
@@ -169,7 +164,7 @@ class KangarooAdapter(KindBase, nn.Module):
         ang = pos.float()[:, None] * self.inv_freq.float()[None]
         emb = torch.cat([ang, ang], dim=-1)
         cos, sin = (emb.cos() * self.rope_scaling).to(x.dtype), (emb.sin() * self.rope_scaling).to(x.dtype)
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + rotate_half(x) * sin
 
     def adapt(self, x: torch.Tensor, pos: torch.Tensor,
               kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,

@@ -21,32 +21,15 @@ saved (``shared_with_target``). Every stacked layer is its own module.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from draftsmith.heads.common import ResBlock
+from draftsmith.common.layers import RMSNorm, rotate_half
 from draftsmith.common.vocab import PrunedHead
 from draftsmith.engine.drafters import HeadDrafter
+from draftsmith.heads.common import ResBlock
 from draftsmith.heads.objective import HydraObjective
 from draftsmith.registry import KindBase, register
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
+from torch import nn
 
 
 class PrefixLayer(nn.Module):
@@ -91,7 +74,7 @@ class PrefixLayer(nn.Module):
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         ang = pos.float()[:, None] * self.inv_freq[None]  # [T, hd/2]
         emb = torch.cat([ang, ang], dim=-1)
-        return x * emb.cos().to(x.dtype) + _rotate_half(x) * emb.sin().to(x.dtype)
+        return x * emb.cos().to(x.dtype) + rotate_half(x) * emb.sin().to(x.dtype)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None):

@@ -29,10 +29,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.checkpoint import CheckpointError, MissingFileError, check_safetensors, read_json, read_safetensors
+from draftsmith.checkpoint import (CheckpointError, MissingFileError, check_safetensors, read_export_config,
+                                   read_safetensors)
 from draftsmith.heads.medusa.model import MedusaHeads
 from draftsmith.registry import ExportFormat, register_format
-from draftsmith.target import Target, check_fingerprint
+from draftsmith.target import Target
 
 VLLM_WEIGHTS = "model.safetensors"
 TGI_WEIGHTS = "medusa_lm_head.safetensors"
@@ -115,14 +116,7 @@ def read_medusa_dir(src: str | Path, target: Target) -> tuple[MedusaHeads, dict]
     our checkpoints do); otherwise they keep their own projections.
     A directory exported by draftsmith also has its target fingerprint checked.
     """
-    src = Path(src)
-    if not src.is_dir():
-        raise MissingFileError(f"{src}: no such directory")
-    cfg_path = src / CONFIG
-    config = read_json(cfg_path, "Medusa config")
-    fp = config.get("draftsmith_target_fingerprint")
-    if fp:
-        check_fingerprint(fp, target, what=f"Medusa export {src}")
+    src, cfg_path, config = read_export_config(src, target, "Medusa")
     if float(config.get("logit_scale", 1.0)) != 1.0:
         raise CheckpointError(f"{cfg_path}: logit_scale {config['logit_scale']} is not supported (our heads have none)")
     K = _int_field(config, cfg_path, "medusa_num_heads", "num_heads")
