@@ -149,6 +149,7 @@ class BatchedSpeculativeDecoder:
         self.cache: RowsCache | None = None
         self.adapter = None
         self._drafting = False  # set per generate() call
+        self._procs: list[Any] | None = None  # per-row RequestProcessing, set per generate() call
         if drafter is not None:
             self._check_drafter(drafter)
             self.adapter = batch_adapter(drafter)
@@ -224,7 +225,15 @@ class BatchedSpeculativeDecoder:
             caps.append(max(0, min(c, depth)))
         return caps
 
-    def _draft_chains(self, states, trees, rngs, k: int) -> None:
+    @staticmethod
+    def _processed(procs, i: int, st: DecodeState, tree: DraftTree, start: int, end: int, lg: torch.Tensor):
+        """Row i's draft logits after its request's processors (engine/processors.py), if any."""
+        proc = procs[i] if procs is not None else None
+        if proc is None or not proc.active:
+            return lg
+        return proc.node_logits(st.tokens[:st.length + 1], st.prompt_len, tree, start, end, lg)
+
+    def _draft_chains(self, states, trees, rngs, k: int, procs=None) -> None:
         caps = self._caps(states, k)
         ranked = self.sampling.greedy
         node = [0] * len(states)
@@ -235,14 +244,18 @@ class BatchedSpeculativeDecoder:
                 return
             lgs = self.adapter.propose(act, [states[i] for i in act], [trees[i] for i in act],
                                        [(node[i], node[i] + 1) for i in act])
-            have = [(i, lg) for i, lg in zip(act, lgs) if lg is not None]
+            have = [(i, self._processed(procs, i, states[i], trees[i], node[i], node[i] + 1, lg))
+                    for i, lg in zip(act, lgs) if lg is not None]
             for i, lg in zip(act, lgs):
                 if lg is None:
                     stopped[i] = True
             if not have:
                 return
             if ranked:  # one argmax for every row, tokens stay on the device
-                toks = torch.stack([lg[0] for _, lg in have]).argmax(-1)
+                rows_ = [lg[0] for _, lg in have]
+                if len({x.dtype for x in rows_}) > 1:  # processed rows are fp32, the others the model's dtype
+                    rows_ = [x.float() for x in rows_]
+                toks = torch.stack(rows_).argmax(-1)
                 for (i, _), t in zip(have, toks):
                     node[i] = trees[i].add(node[i], t)
                 continue
@@ -255,7 +268,7 @@ class BatchedSpeculativeDecoder:
                 if tok in self.eos:
                     stopped[i] = True
 
-    def _draft_static(self, states, trees, rngs) -> None:
+    def _draft_static(self, states, trees, rngs, procs=None) -> None:
         """`drafting.grow_static` for every row at once: one drafter call per depth across rows."""
         shape = self.tree
         caps = self._caps(states, shape.depth)
@@ -280,11 +293,12 @@ class BatchedSpeculativeDecoder:
             if not act:
                 return
             lgs = self.adapter.propose(act, [states[i] for i in act], [trees[i] for i in act], rng_)
-            for i, lg, (lo, _) in zip(act, lgs, rng_):
+            for i, lg, (lo, hi) in zip(act, lgs, rng_):
                 if lg is None:
                     caps[i] = 0
                     continue
                 t = trees[i]
+                lg = self._processed(procs, i, states[i], t, lo, hi, lg)
                 for n, pp in parents[i]:
                     row, m = lg[n - lo], min(kids[pp], lg.shape[-1])
                     if s.greedy:
@@ -357,16 +371,23 @@ class BatchedSpeculativeDecoder:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 128, *,
                  seeds: Sequence[int] | None = None, rngs: Sequence[RandomSource] | None = None,
-                 seed: int = 0, on_step: OnStep | None = None) -> BatchResult:
+                 seed: int = 0, on_step: OnStep | None = None,
+                 processing: Sequence[Any] | None = None) -> BatchResult:
         """Decode every prompt at once; each row has its own random source (``rngs``, else ``TorchRandom``
         seeded by ``seeds[i]``, else ``seed + i``). Rows come back in input order.
 
         ``on_step(row, new_ids, stats, stop_reason)``, if given, is called after every step for each row
         in it (``row``: the input index; ``new_ids``: the tokens the step committed; ``stop_reason``:
         None while the row goes on, else ``"eos"`` / ``"max_new_tokens"``, once, as the row leaves). It
-        only observes (streaming, per-row logging): the outputs are the same with or without it."""
+        only observes (streaming, per-row logging): the outputs are the same with or without it, except that a
+        true return value ends that row now (stop reason ``"stop"``: the caller found a stop sequence).
+
+        ``processing``: per row, a `processors.RequestProcessing` (penalties, logit bias, logprobs) or None."""
         prompts, news = self._rows(prompts, max_new_tokens)
         B = len(prompts)
+        if processing is not None and len(processing) != B:
+            raise ValueError(f"{B} prompts but {len(processing)} processing entries")
+        self._procs = list(processing) if processing is not None else None
         if rngs is None:
             seeds = list(seeds) if seeds is not None else [seed + i for i in range(B)]
             rngs = [TorchRandom(s) for s in seeds]
@@ -415,6 +436,7 @@ class BatchedSpeculativeDecoder:
         t0 = time.perf_counter()
         sts = [states[i] for i in live]
         rr = [rngs[i] for i in live]
+        pp = [self._procs[i] for i in live] if self._procs is not None else None
         n = len(live)
         trees = [DraftTree(s.tokens[s.length], self.max_block - 1, self.device) for s in sts]
         k = 0
@@ -426,25 +448,23 @@ class BatchedSpeculativeDecoder:
                 s.draft_depth = c
             self.adapter.begin_step(sts)
             if self.tree is not None:
-                self._draft_static(sts, trees, rr)
+                self._draft_static(sts, trees, rr, pp)
             else:
-                self._draft_chains(sts, trees, rr, k)
+                self._draft_chains(sts, trees, rr, k, pp)
         t1 = time.perf_counter()
         logits, hidden = self._verify_forward(sts, trees)
+        if pp is not None:
+            logits = [lg if p is None else p.node_logits(s.tokens[:s.length + 1], s.prompt_len, t, 0, t.n + 1, lg)
+                      for p, s, t, lg in zip(pp, sts, trees, logits)]
         verdicts = [verify_tree(t, lg, self.sampling, r, self.eos, "exact") for t, lg, r in zip(trees, logits, rr)]
+        if pp is not None:
+            for p, t, lg, v in zip(pp, trees, logits, verdicts):
+                if p is not None:
+                    p.record(t, lg, v)
         t2 = time.perf_counter()
         keys = list(live)
         emitted = [self._commit(r, s, t, v, hidden[r]) for r, (s, t, v) in enumerate(zip(sts, trees, verdicts))]
-        # rows that ended leave the batch: the last live row moves into the hole (cache rows = live positions)
-        for r in range(n - 1, -1, -1):
-            if sts[r].done:
-                last = len(live) - 1
-                if r != last:
-                    self.cache.move_row(last, r, states[live[last]].length)
-                    if self._drafting:
-                        self.adapter.move_row(last, r, states[live[last]])
-                    live[r] = live[last]
-                live.pop()
+        self._leave(live, states)
         t3 = time.perf_counter()
         dt = (t1 - t0, t2 - t1, t3 - t2)
         for key, t, v, e in zip(keys, trees, verdicts, emitted):
@@ -455,9 +475,28 @@ class BatchedSpeculativeDecoder:
                                      accepted=sum(v.accepted for v in verdicts), emitted=sum(emitted),
                                      draft_s=dt[0], verify_s=dt[1], other_s=dt[2]))
         if on_step is not None:
+            stopped = False
             for key, e in zip(keys, emitted):
                 st = states[key]
-                on_step(key, st.tokens[len(st.tokens) - e:], row_steps[key][-1], st.stop_reason if st.done else None)
+                was_done = st.done
+                if on_step(key, st.tokens[len(st.tokens) - e:], row_steps[key][-1],
+                           st.stop_reason if st.done else None) and not was_done:
+                    st.done, st.stop_reason, stopped = True, "stop", True
+            if stopped:
+                self._leave(live, states)
+
+    def _leave(self, live: list[int], states: list[DecodeState]) -> None:
+        """Rows that ended leave the batch: the last live row moves into the hole (cache rows = live
+        positions)."""
+        for r in range(len(live) - 1, -1, -1):
+            if states[live[r]].done:
+                last = len(live) - 1
+                if r != last:
+                    self.cache.move_row(last, r, states[live[last]].length)
+                    if self._drafting:
+                        self.adapter.move_row(last, r, states[live[last]])
+                    live[r] = live[last]
+                live.pop()
 
 
 def plain_batched_decoder(target: Target, sampling: SamplingParams | None = None) -> BatchedSpeculativeDecoder:

@@ -141,6 +141,9 @@ class SpeculativeDecoder:
         self.sync_timing = sync_timing and self.device.type == "cuda"
         self.cache: SlotCache | None = None
         self.capacity = 0
+        # per-request logits processing (penalties, logit bias, logprobs: engine/processors.py), or None;
+        # applied to the target's logits at every tree node and to the draft's before q is formed
+        self.processing: Any = None
         if drafter is not None:
             self._check_drafter(drafter)
 
@@ -234,8 +237,15 @@ class SpeculativeDecoder:
         else:
             state.draft_depth = min(cap, self.tree.max_depth)
         ds = state.drafter_state
+        propose = lambda t, s, e: self.drafter.propose(self, state, t, s, e)  # noqa: E731
+        proc = self.processing
+        if proc is not None and proc.active:
+            def propose(t, s, e, raw=propose):
+                lg = raw(t, s, e)
+                return None if lg is None else proc.node_logits(state.tokens[:state.length + 1], state.prompt_len,
+                                                                 t, s, e, lg)
         ctx = GrowContext(
-            propose=lambda t, s, e: self.drafter.propose(self, state, t, s, e),
+            propose=propose,
             sampling=self.sampling, ranked=self.sampling.greedy or self.acceptance == "typical",
             rng=rng, eos=self.eos, depth_cap=cap,
             features=(lambda: getattr(ds, "hidden", None)) if ds is not None else None)
@@ -272,7 +282,13 @@ class SpeculativeDecoder:
         return project(self.lm_head, h), h
 
     def verify(self, state: DecodeState, tree: DraftTree, logits: torch.Tensor, rng: RandomSource) -> Verdict:
-        return verify_tree(tree, logits, self.sampling, rng, self.eos, self.acceptance)
+        proc = self.processing
+        if proc is None:
+            return verify_tree(tree, logits, self.sampling, rng, self.eos, self.acceptance)
+        logits = proc.node_logits(state.tokens[:state.length + 1], state.prompt_len, tree, 0, tree.n + 1, logits)
+        verdict = verify_tree(tree, logits, self.sampling, rng, self.eos, self.acceptance)
+        proc.record(tree, logits, verdict)
+        return verdict
 
     def commit(self, state: DecodeState, tree: DraftTree, verdict: Verdict, hidden: torch.Tensor) -> list[int]:
         """Keep the accepted path's KV (compacted), advance the state, return the emitted tokens."""
