@@ -55,9 +55,10 @@ def mc_counts(dec, prompt: list[int], n_new: int, n_samples: int, seed: int = 0)
 
 @torch.no_grad()
 def target_cells(target, prompt: list[int], n_new: int, n_samples: int, sampling: SamplingParams,
-                 min_expected: float = 5.0) -> tuple[dict, set, tuple]:
+                 min_expected: float = 5.0, processing=None) -> tuple[dict, set, tuple]:
     """Data-independent cells with their exact probabilities, the prefixes split further, and the key
-    that collects outputs falling in no cell (REST, or the cell REST was merged into when too small)."""
+    that collects outputs falling in no cell (REST, or the cell REST was merged into when too small).
+    ``processing`` (a `processors.RequestProcessing`): the target's logits are processed on the whole context."""
     eos = set(target.eos_token_ids)
     dev = next(target.model.parameters()).device
     cells: dict[tuple, float] = {}
@@ -73,6 +74,9 @@ def target_cells(target, prompt: list[int], n_new: int, n_samples: int, sampling
         if live:
             ids = torch.tensor([prompt + list(p) for p, _ in live], device=dev)
             logits = target.model(ids).logits[:, -1]
+            if processing is not None:
+                logits = torch.stack([processing.logits_for(prompt + list(p), len(prompt), row)
+                                      for (p, _), row in zip(live, logits)])
             probs = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p).double()
             probs = probs / probs.sum(-1, keepdim=True)
             for (p, w), row in zip(live, probs):
@@ -131,7 +135,8 @@ def chi_square(counts: Counter, cells: dict, continued: set, rest_key: tuple = R
 
 def mc_lossless(dec, prompt: list[int], n_new: int, n_samples: int, seed: int = 0) -> dict:
     """Sample with ``dec`` and test against the target: returns the chi-square figures."""
-    cells, continued, rest_key = target_cells(dec.target, prompt, n_new, n_samples, dec.sampling)
+    cells, continued, rest_key = target_cells(dec.target, prompt, n_new, n_samples, dec.sampling,
+                                              processing=getattr(dec, "processing", None))
     t0 = time.perf_counter()
     counts, drafted, accepted = mc_counts(dec, prompt, n_new, n_samples, seed)
     out = chi_square(counts, cells, continued, rest_key)
