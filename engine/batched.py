@@ -50,7 +50,7 @@ from draftsmith.engine.decoder import DecodeState
 from draftsmith.engine.drafters import project
 from draftsmith.engine.metrics import DecodeResult, StepStats, tau, tokens_per_second
 from draftsmith.engine.ragged import RowsCache, ragged_forward
-from draftsmith.engine.sampling import RandomSource, SamplingParams, TorchRandom, WithoutReplacement, processed_probs
+from draftsmith.engine.sampling import RandomSource, SamplingParams, TorchRandom, WithoutReplacement
 from draftsmith.engine.trees import DraftTree, StaticTree, Verdict, verify_tree
 from draftsmith.target import Target, check_fingerprint
 
@@ -261,7 +261,7 @@ class BatchedSpeculativeDecoder:
                 continue
             for i, lg in have:
                 s = self.sampling
-                q = processed_probs(lg[0], s.temperature, s.top_k, s.top_p)
+                q = s.probs(lg[0])
                 tok = rngs[i].categorical(q)
                 trees[i].q[node[i]] = q
                 node[i] = trees[i].add(node[i], tok)
@@ -305,7 +305,7 @@ class BatchedSpeculativeDecoder:
                         for r, tok in enumerate(torch.topk(row, m).indices):
                             where[i][pp + (r,)] = t.add(n, tok)
                         continue
-                    q = processed_probs(row, s.temperature, s.top_k, s.top_p)
+                    q = s.probs(row)
                     t.q[n] = q
                     draw = WithoutReplacement(q, rngs[i])
                     for r in range(m):

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from draftsmith.engine.policies import DraftSignal, LengthPolicy
-from draftsmith.engine.sampling import RandomSource, SamplingParams, WithoutReplacement, processed_probs
+from draftsmith.engine.sampling import RandomSource, SamplingParams, WithoutReplacement
 from draftsmith.engine.trees import DraftTree, DynamicTree, StaticTree
 
 Propose = Callable[[DraftTree, int, int], "torch.Tensor | None"]
@@ -46,7 +46,7 @@ class GrowContext:
 
     def q(self, logits: torch.Tensor) -> torch.Tensor:
         s = self.sampling
-        return processed_probs(logits, s.temperature, s.top_k, s.top_p)
+        return s.probs(logits)
 
 
 def grow_chain(tree: DraftTree, ctx: GrowContext, policy: LengthPolicy) -> None:

@@ -27,6 +27,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0.0 = off
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -35,22 +36,30 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """`processed_probs` with these settings."""
+        return processed_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
+
 
 def processed_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
-                    top_p: float = 1.0) -> torch.Tensor:
+                    top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
     """The distribution tokens are sampled from, in fp32: [..., V] -> [..., V].
 
     fp32 whatever the model's dtype (bf16 logits are upcast first); float64
     logits stay float64, which only the exact-enumeration tests use.
 
-    Order as in Hugging Face's samplers: temperature, top-k (ties with the
-    k-th value are kept), top-p (keep the most probable tokens until their
-    mass reaches ``top_p``; the top token is always kept). ``temperature == 0``
+    Order: temperature, min-p (as vLLM: drop tokens whose probability is
+    below ``min_p`` times the largest), then as in Hugging Face's samplers
+    top-k (ties with the k-th value are kept), top-p (keep the most probable
+    tokens until their mass reaches ``top_p``; the top token is always
+    kept). ``temperature == 0``
     gives the one-hot argmax distribution (greedy as a degenerate sampler).
     """
     x = logits if logits.dtype == torch.float64 else logits.float()
@@ -58,6 +67,9 @@ def processed_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int =
         return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(x.dtype)
     if temperature != 1.0:
         x = x / temperature
+    if min_p > 0.0:
+        pr = torch.softmax(x, dim=-1)
+        x = x.masked_fill(pr < min_p * pr.amax(-1, keepdim=True), float("-inf"))
     if 0 < top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from draftsmith.engine.sampling import (SamplingParams, RandomSource, processed_probs, verify_node,
+from draftsmith.engine.sampling import (SamplingParams, RandomSource, verify_node,
                                       verify_node_greedy, verify_node_typical)
 
 
@@ -234,7 +234,7 @@ def verify_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams,
         if sampling.greedy:
             v = verify_node_greedy(am[node], kid_toks)
         else:
-            p = processed_probs(logits[node], sampling.temperature, sampling.top_k, sampling.top_p)
+            p = sampling.probs(logits[node])
             if acceptance == "typical":
                 v = verify_node_typical(p, kid_toks, rng)
             else:

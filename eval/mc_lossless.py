@@ -25,7 +25,7 @@ from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.drafters import first_layers_drafter, HeadDrafter
 from draftsmith.engine.policies import FixedLength
-from draftsmith.engine.sampling import processed_probs, SamplingParams, TorchRandom
+from draftsmith.engine.sampling import SamplingParams, TorchRandom
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.engine.trees import DynamicTree
 from draftsmith.heads.medusa.model import MedusaHeads
@@ -77,7 +77,7 @@ def target_cells(target, prompt: list[int], n_new: int, n_samples: int, sampling
             if processing is not None:
                 logits = torch.stack([processing.logits_for(prompt + list(p), len(prompt), row)
                                       for (p, _), row in zip(live, logits)])
-            probs = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p).double()
+            probs = sampling.probs(logits).double()
             probs = probs / probs.sum(-1, keepdim=True)
             for (p, w), row in zip(live, probs):
                 big = torch.nonzero(row * w * n_samples >= min_expected).flatten().tolist()

@@ -1,11 +1,25 @@
 """The reference OpenAI-compatible server: FastAPI app around the lossless decoder.
 
-Routes: ``POST /v1/chat/completions`` (``stream: true`` gives server-sent
-events ending with ``data: [DONE]``) and ``GET /v1/models``. Every request is
-decoded losslessly with the drafter that is current in the publish directory
-(plain decoding when none is); a version that fails to load leaves the
-previous one serving (logged). Every finished request is written as one JSON
-line (`draftsmith.traffic`, schema in docs/online.md).
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (text
+prompts), each streaming (server-sent events ending with ``data: [DONE]``)
+or not, ``GET /v1/models`` and ``GET /v1/models/{id}``. Request bodies are
+the typed models of `draftsmith.serve.schema`: an unknown field, a field out
+of the API's range, or a field this server does not implement is a 400
+naming it, in OpenAI's error format (``{"error": {"message", "type",
+"param", "code"}}``). Implemented beside temperature / top_p / max_tokens /
+seed / stop / n=1: ``logprobs`` + ``top_logprobs``, ``frequency_penalty``,
+``presence_penalty``, ``logit_bias``, vLLM's ``repetition_penalty``,
+``top_k`` and ``min_p`` (all lossless: `draftsmith.engine.processors`),
+``stream_options.include_usage``, ``echo`` (completions). ``usage`` is in
+every non-streaming response and in the last chunk of a stream with
+``include_usage``.
+
+Every request is decoded losslessly with the drafter that is current in the
+publish directory (plain decoding when none is); a version that fails to
+load leaves the previous one serving (logged). Every answered request is
+written as one JSON line (`draftsmith.traffic`, schema in docs/online.md); a
+streaming request whose client disconnects is stopped and not logged
+(counted in ``DecodingService.aborted``).
 
 Two modes (``max_batch``):
   * ``max_batch == 1``: `draftsmith.engine.decoder.SpeculativeDecoder` runs one
@@ -35,42 +49,98 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generator, Iterator
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
-from draftsmith.checkpoint import read_manifest
+from draftsmith.checkpoint import drafter_from_checkpoint, read_manifest
 from draftsmith.engine.batched import BatchedSpeculativeDecoder, plain_batched_decoder
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.policies import FixedLength
+from draftsmith.engine.processors import Penalties, RequestProcessing
 from draftsmith.engine.sampling import SamplingParams, TorchRandom
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.publish import PublishStore, load_current
+from draftsmith.serve.schema import ChatRequest, CompletionRequest, request_error
 from draftsmith.target import Target
 from draftsmith.traffic import TrafficLog, chat_prompt_ids, make_record
 
 log = logging.getLogger(__name__)
 
+#: what a -inf log-probability is reported as (JSON has no infinity; vLLM's choice)
+LOGPROB_FLOOR = -9999.0
+
 
 class BadRequest(ValueError):
     """A request the server refuses (HTTP 400), with a message naming the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Spec:
+    """What to decode for one request, from its validated body."""
+
+    body: dict  # the request as received (logged)
+    kind: str  # "chat" | "completion"
+    prompt: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    seed: int | None
+    penalties: Penalties
+    top_logprobs: int | None  # None: no logprobs
+    stops: list[str]
+
+    def processing(self, vocab_size: int) -> RequestProcessing | None:
+        if not self.penalties.active and self.top_logprobs is None:
+            return None
+        return RequestProcessing(self.penalties, vocab_size, self.top_logprobs)
+
+
+class TextStream:
+    """Incremental text of a response: holds back an incomplete UTF-8 character and any tail that could still
+    grow into a stop sequence; cuts the text at the first stop sequence."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tok, self.stops = tokenizer, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.sent = ""
+        self.text = ""
+        self.stopped = False
+
+    def push(self, ids: list[int], final: bool) -> str:
+        """The new text to send after the response grew to ``ids``; sets ``stopped`` at a stop sequence."""
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text, self.stopped, final = text[:cut], True, True
+        self.text = text
+        end = len(text)
+        if not final:
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+                return ""
+            end = max(len(self.sent), end - self.hold)
+        delta, self.sent = text[len(self.sent):end], text[:end]
+        return delta
 
 
 @dataclass(eq=False)
 class _Job:
     """A queued request (``max_batch > 1``): what to decode, and the events its caller reads."""
 
-    body: dict
-    prompt: list[int]
-    sampling: SamplingParams
-    max_tokens: int
-    seed: int | None
+    spec: Spec
     request_id: str | None
+    stream: TextStream | None = None
+    proc: RequestProcessing | None = None
     events: "queue.SimpleQueue[dict]" = field(default_factory=queue.SimpleQueue)
     ids: list[int] = field(default_factory=list)
     steps: list[list[int]] = field(default_factory=list)
-    text: str = ""
+    sent_logprobs: int = 0
     finished: bool = False
+    cancelled: bool = False  # the client went away: stop the row, do not log it
 
 
 class DecodingService:
@@ -101,6 +171,7 @@ class DecodingService:
         self.batched: BatchedSpeculativeDecoder | None = plain_batched_decoder(target) if max_batch > 1 else None
         self.swaps = 0
         self.served = 0
+        self.aborted = 0  # requests stopped because their client disconnected (not logged)
         self.batch_sizes: list[int] = []  # rows of every batched call, in order
         self.unbatched = 0  # requests decoded one at a time by the batching thread (unbatchable drafter)
         self._cv = threading.Condition()
@@ -146,89 +217,116 @@ class DecodingService:
         log.info("serving drafter %s (%s)", version, self.kind)
 
     # ------------------------------------------------------------------ requests
-    def prompt_ids(self, body: dict) -> list[int]:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs):
-            raise BadRequest("'messages' must be a non-empty list of {role, content} objects with text content")
-        return chat_prompt_ids(self.target.tokenizer, msgs)
+    def spec(self, req: ChatRequest | CompletionRequest, body: dict) -> Spec:
+        """The decoding spec of a validated request; `BadRequest` for what only the target can check."""
+        tok, V = self.target.tokenizer, self.target.vocab_size
+        if isinstance(req, ChatRequest):
+            kind = "chat"
+            prompt = chat_prompt_ids(tok, [m.template_dict() for m in req.messages])
+        else:
+            kind = "completion"
+            p = req.prompt
+            if isinstance(p, list) and p and isinstance(p[0], str):
+                p = p[0]
+            if isinstance(p, list) and p and isinstance(p[0], list):
+                p = p[0]
+            if isinstance(p, str):
+                prompt = [int(x) for x in tok(p)["input_ids"]]
+            else:
+                bad = [x for x in p if x >= V]
+                if bad:
+                    raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{V - 1})", "prompt")
+                prompt = list(p)
+            if not prompt:
+                raise BadRequest("the prompt is empty after tokenisation", "prompt")
+        max_tokens = req.max_new(self.default_max_tokens)
+        need = len(prompt) + max_tokens + 1
+        if need > self.target.context_length:
+            raise BadRequest(f"prompt too long: {len(prompt)} prompt tokens + {max_tokens} new tokens exceed the "
+                             f"target's context length {self.target.context_length}", "max_tokens")
+        temp = 1.0 if req.temperature is None else req.temperature
+        if temp == 0.0:
+            sp = SamplingParams(0.0)
+        else:
+            top_p = 1.0 if req.top_p is None else max(req.top_p, 1e-12)  # 0: only the most probable token
+            sp = SamplingParams(temp, max(req.top_k or 0, 0), top_p, req.min_p or 0.0)
+        bias = req.bias()
+        out_of_vocab = [t for t, _ in bias if t >= V]
+        if out_of_vocab:
+            raise BadRequest(f"logit_bias token ids {out_of_vocab[:5]} are outside the vocabulary (0..{V - 1})",
+                             "logit_bias")
+        pen = Penalties(req.frequency_penalty, req.presence_penalty, req.repetition_penalty, bias)
+        return Spec(body, kind, prompt, sp, max_tokens, req.seed, pen, req.want_logprobs(), req.stops())
 
-    def sampling(self, body: dict) -> tuple[SamplingParams, int, int | None]:
-        if body.get("n", 1) != 1:
-            raise BadRequest("'n' must be 1 (one choice per request)")
-        mt = body.get("max_completion_tokens", body.get("max_tokens", self.default_max_tokens))
-        if not isinstance(mt, int) or mt < 1:
-            raise BadRequest(f"'max_tokens' must be a positive integer, got {mt!r}")
-        try:
-            temp = float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0)
-            top_p = float(body.get("top_p", 1.0) if body.get("top_p") is not None else 1.0)
-            sp = SamplingParams(temp, 0, top_p if temp > 0 else 1.0)
-        except (TypeError, ValueError) as e:
-            raise BadRequest(f"bad sampling parameters: {e}") from None
-        seed = body.get("seed")
-        if seed is not None and not isinstance(seed, int):
-            raise BadRequest("'seed' must be an integer")
-        return sp, mt, seed
+    def run(self, spec: Spec, request_id: str | None = None) -> Iterator[dict]:
+        """Decode one request; yields ``{"delta": text, "logprobs": [...]}`` as the response grows, then
+        ``{"done": record, "logprobs": [...]}``.
 
-    def run(self, body: dict, request_id: str | None = None) -> Iterator[dict]:
-        """Decode one request; yields ``{"delta": text}`` per step, then ``{"done": record}``.
-
-        ``max_batch == 1``: holds the lock for the whole generation (released if the consumer stops early).
-        Otherwise the request is queued for the batching thread and its events are relayed (a consumer that
-        stops early does not stop its row: the response is still decoded and logged)."""
-        prompt = self.prompt_ids(body)
-        sp, max_tokens, seed = self.sampling(body)
+        ``max_batch == 1``: holds the lock for the whole generation (a consumer that stops early stops the
+        generation: nothing is logged). Otherwise the request is queued for the batching thread and its events
+        are relayed (a consumer that stops early ends its row at the next step, not logged)."""
         if self.max_batch == 1:
             with self.lock:
                 self.refresh()
-                record = yield from self._decode_one(self.decoder, body, prompt, sp, max_tokens, seed, request_id)
-            yield {"done": record}
-            return
-        job = _Job(body, prompt, sp, max_tokens, seed, request_id)
+                record = yield from self._decode_one(self.decoder, spec, request_id)
+            return record
+        job = _Job(spec, request_id)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the decoding service is closed")
             self._waiting.append(job)
             self._cv.notify_all()
-        while True:
-            ev = job.events.get()
-            if "error" in ev:
-                raise ev["error"]
-            yield ev
-            if "done" in ev:
-                return
+        try:
+            while True:
+                ev = job.events.get()
+                if "error" in ev:
+                    raise ev["error"]
+                if "done" in ev:
+                    return ev["done"]
+                yield ev
+        except GeneratorExit:
+            job.cancelled = True
+            raise
 
-    def _decode_one(self, dec: SpeculativeDecoder, body: dict, prompt: list[int], sp: SamplingParams,
-                    max_tokens: int, seed: int | None, request_id: str | None) -> Generator[dict, None, dict]:
+    def _decode_one(self, dec: SpeculativeDecoder, spec: Spec, request_id: str | None) -> Generator[dict, None, dict]:
         """One request with the single-sequence decoder: yields the deltas, logs, returns the record."""
-        dec.sampling = sp
+        dec.sampling = spec.sampling
+        dec.processing = proc = spec.processing(self.target.vocab_size)
         started = time.time()
         try:
-            state = dec.start(prompt, max_tokens)
-        except ValueError as e:  # prompt too long for the context
-            raise BadRequest(str(e)) from None
-        rng = TorchRandom(seed)
-        tok = self.target.tokenizer
-        text_so_far, steps = "", []
-        while not state.done:
-            st = dec.step(state, rng)
-            steps.append([st.accepted, st.attempted, st.drafted, st.emitted])
-            out = state.tokens[state.prompt_len:]
-            text = tok.decode(out, skip_special_tokens=True)
-            if text.endswith("\ufffd") and not state.done:  # an incomplete UTF-8 sequence: wait for the rest
-                continue
-            delta, text_so_far = text[len(text_so_far):], text
-            yield {"delta": delta}
+            state = dec.start(spec.prompt, spec.max_tokens)
+        except ValueError as e:  # prompt too long for the context with this drafter's block
+            raise BadRequest(str(e), "max_tokens") from None
+        rng = TorchRandom(spec.seed)
+        ts = TextStream(self.target.tokenizer, spec.stops)
+        steps, sent_lp = [], 0
+        try:
+            while not state.done:
+                st = dec.step(state, rng)
+                steps.append([st.accepted, st.attempted, st.drafted, st.emitted])
+                out = state.tokens[state.prompt_len:]
+                delta = ts.push(out, state.done)
+                if delta or ts.stopped:
+                    lps = proc.logprobs[sent_lp:len(out)] if proc is not None and proc.recording else []
+                    sent_lp += len(lps)
+                    yield {"delta": delta, "logprobs": lps}
+                if ts.stopped:
+                    break
+        except GeneratorExit:
+            self.aborted += 1
+            raise
+        finally:
+            dec.processing = None
         out = state.tokens[state.prompt_len:]
-        return self._finish(body, prompt, out, "stop" if state.stop_reason == "eos" else "length", steps,
-                            request_id, started, self.version, self.kind)
+        finish = "stop" if ts.stopped or state.stop_reason == "eos" else "length"
+        rec = self._finish(spec, out, ts.text, finish, steps, request_id, started, self.version, self.kind)
+        rec["_logprobs"] = proc.logprobs[:len(out)] if proc is not None and proc.recording else None
+        return rec
 
-    def _finish(self, body: dict, prompt: list[int], out: list[int], finish: str, steps: list[list[int]],
+    def _finish(self, spec: Spec, out: list[int], text: str, finish: str, steps: list[list[int]],
                 request_id: str | None, started: float, version: str | None, kind: str | None) -> dict:
         """The request's record, written to the log."""
-        record = make_record(request=body, prompt_ids=prompt, response_ids=out,
-                             response_text=self.target.tokenizer.decode(out, skip_special_tokens=True),
+        record = make_record(request=spec.body, prompt_ids=spec.prompt, response_ids=out, response_text=text,
                              finish_reason=finish, target_name=self.target.name,
                              fingerprint=self.target.fingerprint, drafter_version=version, drafter_kind=kind,
                              steps=steps, request_id=request_id or f"chatcmpl-{uuid.uuid4().hex}",
@@ -261,15 +359,21 @@ class DecodingService:
     def _take(self) -> list[_Job]:
         """The next batch: the oldest waiting request and the next waiting ones with the same sampling.
 
-        The batched decoder takes one `SamplingParams` per call (temperature / top-k / top-p), but a random
-        source per row, so requests are grouped by their sampling settings only (greedy requests always share
-        a batch; seeds never split one). Requests with other settings stay queued, in order, for the next
-        batch, so the oldest request is always in the next batch (no starvation). One request at a time when
-        the current drafter cannot be batched."""
+        The batched decoder takes one `SamplingParams` per call (temperature / top-k / top-p / min-p), but a
+        random source and logits processing per row, so requests are grouped by their sampling settings only
+        (greedy requests always share a batch; seeds and penalties never split one). Requests with other
+        settings stay queued, in order, for the next batch, so the oldest request is always in the next batch
+        (no starvation). Requests whose client left while queued are dropped. One request at a time when the
+        current drafter cannot be batched."""
         with self._cv:
+            gone = [j for j in self._waiting if j.cancelled]
+            self.aborted += len(gone)
+            self._waiting = [j for j in self._waiting if not j.cancelled]
+            if not self._waiting:
+                return []
             first = self._waiting[0]
             n = self.max_batch if self.batched is not None else 1
-            jobs = [j for j in self._waiting if j.sampling == first.sampling][:n]
+            jobs = [j for j in self._waiting if j.spec.sampling == first.spec.sampling][:n]
             self._waiting = [j for j in self._waiting if all(j is not b for b in jobs)]
             return jobs
 
@@ -283,6 +387,8 @@ class DecodingService:
                     break
             self.refresh()  # only here, between batches: a swap never lands inside one
             jobs = self._take()
+            if not jobs:
+                continue
             try:
                 if self.batched is None:
                     self._run_single(jobs[0])
@@ -299,11 +405,15 @@ class DecodingService:
 
     def _run_single(self, job: _Job) -> None:
         self.unbatched += 1
-        gen = self._decode_one(self.decoder, job.body, job.prompt, job.sampling, job.max_tokens, job.seed,
-                               job.request_id)
+        gen = self._decode_one(self.decoder, job.spec, job.request_id)
         try:
             while True:
-                job.events.put(next(gen))
+                ev = next(gen)
+                job.events.put(ev)
+                if job.cancelled:
+                    gen.close()  # counted as aborted there
+                    job.finished = True
+                    return
         except StopIteration as stop:
             job.finished = True
             job.events.put({"done": stop.value})
@@ -315,37 +425,53 @@ class DecodingService:
         ok = []
         for j in jobs:  # the decoder's own per-row checks, one row at a time: a bad request fails alone
             try:
-                dec._rows([j.prompt], [j.max_tokens])
+                dec._rows([j.spec.prompt], [j.spec.max_tokens])
             except ValueError as e:  # prompt too long for the context
                 j.finished = True
-                j.events.put({"error": BadRequest(str(e).removeprefix("row 0: "))})
+                j.events.put({"error": BadRequest(str(e).removeprefix("row 0: "), "max_tokens")})
                 continue
             ok.append(j)
         if not ok:
             return
-        dec.sampling = ok[0].sampling
+        dec.sampling = ok[0].spec.sampling
         version, kind, tok = self.version, self.kind, self.target.tokenizer
         self.batch_sizes.append(len(ok))
         started = time.time()
+        for j in ok:
+            j.stream = TextStream(tok, j.spec.stops)
+            j.proc = j.spec.processing(self.target.vocab_size)
 
-        def on_step(row: int, new_ids: list[int], st, stop: str | None) -> None:
+        def on_step(row: int, new_ids: list[int], st, stop: str | None) -> bool:
             j = ok[row]
+            if j.cancelled:  # the client left: end the row now, nothing logged
+                j.finished = True
+                self.aborted += 1
+                return True
             j.ids.extend(new_ids)
             j.steps.append([st.accepted, st.attempted, st.drafted, st.emitted])
-            text = tok.decode(j.ids, skip_special_tokens=True)
-            if not (text.endswith("\ufffd") and stop is None):  # an incomplete UTF-8 sequence: wait for the rest
-                delta, j.text = text[len(j.text):], text
-                j.events.put({"delta": delta})
-            if stop is not None:  # the row left the batch: its response is complete
-                rec = self._finish(j.body, j.prompt, list(j.ids), "stop" if stop == "eos" else "length", j.steps,
-                                   j.request_id, started, version, kind)
+            delta = j.stream.push(j.ids, stop is not None)
+            lps = []
+            if j.proc is not None and j.proc.recording:
+                lps = j.proc.logprobs[j.sent_logprobs:len(j.ids)]
+            if delta or j.stream.stopped:
+                j.sent_logprobs += len(lps)
+                j.events.put({"delta": delta, "logprobs": lps})
+            if stop is not None or j.stream.stopped:  # the row leaves the batch: its response is complete
+                finish = "stop" if j.stream.stopped or stop == "eos" else "length"
+                rec = self._finish(j.spec, list(j.ids), j.stream.text, finish, j.steps, j.request_id, started,
+                                   version, kind)
+                rec["_logprobs"] = j.proc.logprobs[:len(j.ids)] if j.proc is not None and j.proc.recording else None
                 j.finished = True
                 j.events.put({"done": rec})
+                return j.stream.stopped
+            return False
 
-        dec.generate([j.prompt for j in ok], [j.max_tokens for j in ok], rngs=[TorchRandom(j.seed) for j in ok],
-                     on_step=on_step)
+        dec.generate([j.spec.prompt for j in ok], [j.spec.max_tokens for j in ok],
+                     rngs=[TorchRandom(j.spec.seed) for j in ok], on_step=on_step,
+                     processing=[j.proc for j in ok])
 
 
+# ---------------------------------------------------------------------- responses
 def _usage(rec: dict) -> dict:
     p, c = len(rec["prompt_ids"]), len(rec["response_ids"])
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
@@ -357,70 +483,234 @@ def _decoding_info(rec: dict) -> dict:
             "accepted": sum(s[0] for s in steps)}
 
 
+def _lp(x: float) -> float:
+    return max(float(x), LOGPROB_FLOOR)
+
+
+class _Formatter:
+    """Token strings and the two logprob formats (chat: ``content`` entries; completions: parallel lists)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def token(self, t: int) -> str:
+        return self.tok.decode([t])
+
+    def chat(self, lps) -> list[dict]:
+        out = []
+        for x in lps:
+            s = self.token(x.token)
+            out.append({"token": s, "logprob": _lp(x.logprob), "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [{"token": self.token(i), "logprob": _lp(v),
+                                          "bytes": list(self.token(i).encode("utf-8"))} for i, v in x.top]})
+        return out
+
+    def completion(self, lps, offset: int = 0) -> dict:
+        tokens, tlp, top, offs = [], [], [], []
+        for x in lps:
+            s = self.token(x.token)
+            tokens.append(s)
+            tlp.append(_lp(x.logprob))
+            alts = {self.token(i): _lp(v) for i, v in x.top}
+            alts.setdefault(s, _lp(x.logprob))
+            top.append(alts)
+            offs.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": tlp, "top_logprobs": top, "text_offset": offs}
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 404: "invalid_request_error"}.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
+
+
 def create_app(service: DecodingService) -> FastAPI:
     """The FastAPI application serving ``service``."""
     app = FastAPI(title="draftsmith serve")
     app.state.service = service
+    fmt = _Formatter(service.target.tokenizer)
+
+    def model_card() -> dict:
+        return {"id": service.model_name, "object": "model", "created": 0, "owned_by": "draftsmith",
+                "drafter_version": service.version}
 
     @app.get("/v1/models")
     def models() -> dict:
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0,
-                                            "owned_by": "draftsmith", "drafter_version": service.version}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    def model(model_id: str) -> Any:
+        if model_id != service.model_name:
+            return _error(404, f"The model {model_id!r} does not exist (serving {service.model_name!r})",
+                          "model", "model_not_found")
+        return model_card()
 
     @app.get("/health")
     def health() -> dict:
-        return {"status": "ok", "drafter_version": service.version, "served": service.served}
+        return {"status": "ok", "drafter_version": service.version, "served": service.served,
+                "aborted": service.aborted}
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
+    async def parse(request: Request, schema) -> tuple[Any, Any]:
+        """(spec, validated request) or (None, error response)."""
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise HTTPException(400, "request body is not JSON") from None
+            return None, _error(400, "request body is not JSON")
         if not isinstance(body, dict):
-            raise HTTPException(400, "request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != service.model_name:
-            raise HTTPException(404, f"model {model!r} is not served here (serving {service.model_name!r})")
-        try:  # validate before streaming starts, so a bad request is a 400, not a broken stream
-            service.prompt_ids(body)
-            service.sampling(body)
-        except BadRequest as e:
-            raise HTTPException(400, str(e)) from None
-        created = int(time.time())
-        if body.get("stream"):
-            return StreamingResponse(_sse(service, body, created), media_type="text/event-stream")
-        from starlette.concurrency import run_in_threadpool  # the decoder blocks: keep the event loop free
+            return None, _error(400, "request body must be a JSON object")
         try:
-            rec = await run_in_threadpool(lambda: [e for e in service.run(body) if "done" in e][0]["done"])
+            req = schema.model_validate(body)
+        except ValidationError as e:
+            msg, param = request_error(e)
+            return None, _error(400, msg, param)
+        if req.model is not None and req.model != service.model_name:
+            return None, _error(404, f"The model {req.model!r} does not exist (serving {service.model_name!r})",
+                                "model", "model_not_found")
+        try:
+            return (service.spec(req, body), req), None
         except BadRequest as e:
-            raise HTTPException(400, str(e)) from None
+            return None, _error(400, str(e), e.param)
+
+    async def collect(spec: Spec) -> dict:
+        def go():
+            gen = service.run(spec)
+            while True:
+                try:
+                    next(gen)
+                except StopIteration as stop:
+                    return stop.value
+        return await run_in_threadpool(go)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        parsed, err = await parse(request, ChatRequest)
+        if err is not None:
+            return err
+        spec, req = parsed
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(_chat_sse(service, fmt, spec, req, created), media_type="text/event-stream")
+        try:
+            rec = await collect(spec)
+        except BadRequest as e:
+            return _error(400, str(e), e.param)
+        lps = rec.pop("_logprobs")
         return JSONResponse({
             "id": rec["id"], "object": "chat.completion", "created": created, "model": service.model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": rec["response_text"]},
-                         "finish_reason": rec["finish_reason"], "logprobs": None}],
+                         "finish_reason": rec["finish_reason"],
+                         "logprobs": None if lps is None else {"content": fmt.chat(lps), "refusal": None}}],
+            "usage": _usage(rec), "draftsmith": _decoding_info(rec)})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        parsed, err = await parse(request, CompletionRequest)
+        if err is not None:
+            return err
+        spec, req = parsed
+        created = int(time.time())
+        echo = service.target.tokenizer.decode(spec.prompt, skip_special_tokens=True) if req.echo else ""
+        if req.stream:
+            return StreamingResponse(_completion_sse(service, fmt, spec, req, created, echo),
+                                     media_type="text/event-stream")
+        try:
+            rec = await collect(spec)
+        except BadRequest as e:
+            return _error(400, str(e), e.param)
+        lps = rec.pop("_logprobs")
+        return JSONResponse({
+            "id": rec["id"].replace("chatcmpl-", "cmpl-", 1), "object": "text_completion", "created": created,
+            "model": service.model_name,
+            "choices": [{"index": 0, "text": echo + rec["response_text"], "finish_reason": rec["finish_reason"],
+                         "logprobs": None if lps is None else fmt.completion(lps, len(echo))}],
             "usage": _usage(rec), "draftsmith": _decoding_info(rec)})
 
     return app
 
 
-def _sse(service: DecodingService, body: dict, created: int) -> Iterator[str]:
-    """Server-sent events for a streaming request (run by Starlette in a worker thread)."""
+def _events(service: DecodingService, spec: Spec, rid: str) -> Iterator[tuple[str, Any]]:
+    """("delta", event) per step, then ("done", record), or ("error", BadRequest)."""
+    gen = service.run(spec, rid)
+    try:
+        while True:
+            try:
+                ev = next(gen)
+            except StopIteration as stop:
+                yield "done", stop.value
+                return
+            yield "delta", ev
+    except BadRequest as e:
+        yield "error", e
+    finally:
+        gen.close()  # a client that left: the service stops this request
+
+
+def _sse_line(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _chat_sse(service: DecodingService, fmt: _Formatter, spec: Spec, req: ChatRequest, created: int) -> Iterator[str]:
+    """Server-sent events for a streaming chat request (run by Starlette in a worker thread)."""
     cid = f"chatcmpl-{uuid.uuid4().hex}"
 
-    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": service.model_name,
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    def chunk(delta: dict, finish: str | None = None, lps=None) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish,
+                  "logprobs": None if lps is None else {"content": fmt.chat(lps), "refusal": None}}
+        return _sse_line({"id": cid, "object": "chat.completion.chunk", "created": created,
+                          "model": service.model_name, "choices": [choice]})
 
     yield chunk({"role": "assistant", "content": ""})
-    try:
-        for ev in service.run(body, cid):
-            if "done" in ev:
-                rec = ev["done"]
-                yield chunk({}, rec["finish_reason"], usage=_usage(rec), draftsmith=_decoding_info(rec))
-            elif ev["delta"]:
-                yield chunk({"content": ev["delta"]})
-    except BadRequest as e:
-        yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error'}})}\n\n"
+    want = spec.top_logprobs is not None
+    for what, ev in _events(service, spec, cid):
+        if what == "error":
+            yield _sse_line({"error": {"message": str(ev), "type": "invalid_request_error", "param": ev.param,
+                                       "code": None}})
+            break
+        if what == "delta":
+            if ev["delta"] or ev["logprobs"]:
+                yield chunk({"content": ev["delta"]}, lps=ev["logprobs"] if want else None)
+            continue
+        rec = ev
+        yield chunk({}, rec["finish_reason"])
+        if req.include_usage:
+            yield _sse_line({"id": cid, "object": "chat.completion.chunk", "created": created,
+                             "model": service.model_name, "choices": [], "usage": _usage(rec),
+                             "draftsmith": _decoding_info(rec)})
+    yield "data: [DONE]\n\n"
+
+
+def _completion_sse(service: DecodingService, fmt: _Formatter, spec: Spec, req: CompletionRequest, created: int,
+                    echo: str) -> Iterator[str]:
+    """Server-sent events for a streaming text completion."""
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    offset = len(echo)
+
+    def chunk(text: str, finish: str | None = None, lps=None) -> str:
+        nonlocal offset
+        lp = None
+        if lps is not None:
+            lp = fmt.completion(lps, offset)
+            offset += sum(len(t) for t in lp["tokens"])
+        return _sse_line({"id": cid, "object": "text_completion", "created": created, "model": service.model_name,
+                          "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]})
+
+    if echo:
+        yield chunk(echo)
+    want = spec.top_logprobs is not None
+    for what, ev in _events(service, spec, cid):
+        if what == "error":
+            yield _sse_line({"error": {"message": str(ev), "type": "invalid_request_error", "param": ev.param,
+                                       "code": None}})
+            break
+        if what == "delta":
+            if ev["delta"] or ev["logprobs"]:
+                yield chunk(ev["delta"], lps=ev["logprobs"] if want else None)
+            continue
+        rec = ev
+        yield chunk("", rec["finish_reason"])
+        if req.include_usage:
+            yield _sse_line({"id": cid, "object": "text_completion", "created": created,
+                             "model": service.model_name, "choices": [], "usage": _usage(rec),
+                             "draftsmith": _decoding_info(rec)})
     yield "data: [DONE]\n\n"
