@@ -13,6 +13,7 @@
   draftsmith traces RECIPE [--checkpoint C]  acceptance traces of a chain drafter on training prompts
   draftsmith predictors TRACES               DISCO and SpecDec++ trained and tuned on those traces
   draftsmith serve [--publish DIR --logs DIR] OpenAI-compatible server, lossless decoding, logs traffic
+  draftsmith publish CKPT --to DIR           check a drafter against its target, make it current (list|rollback)
   draftsmith online RECIPE --logs DIR        continual distillation from the logs (rollback|status|import)
 
 Under accelerate: ``accelerate launch --config_file recipes/launch/cpu_ddp2.yaml -m draftsmith.cli train RECIPE``.
@@ -50,6 +51,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "traces": ("traces", "record acceptance traces of a chain drafter on the recipe's training prompts"),
     "predictors": ("predictors", "train DISCO and SpecDec++ on acceptance traces (per temperature)"),
     "merge": ("merge", "data + caches of several finished data runs as one directory (for shared_data)"),
+    "publish": ("publish", "check a drafter checkpoint and make it current in a publish directory (list|rollback)"),
     "import": ("export", "an engine-layout directory (EAGLE-3: speculators or EAGLE; Medusa: vLLM or TGI) -> "
                          "draftsmith checkpoint"),
 }

@@ -3,9 +3,10 @@
     draftsmith serve [--target NAME|DIR] [--publish DIR] [--logs DIR] [--host 127.0.0.1] [--port 8000]
                      [--tree chain] [--model-name NAME] [--max-log-mb 64] [--max-batch 8]
 
-Serves ``POST /v1/chat/completions`` (streaming and not) and ``GET /v1/models``
+Serves ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming and not) and ``GET /v1/models``
 on loopback unless ``--host`` says otherwise, decoding with the lossless decoder
-and the drafter that is current in ``--publish`` (plain decoding while none is).
+and the drafter that is current in ``--publish`` (plain decoding while none is;
+``draftsmith publish CKPT --to DIR`` checks a checkpoint and makes it current).
 Writes one JSON line per finished request to rotating files in ``--logs``
 (schema: docs/online.md). Concurrent requests are decoded together, up to
 ``--max-batch`` at a time, by the batched decoder (``--max-batch 1``: one request
@@ -43,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def publish_hint(publish: str | None, tree: str) -> str:
+    """What `main` prints when no drafter is current: how to publish one."""
+    where = publish or "DIR"
+    return (f"no drafter is current{' in ' + publish if publish else ''}: decoding plainly. Publish one (checked "
+            f"against the target first; picked up before the next request) with\n"
+            f"    draftsmith publish CHECKPOINT --to {where} --tree {tree}"
+            + ("" if publish else f"\nand restart with --publish {where}"))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``draftsmith serve``."""
     a = build_parser().parse_args(argv)
@@ -54,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                               max_batch=a.max_batch)
     print(f"serving {service.model_name} ({target.fingerprint}) with drafter {service.version or 'none (plain)'} "
           f"on http://{a.host}:{a.port}/v1, up to {a.max_batch} request(s) per batch", flush=True)
+    if service.version is None:
+        print(publish_hint(a.publish, a.tree), flush=True)
     try:
         uvicorn.run(create_app(service), host=a.host, port=a.port, log_level="warning")
     finally:
