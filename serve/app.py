@@ -242,7 +242,7 @@ class DecodingService:
         max_tokens = req.max_new(self.default_max_tokens)
         need = len(prompt) + max_tokens + 1
         if need > self.target.context_length:
-            raise BadRequest(f"prompt too long: {len(prompt)} prompt tokens + {max_tokens} new tokens exceed the "
+            raise BadRequest(f"prompt too long: {len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the "
                              f"target's context length {self.target.context_length}", "max_tokens")
         temp = 1.0 if req.temperature is None else req.temperature
         if temp == 0.0:

@@ -28,6 +28,8 @@ IGNORED = {
     "store": "whether OpenAI stores the completion",
     "service_tier": "the billing / latency tier",
     "prompt_cache_key": "a hint for the provider's prompt cache",
+    "prompt_cache_options": "the provider's prompt cache settings",
+    "prompt_cache_retention": "the provider's prompt cache lifetime",
     "safety_identifier": "an end-user id for abuse monitoring",
 }
 
@@ -45,6 +47,19 @@ REFUSED = {
     "verbosity": "verbosity control is not supported",
     "web_search_options": "web search is not supported",
     "suffix": "insertion (suffix) is not supported",
+    "moderation": "moderation is not run by this server",
+}
+
+#: Implemented (each changes the output as the API defines; tested in tests/test_serve_api.py). ``n``,
+#: ``best_of``, ``response_format`` and ``modalities`` only in their one-choice / text value (others: 400).
+IMPLEMENTED = {
+    "chat": ["messages", "model", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
+             "max_tokens", "max_completion_tokens", "n", "seed", "stop", "stream", "stream_options", "temperature",
+             "top_p", "response_format", "modalities"],
+    "completion": ["prompt", "model", "echo", "best_of", "frequency_penalty", "presence_penalty", "logit_bias",
+                   "logprobs", "max_tokens", "n", "seed", "stop", "stream", "stream_options", "temperature", "top_p"],
+    # vLLM's extensions, on both routes
+    "extensions": ["top_k", "min_p", "repetition_penalty"],
 }
 
 Float = Annotated[float, Field(strict=True)]
@@ -135,6 +150,8 @@ class _Common(_Strict):
     store: Annotated[bool, Field(strict=True)] | None = None
     service_tier: Str | None = None
     prompt_cache_key: Str | None = None
+    prompt_cache_options: dict | None = None
+    prompt_cache_retention: Str | None = None
     safety_identifier: Str | None = None
     # refused unless off (REFUSED)
     suffix: Any = None
@@ -198,6 +215,7 @@ class ChatRequest(_Common):
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
+    moderation: Any = None
 
     @model_validator(mode="after")
     def _chat_rules(self):
@@ -207,7 +225,7 @@ class ChatRequest(_Common):
         if self.tool_choice not in (None, "none"):
             raise ValueError(f"'tool_choice': {REFUSED['tool_choice']}")
         for name in ("function_call", "parallel_tool_calls", "audio", "prediction", "reasoning_effort",
-                     "verbosity", "web_search_options"):
+                     "verbosity", "web_search_options", "moderation"):
             if getattr(self, name) is not None:
                 raise ValueError(f"'{name}': {REFUSED[name]}")
         if self.response_format is not None and self.response_format != {"type": "text"}:
