@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
             if d is not None:
                 with torch.no_grad():
                     ctx = p + x[:d]
-                    lg = RequestProcessing(gpen).logits_for(ctx, len(p), target.model(torch.tensor([ctx])).logits[0, -1])
+                    raw = target.model(torch.tensor([ctx])).logits[0, -1]
+                    lg = RequestProcessing(gpen).logits_for(ctx, len(p), raw)
                 top = torch.topk(lg.float(), 2).values
                 divs.append({"at": d, "top2_gap": float(top[0] - top[1])})
         greedy["methods"][name] = {"equal": len(prompts) - len(divs), "divergences": divs}

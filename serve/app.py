@@ -52,7 +52,7 @@ from typing import Any, Generator, Iterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
 from draftsmith.checkpoint import drafter_from_checkpoint, read_manifest
 from draftsmith.engine.batched import BatchedSpeculativeDecoder, plain_batched_decoder
@@ -572,9 +572,9 @@ def create_app(service: DecodingService) -> FastAPI:
         except BadRequest as e:
             return None, _error(400, str(e), e.param)
 
-    async def collect(spec: Spec) -> dict:
+    async def collect(spec: Spec, rid: str) -> dict:
         def go():
-            gen = service.run(spec)
+            gen = service.run(spec, rid)
             while True:
                 try:
                     next(gen)
@@ -590,9 +590,10 @@ def create_app(service: DecodingService) -> FastAPI:
         spec, req = parsed
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(_chat_sse(service, fmt, spec, req, created), media_type="text/event-stream")
+            return StreamingResponse(_until_disconnected(request, _chat_sse(service, fmt, spec, req, created)),
+                                     media_type="text/event-stream")
         try:
-            rec = await collect(spec)
+            rec = await collect(spec, f"chatcmpl-{uuid.uuid4().hex}")
         except BadRequest as e:
             return _error(400, str(e), e.param)
         lps = rec.pop("_logprobs")
@@ -612,21 +613,38 @@ def create_app(service: DecodingService) -> FastAPI:
         created = int(time.time())
         echo = service.target.tokenizer.decode(spec.prompt, skip_special_tokens=True) if req.echo else ""
         if req.stream:
-            return StreamingResponse(_completion_sse(service, fmt, spec, req, created, echo),
+            return StreamingResponse(_until_disconnected(request, _completion_sse(service, fmt, spec, req, created,
+                                                                                  echo)),
                                      media_type="text/event-stream")
         try:
-            rec = await collect(spec)
+            rec = await collect(spec, f"cmpl-{uuid.uuid4().hex}")
         except BadRequest as e:
             return _error(400, str(e), e.param)
         lps = rec.pop("_logprobs")
         return JSONResponse({
-            "id": rec["id"].replace("chatcmpl-", "cmpl-", 1), "object": "text_completion", "created": created,
+            "id": rec["id"], "object": "text_completion", "created": created,
             "model": service.model_name,
             "choices": [{"index": 0, "text": echo + rec["response_text"], "finish_reason": rec["finish_reason"],
                          "logprobs": None if lps is None else fmt.completion(lps, len(echo))}],
             "usage": _usage(rec), "draftsmith": _decoding_info(rec)})
 
     return app
+
+
+async def _until_disconnected(request: Request, events: Generator[str, None, None]):
+    """Relay a synchronous event stream (each step decoded in a worker thread) until the client disconnects;
+    then close it, which stops the request in the service (uvicorn drops writes to a closed connection
+    silently, so without this check the generation would run to its end)."""
+    try:
+        async for chunk in iterate_in_threadpool(events):
+            if await request.is_disconnected():
+                break
+            yield chunk
+    finally:
+        try:
+            events.close()  # suspended at a yield here: GeneratorExit reaches the service at once
+        except ValueError:  # cancelled while a worker thread runs it: it is closed when collected
+            log.warning("a stream was cancelled while decoding; it stops when collected")
 
 
 def _events(service: DecodingService, spec: Spec, rid: str) -> Iterator[tuple[str, Any]]:
@@ -662,7 +680,16 @@ def _chat_sse(service: DecodingService, fmt: _Formatter, spec: Spec, req: ChatRe
 
     yield chunk({"role": "assistant", "content": ""})
     want = spec.top_logprobs is not None
-    for what, ev in _events(service, spec, cid):
+    events = _events(service, spec, cid)
+    try:
+        yield from _chat_chunks(service, events, chunk, cid, created, req, want)
+    finally:
+        events.close()
+    yield "data: [DONE]\n\n"
+
+
+def _chat_chunks(service, events, chunk, cid, created, req, want) -> Iterator[str]:
+    for what, ev in events:
         if what == "error":
             yield _sse_line({"error": {"message": str(ev), "type": "invalid_request_error", "param": ev.param,
                                        "code": None}})
@@ -677,7 +704,6 @@ def _chat_sse(service: DecodingService, fmt: _Formatter, spec: Spec, req: ChatRe
             yield _sse_line({"id": cid, "object": "chat.completion.chunk", "created": created,
                              "model": service.model_name, "choices": [], "usage": _usage(rec),
                              "draftsmith": _decoding_info(rec)})
-    yield "data: [DONE]\n\n"
 
 
 def _completion_sse(service: DecodingService, fmt: _Formatter, spec: Spec, req: CompletionRequest, created: int,
@@ -698,7 +724,16 @@ def _completion_sse(service: DecodingService, fmt: _Formatter, spec: Spec, req: 
     if echo:
         yield chunk(echo)
     want = spec.top_logprobs is not None
-    for what, ev in _events(service, spec, cid):
+    events = _events(service, spec, cid)
+    try:
+        yield from _completion_chunks(service, events, chunk, cid, created, req, want)
+    finally:
+        events.close()
+    yield "data: [DONE]\n\n"
+
+
+def _completion_chunks(service, events, chunk, cid, created, req, want) -> Iterator[str]:
+    for what, ev in events:
         if what == "error":
             yield _sse_line({"error": {"message": str(ev), "type": "invalid_request_error", "param": ev.param,
                                        "code": None}})
@@ -713,4 +748,3 @@ def _completion_sse(service: DecodingService, fmt: _Formatter, spec: Spec, req: 
             yield _sse_line({"id": cid, "object": "text_completion", "created": created,
                              "model": service.model_name, "choices": [], "usage": _usage(rec),
                              "draftsmith": _decoding_info(rec)})
-    yield "data: [DONE]\n\n"

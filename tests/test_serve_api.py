@@ -5,6 +5,7 @@ that change nothing; malformed requests get 400/404 naming the field."""
 
 from __future__ import annotations
 
+import time
 import typing
 
 import httpx
@@ -317,3 +318,26 @@ def test_every_answer_is_logged_once(api):
     svc = api["svc"]
     lines = [x for f in (api["tmp"] / "logs").glob("*.jsonl") for x in f.read_text().splitlines()]
     assert len(lines) == svc.served and len({__import__("json").loads(x)["id"] for x in lines}) == len(lines)
+
+
+def test_a_client_that_disconnects_mid_stream_stops_its_request(api):
+    """The stream is closed after two chunks: the server stops that request (counted, not logged) and goes on
+    serving (the lock / batch slot is freed)."""
+    t, svc = api["target"], api["svc"]
+    before_aborted, before_served = svc.aborted, svc.served
+    body = {"model": t.name, "messages": MSGS, "max_tokens": 400, "temperature": 0, "stream": True,
+            "logit_bias": {str(e): -100 for e in t.eos_token_ids}}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{api['base']}/v1/chat/completions", json=body) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 2:
+                    break
+    for _ in range(600):
+        if svc.aborted > before_aborted:
+            break
+        time.sleep(0.05)
+    assert svc.aborted == before_aborted + 1 and svc.served == before_served
+    r = _chat(api, max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens >= 1 and svc.served == before_served + 1
