@@ -100,7 +100,8 @@ BAD = [  # (feature, route, body change, what the OpenAI API defines)
 IGNORE_FIELDS = {"id", "created", "system_fingerprint", "service_tier", "draftsmith", "prompt_logprobs",
                  "prompt_token_ids", "kv_transfer_params", "stop_reason", "token_ids", "reasoning_content",
                  "reasoning", "annotations", "audio", "function_call", "tool_calls", "refusal", "metadata",
-                 "prompt_tokens_details", "completion_tokens_details", "usage.prompt_tokens_details"}
+                 "prompt_tokens_details", "completion_tokens_details", "routed_experts", "prompt_text",
+                 "ec_transfer_params", "metrics"}
 
 
 def _fields(obj, prefix: str = "") -> set[str]:
@@ -192,8 +193,10 @@ def compare(ours: dict, theirs: dict, greedy: bool) -> dict:
         if ours.get("usage") and theirs.get("usage"):
             row["same_usage"] = ours["usage"] == {k: theirs["usage"][k] for k in ours["usage"]}
         if ours.get("logprobs") and theirs.get("logprobs"):
-            n = min(len(ours["logprobs"]), len(theirs["logprobs"]))
-            row["logprob_max_abs_diff"] = max(abs(a - b) for a, b in zip(ours["logprobs"][:n], theirs["logprobs"][:n]))
+            pairs = [(x, y) for x, y in zip(ours["logprobs"], theirs["logprobs"]) if x is not None and y is not None]
+            row["logprobs_counts"] = [len(ours["logprobs"]), len(theirs["logprobs"])]
+            if pairs:
+                row["logprob_max_abs_diff"] = max(abs(x - y) for x, y in pairs)
     return row
 
 

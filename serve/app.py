@@ -51,6 +51,7 @@ from typing import Any, Generator, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+import torch
 from pydantic import ValidationError
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
@@ -58,7 +59,7 @@ from draftsmith.checkpoint import drafter_from_checkpoint, read_manifest
 from draftsmith.engine.batched import BatchedSpeculativeDecoder, plain_batched_decoder
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.policies import FixedLength
-from draftsmith.engine.processors import Penalties, RequestProcessing
+from draftsmith.engine.processors import Penalties, RequestProcessing, TokenLogprob
 from draftsmith.engine.sampling import SamplingParams, TorchRandom
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.publish import PublishStore, load_current
@@ -257,6 +258,21 @@ class DecodingService:
                              "logit_bias")
         pen = Penalties(req.frequency_penalty, req.presence_penalty, req.repetition_penalty, bias)
         return Spec(body, kind, prompt, sp, max_tokens, req.seed, pen, req.want_logprobs(), req.stops())
+
+    def prompt_logprobs(self, spec: Spec) -> list[TokenLogprob]:
+        """For ``echo`` with ``logprobs``: each prompt token's log-probability under the target (raw logits, one
+        cache-free forward; the first token has none) and its ``top_logprobs`` alternatives."""
+        ids = spec.prompt
+        dev = next(self.target.model.parameters()).device
+        with torch.no_grad():
+            lp = torch.log_softmax(self.target.model(torch.tensor([ids], device=dev)).logits[0].double(), -1)
+        k = spec.top_logprobs or 0
+        out = [TokenLogprob(ids[0], None, [])]
+        for i in range(1, len(ids)):
+            top = torch.topk(lp[i - 1], k) if k else None
+            out.append(TokenLogprob(ids[i], float(lp[i - 1, ids[i]]),
+                                    list(zip(top.indices.tolist(), top.values.tolist())) if k else []))
+        return out
 
     def run(self, spec: Spec, request_id: str | None = None) -> Iterator[dict]:
         """Decode one request; yields ``{"delta": text, "logprobs": [...]}`` as the response grows, then
@@ -483,8 +499,8 @@ def _decoding_info(rec: dict) -> dict:
             "accepted": sum(s[0] for s in steps)}
 
 
-def _lp(x: float) -> float:
-    return max(float(x), LOGPROB_FLOOR)
+def _lp(x: float | None) -> float | None:
+    return None if x is None else max(float(x), LOGPROB_FLOOR)
 
 
 class _Formatter:
@@ -511,9 +527,12 @@ class _Formatter:
             s = self.token(x.token)
             tokens.append(s)
             tlp.append(_lp(x.logprob))
-            alts = {self.token(i): _lp(v) for i, v in x.top}
-            alts.setdefault(s, _lp(x.logprob))
-            top.append(alts)
+            if x.logprob is None:  # the first prompt token (echo): nothing to predict it from
+                top.append(None)
+            else:
+                alts = {self.token(i): _lp(v) for i, v in x.top}
+                alts.setdefault(s, _lp(x.logprob))
+                top.append(alts)
             offs.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": tlp, "top_logprobs": top, "text_offset": offs}
@@ -612,9 +631,12 @@ def create_app(service: DecodingService) -> FastAPI:
         spec, req = parsed
         created = int(time.time())
         echo = service.target.tokenizer.decode(spec.prompt, skip_special_tokens=True) if req.echo else ""
+        echo_lps = None
+        if req.echo and spec.top_logprobs is not None:
+            echo_lps = await run_in_threadpool(service.prompt_logprobs, spec)
         if req.stream:
             return StreamingResponse(_until_disconnected(request, _completion_sse(service, fmt, spec, req, created,
-                                                                                  echo)),
+                                                                                  echo, echo_lps)),
                                      media_type="text/event-stream")
         try:
             rec = await collect(spec, f"cmpl-{uuid.uuid4().hex}")
@@ -625,7 +647,7 @@ def create_app(service: DecodingService) -> FastAPI:
             "id": rec["id"], "object": "text_completion", "created": created,
             "model": service.model_name,
             "choices": [{"index": 0, "text": echo + rec["response_text"], "finish_reason": rec["finish_reason"],
-                         "logprobs": None if lps is None else fmt.completion(lps, len(echo))}],
+                         "logprobs": None if lps is None else fmt.completion((echo_lps or []) + lps)}],
             "usage": _usage(rec), "draftsmith": _decoding_info(rec)})
 
     return app
@@ -707,10 +729,10 @@ def _chat_chunks(service, events, chunk, cid, created, req, want) -> Iterator[st
 
 
 def _completion_sse(service: DecodingService, fmt: _Formatter, spec: Spec, req: CompletionRequest, created: int,
-                    echo: str) -> Iterator[str]:
+                    echo: str, echo_lps=None) -> Iterator[str]:
     """Server-sent events for a streaming text completion."""
     cid = f"cmpl-{uuid.uuid4().hex}"
-    offset = len(echo)
+    offset = 0
 
     def chunk(text: str, finish: str | None = None, lps=None) -> str:
         nonlocal offset
@@ -722,7 +744,8 @@ def _completion_sse(service: DecodingService, fmt: _Formatter, spec: Spec, req: 
                           "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]})
 
     if echo:
-        yield chunk(echo)
+        yield chunk(echo, lps=echo_lps)
+    offset = len(echo)
     want = spec.top_logprobs is not None
     events = _events(service, spec, cid)
     try:

@@ -170,10 +170,19 @@ def test_text_completions(api):
     assert "".join(c.choices[0].text for c in s if c.choices) == text and s[-1].usage.completion_tokens == len(ids)
     r = cl.completions.create(model=t.name, prompt=prompt, max_tokens=12, temperature=0, echo=True, logprobs=2)
     assert r.choices[0].text == t.tokenizer.decode(prompt, skip_special_tokens=True) + text
-    lp = r.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids)
-    assert all(len(d) >= 2 for d in lp.top_logprobs)
-    assert r.choices[0].text[lp.text_offset[0]:].startswith(lp.tokens[0])
+    lp = r.choices[0].logprobs  # echo: the prompt's tokens too, the first without a logprob
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(prompt) + len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(len(d) >= 2 for d in lp.top_logprobs[1:])
+    with torch.no_grad():
+        want = torch.log_softmax(t.model(torch.tensor([prompt + ids])).logits[0].double(), -1)
+    for i, tokid in enumerate((prompt + ids)[1:], 1):
+        assert abs(lp.token_logprobs[i] - float(want[i - 1, tokid])) < 1e-4
+    assert all(r.choices[0].text[o:].startswith(tk) for o, tk in zip(lp.text_offset, lp.tokens))
+    s = list(cl.completions.create(model=t.name, prompt=prompt, max_tokens=12, temperature=0, echo=True, logprobs=2,
+                                   stream=True))
+    assert [x for c in s if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs] \
+        == pytest.approx(lp.token_logprobs, abs=1e-6)
     assert cl.completions.create(model=t.name, prompt="ab", max_tokens=3, temperature=0).usage.completion_tokens <= 3
 
 
