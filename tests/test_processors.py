@@ -44,7 +44,7 @@ def processed_target_distribution(target, prompt, n_new, sampling, proc):
             return
         logits = target.model(torch.tensor([seq])).logits[0, -1]
         x = proc.logits_for(seq, len(prompt), logits)
-        p = processed_probs(x, sampling.temperature, sampling.top_k, sampling.top_p).double()
+        p = sampling.probs(x).double()
         p = p / p.sum()
         for t in torch.nonzero(p > 0).flatten().tolist():
             walk(seq + [t], w * float(p[t]), left - 1)
@@ -185,3 +185,24 @@ def test_on_step_can_stop_a_row():
     assert res.rows[0].stop_reason == "stop" and 5 <= len(res.rows[0].tokens) < 16
     assert res.rows[0].tokens == full.rows[0].tokens[:len(res.rows[0].tokens)]
     assert res.rows[1].tokens == full.rows[1].tokens
+
+
+def test_min_p_keeps_tokens_above_a_share_of_the_top_one():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.12, 0.08]))
+    p = processed_probs(logits, 1.0, min_p=0.2)  # keeps p >= 0.1
+    assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.12, 0.0]) / 0.92)
+    assert torch.equal(processed_probs(logits, 1.0, min_p=0.0), torch.softmax(logits, -1))
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(1.0, min_p=1.5)
+
+
+def test_min_p_with_processors_is_exact(tgt):
+    """min-p (sampling) and the processors together, chain drafter: exact enumeration."""
+    s = SamplingParams(0.8, min_p=0.15)
+    ref = processed_target_distribution(tgt, PROMPT, N_NEW, s, RequestProcessing(PEN))
+    full = processed_target_distribution(tgt, PROMPT, N_NEW, TEMP, RequestProcessing(PEN))
+    assert len(ref) < len(full)  # min-p bites
+    dec = SpeculativeDecoder(tgt, other_model_drafter(tgt), sampling=s, policy=FixedLength(2))
+    dec.processing = RequestProcessing(PEN)
+    got = exact_distribution(dec, PROMPT, N_NEW)
+    assert total_variation(got, ref) < 1e-9
