@@ -229,7 +229,7 @@ class BatchedSpeculativeDecoder:
     def _processed(procs, i: int, st: DecodeState, tree: DraftTree, start: int, end: int, lg: torch.Tensor):
         """Row i's draft logits after its request's processors (engine/processors.py), if any."""
         proc = procs[i] if procs is not None else None
-        if proc is None or not proc.active:
+        if proc is None or not proc.active or not proc.process_draft:
             return lg
         return proc.node_logits(st.tokens[:st.length + 1], st.prompt_len, tree, start, end, lg)
 

@@ -239,7 +239,7 @@ class SpeculativeDecoder:
         ds = state.drafter_state
         propose = lambda t, s, e: self.drafter.propose(self, state, t, s, e)  # noqa: E731
         proc = self.processing
-        if proc is not None and proc.active:
+        if proc is not None and proc.active and proc.process_draft:
             def propose(t, s, e, raw=propose):
                 lg = raw(t, s, e)
                 return None if lg is None else proc.node_logits(state.tokens[:state.length + 1], state.prompt_len,

@@ -69,9 +69,11 @@ class RequestProcessing:
     """
 
     def __init__(self, penalties: Penalties | None = None, vocab_size: int | None = None,
-                 top_logprobs: int | None = None):
+                 top_logprobs: int | None = None, process_draft: bool = True):
         self.penalties = penalties or Penalties()
         self.top_logprobs = top_logprobs
+        # False: the draft's logits are left raw (only to measure what processing the draft buys; still lossless)
+        self.process_draft = process_draft
         self.logprobs: list[TokenLogprob] = []
         if vocab_size is not None:
             bad = [t for t, _ in self.penalties.logit_bias if not 0 <= t < vocab_size]
