@@ -75,10 +75,12 @@ def _exact(tgt, drafter, proc, **kw):
     return exact_distribution(dec, PROMPT, N_NEW)
 
 
-@pytest.mark.parametrize("case", ["chain", "static-tree", "dynamic-tree"])
+@pytest.mark.parametrize("case", ["chain", "chain-raw-draft", "static-tree", "dynamic-tree"])
 def test_single_sequence_decoder_with_processors_is_exact(tgt, reference, case):
     if case == "chain":
         got = _exact(tgt, other_model_drafter(tgt), RequestProcessing(PEN), policy=FixedLength(2))
+    elif case == "chain-raw-draft":  # the draft left unprocessed: slower, still lossless
+        got = _exact(tgt, other_model_drafter(tgt), RequestProcessing(PEN, process_draft=False), policy=FixedLength(2))
     elif case == "static-tree":
         got = _exact(tgt, random_medusa(tgt, num_heads=2, std=0.5), RequestProcessing(PEN),
                      tree=[(0,), (1,), (0, 0)])
