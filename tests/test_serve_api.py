@@ -317,6 +317,8 @@ def test_no_output_changing_field_is_silently_ignored(api):
     for f, v in [("n", 2), ("response_format", {"type": "json_object"}), ("modalities", ["audio"])]:
         r = _raw(api, "/v1/chat/completions", {**chat, f: v})
         assert r.status_code == 400 and f in r.json()["error"]["message"], (f, r.text)
+    for (route, f), how in sorted(table.items()):  # the listing (pytest -s shows it)
+        print(f"{route:10s} {f:24s} {how}")
     silently_ignored = [k for k, v in table.items() if v not in ("implemented", "refused (400)",
                                                                  "ignored (changes nothing)")]
     assert silently_ignored == []
