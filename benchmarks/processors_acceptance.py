@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.8])
+    ap.add_argument("--tree-only", action="store_true", help="skip the chain")
     add_common_args(ap, threads=True, threads_default=1, seed=True, out="file", out_required=False)
     b = setup(ap.parse_args(argv), out_file=True, layout=False)
     a, target = b.args, b.target
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "penalties": {"frequency": pen.frequency, "presence": pen.presence, "repetition": pen.repetition,
                                   "logit_bias": dict(pen.logit_bias)}, "runs": {}}
     for temp in a.temperature:
-        for shape_name, shape in [("chain", None), (a.tree, tree)]:
+        shapes = [(a.tree, tree)] if a.tree_only else [("chain", None), (a.tree, tree)]
+        for shape_name, shape in shapes:
             for setting in ("no processors", "draft processed", "draft raw"):
                 dec = SpeculativeDecoder(target, drafter, tree=shape, sampling=SamplingParams(temp))
                 drafted = accepted = forwards = tokens = 0
