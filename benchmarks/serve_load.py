@@ -170,8 +170,10 @@ def main(argv: list[str] | None = None) -> dict:
         stop_at = time.time() + a.duration
         t_start = time.time()
 
-        def sampler():
-            while time.time() < stop_at:
+        clients_done = threading.Event()
+
+        def sampler():  # until the last client's last request has finished
+            while not clients_done.is_set():
                 v = rss_kb(srv.pid)
                 if v:
                     rss.append((time.time() - t_start, v))
@@ -187,12 +189,14 @@ def main(argv: list[str] | None = None) -> dict:
                     with lock:
                         results.append(r)
 
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(a.clients)] + \
-            [threading.Thread(target=sampler)]
-        for t in threads:
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(a.clients)]
+        watcher = threading.Thread(target=sampler)
+        for t in threads + [watcher]:
             t.start()
         for t in threads:
             t.join()
+        clients_done.set()
+        watcher.join()
         wall = time.time() - t_start
         time.sleep(2)  # rows of disconnected clients end at their next step
         health = httpx.get(base + "/health", timeout=30).json()
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "aborted_by_server": health.get("aborted")},
         "rss_mb": {"peak": max(v for _, v in rss) / 1024 if rss else None,
                    "first_minute_mean": _mean([v for t, v in rss if t < 60]) / 1024 if rss else None,
-                   "last_minute_mean": _mean([v for t, v in rss if t > wall - 60]) / 1024 if rss else None,
+                   "last_minute_mean": _mean([v for t, v in rss if t > rss[-1][0] - 60]) / 1024 if rss else None,
                    "samples": [(round(t), v // 1024) for t, v in rss]},
     }
     write_json(out / "load.json", report)
