@@ -1,0 +1,251 @@
+"""Model-free decoder-side drafters: SuffixDecoding, prompt lookup, and the hybrid with a trained drafter.
+
+They build each step's tree themselves (the decoder's ``draft_tree`` hook,
+engine/drafters.py) from deterministic candidates, put every node with
+children in ``tree.certain`` and so are verified by "accept iff the
+target's own sample equals the candidate" (lossless, see
+`draftsmith.engine.sampling.verify_node_certain`); no logits, no q.
+
+* `SuffixDrafter`: a per-request `TokenIndex` over the prompt and the tokens
+  generated so far, and a global `SuffixIndex` over earlier responses (fed by
+  ``finish`` after each generation); the higher-scoring draft of the two.
+* `PromptLookupDrafter`: the k tokens after the newest earlier occurrence of
+  the context's last n-gram (the simplest member, HF's prompt lookup).
+* `HybridDrafter`: per step, the suffix draft when its score (expected
+  accepted tokens under the counts) is at least the trained drafter's
+  running mean of accepted tokens per step, else the trained drafter's own
+  draft. The choice depends only on the history, never on this step's
+  verification, so the hybrid is as lossless as its two members.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from draftsmith.drafters.suffix.index import Draft, SuffixConfig, SuffixIndex, TokenIndex
+
+
+@dataclass
+class _LocalState:
+    local: TokenIndex
+    fed: int = 0  # state.tokens[:fed] are in ``local``
+
+    def __copy__(self) -> "_LocalState":
+        # a cloned decode state may commit other tokens: it gets its own per-request index
+        ix = TokenIndex(self.local.config)
+        ix.toks, ix.link1, ix.link3 = array_copy(self.local.toks), array_copy(self.local.link1), array_copy(
+            self.local.link3)
+        ix.head1, ix.head3, ix.base = dict(self.local.head1), dict(self.local.head3), self.local.base
+        return _LocalState(ix, self.fed)
+
+
+def array_copy(a):
+    return a[:]  # array slicing copies
+
+
+def _feed(ls: _LocalState, state) -> list[int]:
+    """Index the committed tokens and the root (emitted, uncached) not yet in the local index; the context."""
+    end = state.length + 1
+    if ls.fed < end:
+        ls.local.extend(state.tokens[ls.fed:end])
+        ls.fed = end
+    return state.tokens[:end]
+
+
+def add_draft(tree, d: Draft, eos: frozenset) -> int:
+    """Put a draft into the decoder's tree as certain candidates; nodes under a drafted EOS are dropped
+    (nothing after an accepted EOS is emitted). Returns the nodes added."""
+    where = {-1: 0}
+    dead = set()
+    for i, (tok, par) in enumerate(zip(d.tokens, d.parents)):
+        if par in dead:
+            dead.add(i)
+            continue
+        parent = where[par]
+        where[i] = tree.add(parent, int(tok))
+        tree.certain.add(parent)
+        if tok in eos:
+            dead.add(i)
+    return tree.n
+
+
+class SuffixDrafter:
+    """SuffixDecoding: per-request and global suffix indexes (drafters/suffix/index.py)."""
+
+    model_free = True
+    target_fingerprint = None  # token ids only: any target (the caller keeps one tokenizer per index)
+    max_depth = None
+    supports_trees = True
+
+    def __init__(self, config: SuffixConfig | None = None, index: SuffixIndex | None = None, *,
+                 name: str = "suffix", learn: bool = True):
+        self.config = config or (index.config if index is not None else SuffixConfig())
+        self.index = index if index is not None else SuffixIndex(self.config)
+        self.name = name
+        self.learn = learn  # finish() adds each finished response to the global index
+        self.max_nodes = self.config.max_spec_tokens
+        self.lookup_s = 0.0  # time spent in lookups (both indexes), for reports
+        self.lookups = 0
+
+    def start(self, dec, state) -> _LocalState:
+        return _LocalState(TokenIndex(self.config))
+
+    def speculate(self, ls: _LocalState, state, cap: int) -> Draft:
+        t0 = time.perf_counter()
+        ctx = _feed(ls, state)
+        a = ls.local.speculate(ctx, cap)
+        b = self.index.speculate(ctx, cap)
+        self.lookup_s += time.perf_counter() - t0
+        self.lookups += 1
+        return b if b.score > a.score else a
+
+    def draft_tree(self, dec, state, tree, cap: int) -> bool:
+        d = self.speculate(state.drafter_state, state, min(cap, tree.capacity))
+        add_draft(tree, d, dec.eos)
+        return True  # an empty tree is a plain step
+
+    def propose(self, dec, state, tree, start, end):
+        return None
+
+    def commit(self, dec, state, tree, path) -> None:
+        return None
+
+    def finish(self, dec, state) -> None:
+        if self.learn:
+            self.index.add_response(state.tokens[state.prompt_len:])
+
+
+class PromptLookupDrafter:
+    """Prompt lookup: a chain of ``k`` tokens after the newest earlier match of the last n-gram in the
+    request's own context (n from ``max_ngram`` down to ``min_ngram``)."""
+
+    model_free = True
+    target_fingerprint = None
+    max_depth = None
+    supports_trees = True
+
+    def __init__(self, k: int = 10, max_ngram: int = 3, min_ngram: int = 1, name: str | None = None):
+        if k < 1 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"prompt lookup needs k >= 1 and 1 <= min_ngram <= max_ngram, got k={k}, "
+                             f"min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+        self.max_nodes = k
+        self.name = name or f"prompt-lookup K={k}"
+        self._config = SuffixConfig(max_depth=max(max_ngram, 2), max_cached_requests=0)
+
+    def start(self, dec, state) -> _LocalState:
+        return _LocalState(TokenIndex(self._config))
+
+    def draft_tree(self, dec, state, tree, cap: int) -> bool:
+        ls = state.drafter_state
+        ctx = _feed(ls, state)
+        toks = ls.local.lookup(ctx, min(cap, self.k, tree.capacity), self.max_ngram, self.min_ngram)
+        add_draft(tree, Draft(tokens=toks, parents=list(range(-1, len(toks) - 1))), dec.eos)
+        return True
+
+    def propose(self, dec, state, tree, start, end):
+        return None
+
+    def commit(self, dec, state, tree, path) -> None:
+        return None
+
+
+@dataclass
+class _HybridState:
+    inner: Any
+    local: _LocalState
+    est: float  # running mean of the trained drafter's accepted tokens per step
+    unseen: list = field(default_factory=list)  # target hidden states the trained drafter has not read
+    last_fresh: Any = None
+    chose: str = "inner"
+
+    @property
+    def hidden(self):  # drafter features for length policies: the trained drafter's
+        return getattr(self.inner, "hidden", None)
+
+    def __copy__(self) -> "_HybridState":
+        return _HybridState(copy.copy(self.inner), copy.copy(self.local), self.est, list(self.unseen),
+                            self.last_fresh, self.chose)
+
+
+class HybridDrafter:
+    """A trained drafter and SuffixDecoding, chosen per step (see the module docstring).
+
+    ``prior``: the trained drafter's expected accepted tokens per step before any is measured;
+    ``ema``: the weight of each new step in the running mean. The mean carries over between generations
+    (written back by ``finish``)."""
+
+    def __init__(self, inner: Any, suffix: SuffixDrafter, *, prior: float = 1.0, ema: float = 0.1,
+                 name: str | None = None):
+        if getattr(inner, "verify_forward", None) is not None:
+            raise ValueError(f"drafter {getattr(inner, 'name', type(inner).__name__)!r} replaces the target's "
+                             "verification forward (a self-drafter): a hybrid with it is not supported")
+        if getattr(inner, "draft_tree", None) is not None:
+            raise ValueError("the hybrid's trained drafter must draft from logits, not build its own trees")
+        self.inner, self.suffix = inner, suffix
+        self.name = name or f"{getattr(inner, 'name', 'drafter')}+suffix"
+        self.target_fingerprint = getattr(inner, "target_fingerprint", None)
+        self.max_depth = getattr(inner, "max_depth", None)
+        self.needs_target_hidden = getattr(inner, "needs_target_hidden", False)
+        self.supports_trees = getattr(inner, "supports_trees", True)
+        self.max_nodes = suffix.max_nodes
+        self.estimate, self.ema = float(prior), float(ema)
+        self.steps = {"suffix": 0, "inner": 0}
+        pol = getattr(inner, "default_policy", None)
+        if pol is not None:
+            self.default_policy = pol
+        for attr in ("vocab_size", "context_length"):
+            v = getattr(inner, attr, None)
+            if v is not None:
+                setattr(self, attr, v)
+
+    def start(self, dec, state) -> _HybridState:
+        return _HybridState(self.inner.start(dec, state), self.suffix.start(dec, state), self.estimate)
+
+    def draft_tree(self, dec, state, tree, cap: int) -> bool:
+        hs: _HybridState = state.drafter_state
+        if state.fresh_hidden is not None and state.fresh_hidden is not hs.last_fresh:
+            hs.unseen.append(state.fresh_hidden)
+            hs.last_fresh = state.fresh_hidden
+        d = self.suffix.speculate(hs.local, state, min(cap, tree.capacity))
+        if len(d) and d.score >= hs.est:
+            hs.chose = "suffix"
+            self.steps["suffix"] += 1
+            add_draft(tree, d, dec.eos)
+            return True
+        hs.chose = "inner"
+        self.steps["inner"] += 1
+        if len(hs.unseen) > 1:  # hidden states of the suffix steps since the trained drafter last ran
+            state.fresh_hidden = torch.cat(hs.unseen)
+            hs.last_fresh = state.fresh_hidden
+        hs.unseen = []
+        return False
+
+    def propose(self, dec, state, tree, start, end):
+        hs: _HybridState = state.drafter_state
+        state.drafter_state = hs.inner
+        try:
+            return self.inner.propose(dec, state, tree, start, end)
+        finally:
+            state.drafter_state = hs
+
+    def commit(self, dec, state, tree, path) -> None:
+        hs: _HybridState = state.drafter_state
+        if hs.chose != "inner":
+            return
+        if tree.n:  # a step that drafted nothing (no room, or the drafter could not) says nothing of it
+            hs.est = (1 - self.ema) * hs.est + self.ema * (len(path) - 1)
+        state.drafter_state = hs.inner
+        try:
+            self.inner.commit(dec, state, tree, path)
+        finally:
+            state.drafter_state = hs
+
+    def finish(self, dec, state) -> None:
+        self.estimate = state.drafter_state.est
+        self.suffix.finish(dec, state)
