@@ -115,6 +115,9 @@ class SuffixDrafter:
     def commit(self, dec, state, tree, path) -> None:
         return None
 
+    def batch_adapter(self) -> ModelFreeRows:
+        return ModelFreeRows(self)
+
     def finish(self, dec, state) -> None:
         if self.learn:
             self.index.add_response(state.tokens[state.prompt_len:])
@@ -148,11 +151,41 @@ class PromptLookupDrafter:
         add_draft(tree, Draft(tokens=toks, parents=list(range(-1, len(toks) - 1))), dec.eos)
         return True
 
+    def batch_adapter(self) -> ModelFreeRows:
+        return ModelFreeRows(self)
+
     def propose(self, dec, state, tree, start, end):
         return None
 
     def commit(self, dec, state, tree, path) -> None:
         return None
+
+
+class ModelFreeRows:
+    """The batched decoder's adapter for a model-free drafter: per-row state only (the rows' trees are built
+    by the drafter's ``draft_tree``, called per row by `draftsmith.engine.batched.BatchedSpeculativeDecoder`)."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def start(self, dec, states: list, capacity: int) -> None:
+        for s in states:
+            s.drafter_state = self.drafter.start(dec, s)
+
+    def begin_step(self, states: list) -> None:
+        pass
+
+    def propose(self, rows, states, trees, ranges):
+        return [None] * len(rows)
+
+    def commit(self, row: int, dec, state, tree, path) -> None:
+        pass
+
+    def history(self, state, old, new):
+        return new
+
+    def move_row(self, src: int, dst: int, src_state) -> None:
+        pass  # per-row state lives in the row's DecodeState
 
 
 @dataclass

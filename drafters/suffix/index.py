@@ -172,10 +172,16 @@ class TokenIndex:
         lens = self.match_lengths(ctx, cands)
         cap = cfg.max_spec_tokens if max_tokens is None else min(cfg.max_spec_tokens, max_tokens)
         best = Draft()
-        for m in sorted(set(lens), reverse=True):
-            if m == 0:
-                break
-            n = min(cap, math.floor(m * cfg.max_spec_factor + cfg.max_spec_offset), cfg.max_depth - m)
+        levels = sorted(set(lens), reverse=True) + [0]
+
+        def room(m: int) -> int:
+            return min(cap, math.floor(m * cfg.max_spec_factor + cfg.max_spec_offset), cfg.max_depth - m)
+
+        for v, u in zip(levels, levels[1:]):
+            # every match length m in (u, v] has the same occurrences (the node's count): the one with the most
+            # room to draft is the best of them (the longer on ties)
+            m = max(range(v, u, -1), key=room)
+            n = room(m)
             if n <= 0:
                 continue
             node = [c for c, ln in zip(cands, lens) if ln >= m]
