@@ -225,19 +225,19 @@ def test_prompt_lookup_is_exact(tgt, references, sampling):
 
 @pytest.mark.parametrize("prior", [0.0, 1.0, 50.0], ids=["suffix-first", "mixed", "inner-only"])
 def test_hybrid_with_model_drafter_is_exact(tgt, references, prior):
-    h = HybridDrafter(other_model_drafter(tgt), _suffix(), prior=prior)
+    h = HybridDrafter(other_model_drafter(tgt), _suffix(), prior=prior, inner_cost=1.0, explore_every=2)
     _exact(tgt, references, h, TEMP, policy=FixedLength(2))
 
 
 def test_hybrid_with_path_heads_is_exact(tgt, references):
     # a path-reading head drafter needs the target's hidden states, including those of suffix steps
     heads = HeadDrafter(PathHeads(tgt).double(), tgt.fingerprint, name="paths")
-    h = HybridDrafter(heads, _suffix(), prior=1.0)
+    h = HybridDrafter(heads, _suffix(), prior=1.0, inner_cost=1.0)
     _exact(tgt, references, h, TEMP, tree=[(0,), (1,), (0, 0)])
 
 
 def test_hybrid_chooses_both_members(tgt):
-    h = HybridDrafter(other_model_drafter(tgt), _suffix(), prior=1.0)
+    h = HybridDrafter(other_model_drafter(tgt), _suffix(), prior=1.0, inner_cost=1.0)
     dec = SpeculativeDecoder(tgt, h, sampling=TEMP, policy=FixedLength(2))
     for s in range(6):
         dec.generate(PROMPT, 8, seed=s)
@@ -299,3 +299,17 @@ def test_suffix_tree_with_siblings_is_exact(tgt):
     dec = SpeculativeDecoder(tgt, _suffix(), sampling=TEMP)
     got = exact_distribution(dec, prompt, N_NEW)
     assert total_variation(got, ref) < 1e-9
+
+
+def test_hybrid_cost_ratio_and_exploration(tgt):
+    # a trained drafter costing 10x a model-free step is worth it only if it accepts 10x more: here never,
+    # except the exploration step every 3 steps
+    h = HybridDrafter(other_model_drafter(tgt), SuffixDrafter(SuffixConfig(max_cached_requests=0)), prior=1.0,
+                      inner_cost=10.0, explore_every=3)
+    dec = SpeculativeDecoder(tgt, h, sampling=TEMP, policy=FixedLength(2))
+    r = dec.generate([0, 1, 2], 12, seed=0)
+    n = len(r.steps)
+    assert h.steps["inner"] == n // 4 and h.steps["suffix"] == n - n // 4
+    m = HybridDrafter(other_model_drafter(tgt), SuffixDrafter(), prior=1.0)  # measured costs
+    SpeculativeDecoder(tgt, m, sampling=TEMP, policy=FixedLength(2)).generate([0, 1, 2], 12, seed=0)
+    assert m.cost_ratio() > 0

@@ -196,25 +196,36 @@ class _HybridState:
     unseen: list = field(default_factory=list)  # target hidden states the trained drafter has not read
     last_fresh: Any = None
     chose: str = "inner"
+    since_inner: int = 0  # steps since the trained drafter last drafted (exploration)
+    t_prev: float | None = None  # when the previous step's drafting began (step timing)
+    step: int = 0
 
     @property
     def hidden(self):  # drafter features for length policies: the trained drafter's
         return getattr(self.inner, "hidden", None)
 
     def __copy__(self) -> "_HybridState":
-        return _HybridState(copy.copy(self.inner), copy.copy(self.local), self.est, list(self.unseen),
-                            self.last_fresh, self.chose)
+        c = _HybridState(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        c.inner, c.local, c.unseen = copy.copy(self.inner), copy.copy(self.local), list(self.unseen)
+        return c
 
 
 class HybridDrafter:
-    """A trained drafter and SuffixDecoding, chosen per step (see the module docstring).
+    """A trained drafter and SuffixDecoding, chosen per step by expected tokens per second.
 
-    ``prior``: the trained drafter's expected accepted tokens per step before any is measured;
-    ``ema``: the weight of each new step in the running mean. The mean carries over between generations
-    (written back by ``finish``)."""
+    Per step, with s the suffix draft's score (expected accepted tokens under the counts; 0 when nothing
+    matches, i.e. a plain step), e the trained drafter's running mean of accepted tokens per step, and
+    r the cost of a trained-drafter step relative to a model-free step: the suffix draft (or a plain step)
+    when (1 + s) * r >= 1 + e, else the trained drafter. ``inner_cost`` fixes r (1.0: compare expected
+    accepted lengths only); None measures it online (running means of the wall time between consecutive
+    steps of each kind, the first step of a generation, which holds the prefill, left out). Every
+    ``explore_every`` steps without it, the trained drafter drafts once, so its estimate can recover.
+    ``prior``: e before any step is measured; ``ema``: the weight of each new step in the running means.
+    The choice reads only the history, never this step's verification: lossless. Estimates carry over
+    between generations (written back by ``finish``)."""
 
     def __init__(self, inner: Any, suffix: SuffixDrafter, *, prior: float = 1.0, ema: float = 0.1,
-                 name: str | None = None):
+                 inner_cost: float | None = None, explore_every: int = 16, name: str | None = None):
         if getattr(inner, "verify_forward", None) is not None:
             raise ValueError(f"drafter {getattr(inner, 'name', type(inner).__name__)!r} replaces the target's "
                              "verification forward (a self-drafter): a hybrid with it is not supported")
@@ -227,7 +238,10 @@ class HybridDrafter:
         self.needs_target_hidden = getattr(inner, "needs_target_hidden", False)
         self.supports_trees = getattr(inner, "supports_trees", True)
         self.max_nodes = suffix.max_nodes
-        self.estimate, self.ema = float(prior), float(ema)
+        self.prior = float(prior)
+        self.estimate, self.ema = self.prior, float(ema)
+        self.inner_cost, self.explore_every = inner_cost, int(explore_every)
+        self.step_s: dict[str, float | None] = {"suffix": None, "inner": None}
         self.steps = {"suffix": 0, "inner": 0}
         pol = getattr(inner, "default_policy", None)
         if pol is not None:
@@ -237,16 +251,37 @@ class HybridDrafter:
             if v is not None:
                 setattr(self, attr, v)
 
+    def cost_ratio(self) -> float:
+        """r: a trained-drafter step's cost relative to a model-free one (fixed, measured, or 1.0)."""
+        if self.inner_cost is not None:
+            return self.inner_cost
+        a, b = self.step_s["inner"], self.step_s["suffix"]
+        return a / b if a and b else 1.0
+
     def start(self, dec, state) -> _HybridState:
         return _HybridState(self.inner.start(dec, state), self.suffix.start(dec, state), self.estimate)
 
+    def _time(self, hs: _HybridState) -> None:
+        if self.inner_cost is not None:
+            return
+        now = time.perf_counter()
+        if hs.t_prev is not None and hs.step >= 2:  # steps committed so far; the first one holds the prefill
+            old = self.step_s[hs.chose]
+            dt = now - hs.t_prev
+            self.step_s[hs.chose] = dt if old is None else (1 - self.ema) * old + self.ema * dt
+        hs.t_prev = now
+
     def draft_tree(self, dec, state, tree, cap: int) -> bool:
+        # drafting may be repeated for one step (exact enumeration re-drafts): everything the choice reads is
+        # advanced in commit, never here
         hs: _HybridState = state.drafter_state
+        self._time(hs)
         if state.fresh_hidden is not None and state.fresh_hidden is not hs.last_fresh:
             hs.unseen.append(state.fresh_hidden)
             hs.last_fresh = state.fresh_hidden
         d = self.suffix.speculate(hs.local, state, min(cap, tree.capacity))
-        if len(d) and d.score >= hs.est:
+        explore = self.explore_every > 0 and hs.since_inner >= self.explore_every
+        if not explore and (1 + d.score) * self.cost_ratio() >= 1 + hs.est:
             hs.chose = "suffix"
             self.steps["suffix"] += 1
             add_draft(tree, d, dec.eos)
@@ -269,8 +304,11 @@ class HybridDrafter:
 
     def commit(self, dec, state, tree, path) -> None:
         hs: _HybridState = state.drafter_state
+        hs.step += 1
         if hs.chose != "inner":
+            hs.since_inner += 1
             return
+        hs.since_inner = 0
         if tree.n:  # a step that drafted nothing (no room, or the drafter could not) says nothing of it
             hs.est = (1 - self.ema) * hs.est + self.ema * (len(path) - 1)
         state.drafter_state = hs.inner
