@@ -122,6 +122,15 @@ def main(argv=None) -> dict:
         runs[label]["suffix"] = suffix_stats(members)
         print(table(runs[label]), flush=True)
         print(json.dumps(runs[label]["suffix"], indent=1), flush=True)
+        if sampling.greedy:  # every method's output against plain decoding's, prompt by prompt
+            ref = [r.tokens for r in got[BASELINE][1:]]
+            runs[label]["greedy_equal"] = {
+                name: {"equal": sum(r.tokens == t for r, t in zip(rs[1:], ref)), "prompts": len(ref),
+                       "first_divergence": next((i for i, (r, t) in enumerate(zip(rs[1:], ref)) if r.tokens != t),
+                                                None)}
+                for name, rs in got.items()}
+            eq = runs[label]["greedy_equal"]
+            print("greedy equality:", {k: f"{v['equal']}/{v['prompts']}" for k, v in eq.items()})
         traffic[label] = [{"prompt_ids": p.ids, "response_ids": r.tokens, "group": p.category}
                           for p, r in zip(prompts, got[BASELINE][1:])]
     cfg = {k: v for k, v in vars(a).items()}
