@@ -117,13 +117,37 @@ def replay(impl, traffic: list[dict]) -> dict:
             "speculate_us_per_step": 1e6 * spec_s / steps if steps else None, "per_request": per_request}
 
 
+def chat_traffic(path: str, target: str, out: str) -> None:
+    """A traffic file (label "greedy") from a chat JSONL of {"messages": [user, assistant, ...]} rows: the
+    first user turn with the chat template as the prompt, the first assistant turn as the response."""
+    # draftsmith only here: the arctic replay runs without it
+    from draftsmith.target import load_target
+    from draftsmith.traffic import chat_prompt_ids
+    tok = load_target(target).tokenizer
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        msgs = json.loads(line).get("messages") or []
+        if len(msgs) >= 2 and msgs[0]["role"] == "user" and msgs[1]["role"] == "assistant":
+            rows.append({"prompt_ids": chat_prompt_ids(tok, msgs[:1]),
+                         "response_ids": tok.encode(msgs[1]["content"], add_special_tokens=False)})
+    Path(out).write_text(json.dumps({"greedy": rows}))
+    print(f"wrote {out}: {len(rows)} requests, {sum(len(r['response_ids']) for r in rows)} response tokens")
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--impl", choices=["ours", "arctic"], required=True)
-    ap.add_argument("--traffic", required=True, help="benchmarks.suffix_bench's traffic.json")
+    ap.add_argument("--from-chat", nargs=3, metavar=("JSONL", "TARGET", "OUT"),
+                    help="only write a traffic file from a chat JSONL (see chat_traffic) and stop")
+    ap.add_argument("--impl", choices=["ours", "arctic"])
+    ap.add_argument("--traffic", help="benchmarks.suffix_bench's traffic.json")
     ap.add_argument("--label", default="greedy", help="which run of the traffic file (greedy, T=0.8)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     a = ap.parse_args(argv)
+    if a.from_chat:
+        chat_traffic(*a.from_chat)
+        return {}
+    if not a.impl:
+        ap.error("--impl is required")
     traffic = json.loads(Path(a.traffic).read_text())[a.label]
     impl = Ours() if a.impl == "ours" else Arctic()
     out = {"impl": a.impl, "traffic": a.traffic, "label": a.label,
