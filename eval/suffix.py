@@ -78,14 +78,5 @@ def _gen(dec):
 
 def suffix_stats(members: dict) -> dict:
     """Per method: lookup time per step (both indexes), the global index's memory report, and for hybrids
-    how many steps each member drafted."""
-    out = {}
-    for name, m in members.items():
-        s = m.suffix if isinstance(m, HybridDrafter) else m
-        row = {"lookups": s.lookups, "lookup_ms_per_step": round(1e3 * s.lookup_s / s.lookups, 4) if s.lookups
-               else None, "index": s.index.memory_report()}
-        if isinstance(m, HybridDrafter):
-            row["steps"] = dict(m.steps)
-            row["inner_estimate"] = round(m.estimate, 3)
-        out[name] = row
-    return out
+    how many steps each member drafted (each drafter's ``stats()``)."""
+    return {name: m.stats() for name, m in members.items()}

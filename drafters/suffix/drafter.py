@@ -118,6 +118,12 @@ class SuffixDrafter:
     def batch_adapter(self) -> ModelFreeRows:
         return ModelFreeRows(self)
 
+    def stats(self) -> dict:
+        """Lookups made, lookup time per step (both indexes) and the global index's memory report."""
+        return {"lookups": self.lookups,
+                "lookup_ms_per_step": round(1e3 * self.lookup_s / self.lookups, 4) if self.lookups else None,
+                "index": self.index.memory_report()}
+
     def finish(self, dec, state) -> None:
         if self.learn:
             self.index.add_response(state.tokens[state.prompt_len:])
@@ -316,6 +322,11 @@ class HybridDrafter:
             self.inner.commit(dec, state, tree, path)
         finally:
             state.drafter_state = hs
+
+    def stats(self) -> dict:
+        """The suffix member's figures, the steps each member drafted and the current estimates."""
+        return {**self.suffix.stats(), "steps": dict(self.steps), "inner_estimate": round(self.estimate, 3),
+                "cost_ratio": round(self.cost_ratio(), 3)}
 
     def finish(self, dec, state) -> None:
         self.estimate = state.drafter_state.est
