@@ -84,6 +84,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tree", default="chain", help="the trained drafter's tree (draftsmith eval's --tree)")
     ap.add_argument("--prompt-lookup", type=int, default=10, metavar="K")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip HF generate and HF prompt lookup")
+    ap.add_argument("--no-ours-lookup", dest="ours_lookup", action="store_false", help="skip ours prompt lookup")
     add_common_args(ap, threads=True, threads_default=1, seed=True, cpu_layout=True)
     a = ap.parse_args(argv)
 
@@ -114,7 +115,7 @@ def main(argv=None) -> dict:
             methods += [ours(f"ours {d.name} {lbl}", SpeculativeDecoder(target, d, tree=t, sampling=sampling))
                         for lbl, t in trees]
         extra, members = suffix_methods(target, sampling, trained, config=SuffixConfig(), lookup_k=a.prompt_lookup,
-                                        hf_lookup=a.hf)
+                                        hf_lookup=a.hf, ours_lookup=a.ours_lookup)
         methods, got = recording(methods + extra)
         print(f"== {a.workload} {label}: {len(prompts)} prompts x {a.max_new_tokens} tokens; "
               f"{', '.join(m.name for m in methods)}", flush=True)

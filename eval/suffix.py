@@ -37,7 +37,8 @@ def fresh_after_warmup(method: Method, drafter: SuffixDrafter, index_dir: str | 
 
 
 def suffix_methods(target, sampling, drafters: list, *, config: SuffixConfig | None = None, lookup_k: int = 10,
-                   hf_lookup: bool = True, index_dir: str | Path | None = None, prior: float = 1.0
+                   hf_lookup: bool = True, ours_lookup: bool = True, index_dir: str | Path | None = None,
+                   prior: float = 1.0
                    ) -> tuple[list[Method], dict]:
     """The model-free methods and the hybrids of ``drafters`` ([(drafter, [(tree label, tree)])]).
 
@@ -55,8 +56,9 @@ def suffix_methods(target, sampling, drafters: list, *, config: SuffixConfig | N
     methods.append(fresh_after_warmup(Method(name, _gen(SpeculativeDecoder(target, sd, sampling=sampling))), sd,
                                       index_dir))
     members[name] = sd
-    pl = PromptLookupDrafter(k=lookup_k)
-    methods.append(Method(f"ours {pl.name}", _gen(SpeculativeDecoder(target, pl, sampling=sampling))))
+    if ours_lookup:
+        pl = PromptLookupDrafter(k=lookup_k)
+        methods.append(Method(f"ours {pl.name}", _gen(SpeculativeDecoder(target, pl, sampling=sampling))))
     if hf_lookup:
         methods.append(Method(f"HF prompt-lookup K={lookup_k}",
                               hf_run(target, sampling, {"prompt_lookup_num_tokens": lookup_k}), "hf"))
