@@ -151,13 +151,26 @@ class TokenIndex:
         return out
 
     def match_lengths(self, ctx: Sequence[int], cands: list[int]) -> list[int]:
+        """How many of the context's last tokens (at most max_depth) precede each candidate position.
+
+        Suffix matches are monotone (the last k tokens match only if the last k-1 do), so each length is a
+        binary search over slice comparisons (done in C), a few per candidate whatever the length."""
         toks, D = self.toks, min(self.config.max_depth, len(ctx))
+        tail = array("i", ctx[len(ctx) - D:])
         out = []
         for c in cands:
-            m = 0
-            while m < D and c - 1 - m >= 0 and toks[c - 1 - m] == ctx[-1 - m]:
-                m += 1
-            out.append(m)
+            d = min(D, c)
+            if toks[c - d:c] == tail[D - d:]:
+                out.append(d)
+                continue
+            lo, hi = 0, d - 1  # lo matches, d does not
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if toks[c - mid:c] == tail[D - mid:]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            out.append(lo)
         return out
 
     def speculate(self, ctx: Sequence[int], max_tokens: int | None = None) -> Draft:
@@ -228,8 +241,12 @@ class TokenIndex:
             for c in occ:
                 if c + depth < end:
                     t = toks[c + depth]
-                    if t != SEP:
-                        counts.setdefault(t, []).append(c)
+                    got = counts.get(t)
+                    if got is None:
+                        counts[t] = [c]
+                    else:
+                        got.append(c)
+            counts.pop(SEP, None)
             for tok, nxt in counts.items():
                 p = prob * len(nxt) / len(occ)
                 if p >= pmin:
