@@ -160,10 +160,16 @@ class TokenIndex:
         out = []
         for c in cands:
             d = min(D, c)
+            m = 0
+            while m < 4 and m < d and toks[c - 1 - m] == tail[D - 1 - m]:  # most matches are short
+                m += 1
+            if m < 4 or m == d:
+                out.append(m)
+                continue
             if toks[c - d:c] == tail[D - d:]:
                 out.append(d)
                 continue
-            lo, hi = 0, d - 1  # lo matches, d does not
+            lo, hi = m, d - 1  # lo matches, d does not
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 if toks[c - mid:c] == tail[D - mid:]:
