@@ -13,23 +13,24 @@ index learns from its own finished responses in serving order (its warm-up run i
     OMP_NUM_THREADS=1 taskset -c 0 python -m benchmarks.suffix_bench --workload humaneval --problems 10 \\
         --samples 8 --temperature 0 0.8 --checkpoint runs/quickstart/final --out runs/suffix/humaneval
 
-Writes OUT/report.json (figures per temperature, lookup time per step, index memory) and OUT/traffic.json
+Writes OUT/report.json after every prompt ("complete": false until the end; figures per temperature,
+lookup time per step, index memory) and OUT/traffic.json
 (prompt and response ids of plain decoding per temperature, for `benchmarks.suffix_replay`).
 """
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
-from benchmarks.common import (add_common_args, humaneval_messages, parser, provenance, recording, setup,
-                               write_json)
+from benchmarks.common import add_common_args, humaneval_messages, parser, provenance, setup, write_json
 from draftsmith.checkpoint import drafter_from_checkpoint, read_manifest
 from draftsmith.drafters.suffix import SuffixConfig
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.tree_build import parse_tree
-from draftsmith.eval.bench import BASELINE, hf_generate, ours, run_bench, table
+from draftsmith.eval.bench import BASELINE, bench_figures, hf_generate, ours, table
 from draftsmith.eval.mtbench import Prompt, mtbench_prompts
 from draftsmith.eval.suffix import suffix_methods, suffix_stats
 from draftsmith.paths import mtbench_questions_path
@@ -116,31 +117,50 @@ def main(argv=None) -> dict:
                         for lbl, t in trees]
         extra, members = suffix_methods(target, sampling, trained, config=SuffixConfig(), lookup_k=a.prompt_lookup,
                                         hf_lookup=a.hf, ours_lookup=a.ours_lookup)
-        methods, got = recording(methods + extra)
+        methods = methods + extra
         print(f"== {a.workload} {label}: {len(prompts)} prompts x {a.max_new_tokens} tokens; "
               f"{', '.join(m.name for m in methods)}", flush=True)
-        runs[label] = run_bench(methods, prompts, a.max_new_tokens, seed=a.seed)
-        runs[label]["suffix"] = suffix_stats(members)
+        got: dict[str, list] = {m.name: [] for m in methods}
+        for m in methods:  # warm-up (forgotten by the suffix indexes)
+            m.run(prompts[0].ids, 8, a.seed)
+        for k, pr in enumerate(prompts):  # interleaved, a seeded shuffle per prompt (as eval.bench.run_bench)
+            order = list(methods)
+            random.Random(a.seed * 7919 + k).shuffle(order)
+            for m in order:
+                got[m.name].append(m.run(pr.ids, a.max_new_tokens, a.seed + k))
+            print(f"[{k + 1}/{len(prompts)}] {pr.category}: " + ", ".join(
+                f"{m.name} {len(got[m.name][-1].tokens)} tok {got[m.name][-1].wall_s:.2f}s" for m in methods),
+                flush=True)
+            runs[label] = figures(methods, prompts, got, members, sampling, a.max_new_tokens)
+            traffic[label] = [{"prompt_ids": p.ids, "response_ids": r.tokens, "group": p.category}
+                              for p, r in zip(prompts, got[BASELINE])]
+            write(a, b, prompts, runs, traffic, done=False)
         print(table(runs[label]), flush=True)
         print(json.dumps(runs[label]["suffix"], indent=1), flush=True)
-        if sampling.greedy:  # every method's output against plain decoding's, prompt by prompt
-            ref = [r.tokens for r in got[BASELINE][1:]]
-            runs[label]["greedy_equal"] = {
-                name: {"equal": sum(r.tokens == t for r, t in zip(rs[1:], ref)), "prompts": len(ref),
-                       "first_divergence": next((i for i, (r, t) in enumerate(zip(rs[1:], ref)) if r.tokens != t),
-                                                None)}
-                for name, rs in got.items()}
-            eq = runs[label]["greedy_equal"]
-            print("greedy equality:", {k: f"{v['equal']}/{v['prompts']}" for k, v in eq.items()})
-        traffic[label] = [{"prompt_ids": p.ids, "response_ids": r.tokens, "group": p.category}
-                          for p, r in zip(prompts, got[BASELINE][1:])]
+    write(a, b, prompts, runs, traffic, done=True)
+    return runs
+
+
+def figures(methods, prompts, got, members, sampling, max_new_tokens) -> dict:
+    out = bench_figures(methods, prompts, got, max_new_tokens)
+    out["suffix"] = suffix_stats(members)
+    if sampling.greedy:  # every method's output against plain decoding's, prompt by prompt
+        ref = [r.tokens for r in got[BASELINE]]
+        out["greedy_equal"] = {
+            name: {"equal": sum(r.tokens == t for r, t in zip(rs, ref)), "prompts": len(ref),
+                   "first_divergence": next((i for i, (r, t) in enumerate(zip(rs, ref)) if r.tokens != t), None)}
+            for name, rs in got.items()}
+    return out
+
+
+def write(a, b, prompts, runs, traffic, done: bool) -> None:
     cfg = {k: v for k, v in vars(a).items()}
     cfg["subset"] = {"prompts": len(prompts), "workload": a.workload}
-    report = {**provenance(), "config": cfg, "cpu_layout": b.layout, "runs": runs}
+    report = {**provenance(), "config": cfg, "cpu_layout": b.layout, "complete": done, "runs": runs}
     write_json(b.out / "report.json", report)
     write_json(b.out / "traffic.json", traffic, indent=None)
-    print(f"wrote {b.out / 'report.json'} and traffic.json")
-    return report
+    if done:
+        print(f"wrote {b.out / 'report.json'} and traffic.json")
 
 
 if __name__ == "__main__":
