@@ -1,7 +1,13 @@
 """``draftsmith eval``: benchmark a drafter checkpoint against plain decoding and Hugging Face.
 
     draftsmith eval CHECKPOINT [--plain] [--drafter-layers N] [--hf-assisted] [--prompts N]
-                    [--max-new-tokens 128] [--temperature 0 ...] [--tree SPEC ...] --out DIR
+                    [--max-new-tokens 128] [--temperature 0 ...] [--tree SPEC ...] [--suffix] --out DIR
+
+``--suffix`` adds model-free drafting: ours SuffixDecoding alone (its global
+index learns from every finished response, in prompt order), ours and
+Hugging Face's prompt lookup, and each checkpoint's drafter beside
+SuffixDecoding (the hybrid); ``draftsmith eval none --suffix`` runs it
+without a checkpoint.
 
 CHECKPOINT is a drafter checkpoint directory, or ``none`` to benchmark
 baselines only. Plain decoding with our decoder always runs: it is the
@@ -23,6 +29,8 @@ from draftsmith.eval.bench import default_methods, run_bench, table
 from draftsmith.eval.compare import self_drafter_methods, tree_specs_for
 from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
 from draftsmith.eval.report import write_report
+from draftsmith.eval.suffix import suffix_methods, suffix_stats
+from draftsmith.drafters.suffix import SuffixConfig
 from draftsmith.target import default_device, load_target
 
 
@@ -80,6 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also run the untrained early-exit self-drafter (first L layers + LM head, --draft-len)")
     ap.add_argument("--hf-early-exit", type=int, default=None, metavar="L",
                     help="also run Hugging Face assisted generation with assistant_early_exit=L (--draft-len)")
+    ap.add_argument("--suffix", action="store_true",
+                    help="also run SuffixDecoding alone, prompt lookup (ours and HF) and each checkpoint beside "
+                         "SuffixDecoding (hybrid)")
+    ap.add_argument("--suffix-depth", type=int, default=24, help="SuffixDecoding: longest match + draft")
+    ap.add_argument("--suffix-spec-factor", type=float, default=1.0,
+                    help="SuffixDecoding: draft at most match length x this many tokens")
+    ap.add_argument("--suffix-min-prob", type=float, default=0.1, help="SuffixDecoding: stop under this probability")
+    ap.add_argument("--suffix-max-requests", type=int, default=10000,
+                    help="SuffixDecoding: responses kept in the global index (FIFO; 0 = per-request index only)")
+    ap.add_argument("--suffix-index", default=None, metavar="DIR",
+                    help="SuffixDecoding: start from a saved global index (SuffixIndex.save)")
+    ap.add_argument("--prompt-lookup", type=int, default=10, metavar="K",
+                    help="prompt lookup's draft length (ours and HF's prompt_lookup_num_tokens) with --suffix")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false",
@@ -156,8 +177,18 @@ def eval_main(argv: list[str] | None = None) -> dict:
             methods += default_methods(target, sampling, drafter_layers=None, hf=False, heads=d, trees=trees)[1:]
             methods += self_drafter_methods(target, d, sampling, a, trees)
         methods += self_drafter_methods(target, None, sampling, a)
+        if a.suffix:
+            cfg = SuffixConfig(max_depth=a.suffix_depth, max_spec_tokens=a.suffix_depth,
+                               max_spec_factor=a.suffix_spec_factor, min_token_prob=a.suffix_min_prob,
+                               max_cached_requests=a.suffix_max_requests)
+            hybrids = [(d, trees) for d, trees in drafters if getattr(d, "verify_forward", None) is None]
+            extra, members = suffix_methods(target, sampling, hybrids, config=cfg, lookup_k=a.prompt_lookup,
+                                            index_dir=a.suffix_index)
+            methods += extra
         print(f"== {label}: {', '.join(m.name for m in methods)}", flush=True)
         runs[label] = run_bench(methods, prompts, a.max_new_tokens, seed=a.seed)
+        if a.suffix:
+            runs[label]["suffix"] = suffix_stats(members)
         print(table(runs[label]), flush=True)
     config = {k: v for k, v in vars(a).items()}
     config["cpu_layout"] = layout

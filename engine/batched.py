@@ -31,7 +31,8 @@ Choices, documented here once:
     that with its new tokens and a draft block exceeds the context: ValueError
     naming the row;
   * drafters: `HeadDrafter` (Medusa, Hydra, Hydra++) and `ModelDrafter`;
-    chains and static trees; dynamic trees and self-drafters (Kangaroo) are
+    chains and static trees; model-free drafters (``draft_tree``, e.g.
+    SuffixDecoding) build each row's tree themselves; dynamic trees and self-drafters (Kangaroo) are
     refused with a clear error (single-sequence decoder only for now);
   * acceptance "exact" only (the lossy typical rule is not offered here).
 """
@@ -150,6 +151,11 @@ class BatchedSpeculativeDecoder:
         self.adapter = None
         self._drafting = False  # set per generate() call
         self._procs: list[Any] | None = None  # per-row RequestProcessing, set per generate() call
+        # a model-free drafter (drafters/suffix) builds each row's tree itself (``draft_tree``)
+        self.own_trees = drafter is not None and getattr(drafter, "draft_tree", None) is not None
+        if self.own_trees and (tree is not None or not getattr(drafter, "model_free", False)):
+            raise ValueError(f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} builds its own trees: "
+                             "batched decoding takes it alone (model-free) and without tree=")
         if drafter is not None:
             self._check_drafter(drafter)
             self.adapter = batch_adapter(drafter)
@@ -172,6 +178,8 @@ class BatchedSpeculativeDecoder:
         """Most entries one verification forward adds per row: the root plus the largest draft."""
         if self.drafter is None:
             return 1
+        if self.own_trees:
+            return 1 + int(self.drafter.max_nodes)
         return 1 + (self.tree.size if self.tree is not None else self.k)
 
     # ------------------------------------------------------------------ setup
@@ -418,6 +426,11 @@ class BatchedSpeculativeDecoder:
         row_steps: dict[int, list[StepStats]] = {i: [] for i in range(B)}
         while live:
             self._step(live, states, rngs, batch, row_steps, on_step)
+        finish = getattr(self.drafter, "finish", None) if self._drafting else None
+        if finish is not None:  # e.g. a global suffix index learns from the finished responses, in row order
+            for i in range(B):
+                if news[i] > 0:
+                    finish(self, states[i])
         t2 = time.perf_counter()
         for i in range(B):
             st = states[i]
@@ -441,13 +454,18 @@ class BatchedSpeculativeDecoder:
         trees = [DraftTree(s.tokens[s.length], self.max_block - 1, self.device) for s in sts]
         k = 0
         if self._drafting:
-            k = self.tree.size if self.tree is not None else self._k_for(n)
+            k = self.max_block - 1 if self.own_trees else self.tree.size if self.tree is not None else self._k_for(n)
         if k > 0:
             depth = self.tree.depth if self.tree is not None else k
             for s, c in zip(sts, self._caps(sts, depth)):
                 s.draft_depth = c
             self.adapter.begin_step(sts)
-            if self.tree is not None:
+            if self.own_trees:
+                for s, t in zip(sts, trees):
+                    cap = min(s.max_new_tokens - s.emitted - 1, t.capacity)
+                    if cap > 0:
+                        self.drafter.draft_tree(self, s, t, cap)
+            elif self.tree is not None:
                 self._draft_static(sts, trees, rr, pp)
             else:
                 self._draft_chains(sts, trees, rr, k, pp)

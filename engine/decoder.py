@@ -165,9 +165,10 @@ class SpeculativeDecoder:
         """Most entries one verification forward adds: the root plus the largest draft."""
         if self.drafter is None:
             return 1
+        own = int(getattr(self.drafter, "max_nodes", 0))  # a drafter that builds its own trees (draft_tree)
         if self.tree is None:
-            return 1 + self.policy.max_len
-        return 1 + self.tree.size
+            return 1 + max(own, self.policy.max_len)
+        return 1 + max(own, self.tree.size)
 
     # ------------------------------------------------------------------ setup
     @torch.no_grad()
@@ -225,6 +226,9 @@ class SpeculativeDecoder:
         """Grow this step's draft tree (root only when there is no drafter or no room)."""
         tree = DraftTree(state.tokens[state.length], self.max_block - 1, self.device)
         cap = state.max_new_tokens - state.emitted - 1  # the final token always takes one slot
+        own = getattr(self.drafter, "draft_tree", None)
+        if own is not None and cap > 0 and own(self, state, tree, cap):
+            return tree  # the drafter built this step's tree itself (model-free: deterministic candidates)
         md = getattr(self.drafter, "max_depth", None)
         if md is not None:
             cap = min(cap, md)
@@ -349,6 +353,9 @@ class SpeculativeDecoder:
         t1 = self._now()
         while not state.done:
             self.step(state, rng)
+        finish = getattr(self.drafter, "finish", None)  # optional: a drafter that learns from finished responses
+        if finish is not None:
+            finish(self, state)
         t2 = self._now()
         return DecodeResult(tokens=state.tokens[state.prompt_len:], prompt_len=state.prompt_len, steps=state.steps,
                             prefill_s=t1 - t0, wall_s=t2 - t0, stop_reason=state.stop_reason or "max_new_tokens")

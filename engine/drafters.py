@@ -32,6 +32,15 @@ Families:
     decoder (its ``cache``, ``body``) in ``propose``, and may define
     ``verify_forward(dec, state, tree) -> (logits, hidden)`` to replace the
     decoder's full target forward (e.g. to reuse the shallow states).
+Model-free drafters (suffix trees, prompt lookup) build the whole tree
+themselves: ``draft_tree(dec, state, tree, cap) -> bool`` is called first
+at every step with the room left (``cap`` drafted tokens at most); it adds
+nodes with ``tree.add`` and puts every node whose children it proposed with
+certainty in ``tree.certain`` (verified by `sampling.verify_node_certain`,
+no q), and returns False to let the decoder grow the tree from ``propose``
+as usual (a hybrid deferring to its trained drafter). ``max_nodes`` is the
+largest tree it builds; ``finish(dec, state)`` is called after a
+generation ends (a global index learning from finished responses).
 Optional drafter attributes: ``default_policy`` (the chain length policy
 when the decoder is given none), ``supports_trees = False`` (the decoder
 then refuses a tree). A checkpoint's module that has

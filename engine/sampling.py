@@ -201,6 +201,24 @@ def verify_node(p: torch.Tensor, children: Sequence[int], q: torch.Tensor | None
     return NodeVerdict(None, rng.categorical(p64))
 
 
+def verify_node_certain(p: torch.Tensor, children: Sequence[int], rng: RandomSource) -> NodeVerdict:
+    """Lossless verification of DETERMINISTIC candidates (proposed with certainty, not drawn from a q).
+
+    Draw the target's own token y ~ p; follow the child equal to y, else emit y. The emitted token is
+    therefore exactly a draw from p (lossless by construction) and the acceptance probability is
+    sum(p(x) for x in children), the most any rule can accept. With one child this is speculative
+    sampling with q = one-hot(x) (accept with min(1, p(x)/1), resample from p with x removed); with
+    several distinct children it is recursive rejection with one-hot proposals, each rejection removing
+    the rejected token from p. No vocabulary-sized q is materialised.
+    """
+    p64 = p.double()
+    y = rng.categorical(p64 / p64.sum())
+    for i, x in enumerate(children):
+        if x == y:
+            return NodeVerdict(i, None)
+    return NodeVerdict(None, y)
+
+
 def verify_node_greedy(target_argmax: int, children: Sequence[int]) -> NodeVerdict:
     """Greedy verification: follow the child equal to the target's argmax, else emit the argmax."""
     for i, x in enumerate(children):

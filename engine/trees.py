@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from draftsmith.engine.sampling import (SamplingParams, RandomSource, verify_node,
+from draftsmith.engine.sampling import (SamplingParams, RandomSource, verify_node, verify_node_certain,
                                       verify_node_greedy, verify_node_typical)
 
 
@@ -128,6 +128,9 @@ class DraftTree:
         self.children: list[list[int]] = [[]]
         # q[node]: the exact distribution node's children were drawn from (sampling only).
         self.q: dict[int, torch.Tensor] = {}
+        # nodes whose children were proposed with certainty (model-free drafters): verified by
+        # `verify_node_certain`, no q needed
+        self.certain: set[int] = set()
         self.capacity = capacity
 
     @property
@@ -217,7 +220,8 @@ def verify_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams,
     """Walk the tree from the root with the target's logits [n+1, V] at every node.
 
     Greedy: follow the child equal to the target's argmax. Sampling (exact):
-    `verify_node` at each node with the q the children were drawn from; the
+    `verify_node` at each node with the q the children were drawn from, or
+    `verify_node_certain` at a node whose children were proposed with certainty; the
     target's p is `processed_probs` of its logits, computed for visited
     nodes only. Nothing after an accepted EOS is emitted.
     """
@@ -235,7 +239,9 @@ def verify_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams,
             v = verify_node_greedy(am[node], kid_toks)
         else:
             p = sampling.probs(logits[node])
-            if acceptance == "typical":
+            if node in tree.certain:
+                v = verify_node_certain(p, kid_toks, rng)
+            elif acceptance == "typical":
                 v = verify_node_typical(p, kid_toks, rng)
             else:
                 v = verify_node(p, kid_toks, tree.q.get(node), rng)

@@ -132,6 +132,13 @@ def run_bench(methods: list[Method], prompts: list, max_new_tokens: int, seed: i
         if log:
             log(f"[{k + 1}/{len(prompts)}] q{pr.question_id} ({pr.category}): " + ", ".join(
                 f"{m.name} {len(per[m.name][-1].tokens)} tok {per[m.name][-1].wall_s:.2f}s" for m in methods))
+    return bench_figures(methods, prompts, per, max_new_tokens)
+
+
+def bench_figures(methods: list[Method], prompts: list, per: dict[str, list[DecodeResult]],
+                  max_new_tokens: int) -> dict:
+    """`run_bench`'s figures from every method's results ``per[name]``, one per prompt (prompt order)."""
+    prompts = prompts[: min(len(v) for v in per.values())] if per else prompts
     figures = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "methods": {}}
     cats = sorted({p.category for p in prompts})
     for m in methods:

@@ -24,12 +24,13 @@ import time
 import torch
 
 from draftsmith.checkpoint import drafter_from_checkpoint
+from draftsmith.drafters.suffix import HybridDrafter, PromptLookupDrafter, SuffixDrafter
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.drafters import first_layers_drafter
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.engine.trees import DynamicTree
-from draftsmith.eval.mtbench import mtbench_prompts
+from draftsmith.eval.mtbench import Prompt, mtbench_prompts
 from draftsmith.target import default_device, load_target
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -140,10 +141,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tree", action="append", default=None,
                     help="with --checkpoint: also its drafter with this tree (chain-free spec as for `eval --tree`; "
                          "method name 'heads-tree SPEC'); repeatable")
+    ap.add_argument("--suffix", action="store_true",
+                    help="also SuffixDecoding (its global index learning from every earlier answer), prompt lookup "
+                         "and, with --checkpoint, the hybrid of its drafter with SuffixDecoding")
+    ap.add_argument("--second-turns", default=None, metavar="JSON",
+                    help="prompts from a benchmarks.suffix_bench traffic.json (its 'greedy' prompts) instead of "
+                         "MT-Bench first turns")
     ap.add_argument("--prompts", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--methods", nargs="+", default=None,
-                    help="subset of: chain static-tree dynamic-tree heads-chain heads-static-tree heads-dynamic-tree")
+                    help="subset of: chain static-tree dynamic-tree heads-chain heads-static-tree heads-dynamic-tree "
+                         "(with --suffix: suffix prompt-lookup heads+suffix)")
     ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false",
                     help="keep PyTorch's default weight layout (default on CPU: draftsmith.engine.cpu_layout, as eval)")
     ap.add_argument("--shard", default=None, help="i/n: only prompts i, i+n, i+2n, ... (run n of these, then --merge)")
@@ -181,6 +189,11 @@ def main(argv: list[str] | None = None) -> dict:
                 target, heads, tree=[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)])
             methods["heads-dynamic-tree"] = SpeculativeDecoder(target, heads,
                                                                tree=DynamicTree(16, heads.max_depth or 4, 4))
+    if a.suffix:
+        methods["suffix"] = SpeculativeDecoder(target, SuffixDrafter())
+        methods["prompt-lookup"] = SpeculativeDecoder(target, PromptLookupDrafter())
+        if a.checkpoint:
+            methods["heads+suffix"] = SpeculativeDecoder(target, HybridDrafter(heads, SuffixDrafter()))
     if a.methods:
         unknown = sorted(set(a.methods) - set(methods))
         if unknown:
@@ -190,6 +203,10 @@ def main(argv: list[str] | None = None) -> dict:
         drafters = {id(d.drafter): d.drafter for d in methods.values() if d.drafter is not None}
         print("CPU decoding layout:", apply_cpu_layout(target, *drafters.values()))
     prompts = mtbench_prompts(target.tokenizer, a.prompts)
+    if a.second_turns:
+        with open(a.second_turns) as f:
+            rows = json.load(f)["greedy"][: a.prompts]
+        prompts = [Prompt(i, r.get("group", "traffic"), "", r["prompt_ids"]) for i, r in enumerate(rows)]
     if shard:
         prompts = prompts[shard[0]::shard[1]]
     report = greedy_equality(target, methods, prompts, a.max_new_tokens)

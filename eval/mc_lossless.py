@@ -22,6 +22,7 @@ from collections import Counter
 import torch
 
 from draftsmith.checkpoint import drafter_from_checkpoint
+from draftsmith.drafters.suffix import PromptLookupDrafter, SuffixDrafter
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.drafters import first_layers_drafter, HeadDrafter
 from draftsmith.engine.policies import FixedLength
@@ -163,6 +164,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also test each checkpoint's drafter with this tree (as for `eval --tree`); repeatable")
     ap.add_argument("--only-checkpoints", action="store_true", help="skip the built-in random drafters")
     ap.add_argument("--trees-only", action="store_true", help="test the checkpoints with their --tree specs only")
+    ap.add_argument("--suffix", type=int, default=0, metavar="N",
+                    help="also SuffixDecoding, its global index holding N of the target's own sampled answers to "
+                         "the prompt (32 tokens each), and prompt lookup")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     target = load_target(a.target)
@@ -193,6 +197,13 @@ def main(argv: list[str] | None = None) -> dict:
         for spec in a.tree:
             methods[f"checkpoint:{ck} {spec}"] = SpeculativeDecoder(target, d, tree=parse_tree(spec, ck),
                                                                     sampling=sampling)
+    if a.suffix:
+        sd = SuffixDrafter()
+        plain = SpeculativeDecoder(target, sampling=sampling)
+        for i in range(a.suffix):  # the target's own answers: drafts that are often, not always, accepted
+            sd.index.add_response(plain.generate(prompt, 32, seed=10_000 + i).tokens)
+        methods[f"suffix ({a.suffix} answers indexed)"] = SpeculativeDecoder(target, sd, sampling=sampling)
+        methods["prompt-lookup K=10"] = SpeculativeDecoder(target, PromptLookupDrafter(), sampling=sampling)
     report = {"prompt": a.prompt, "new_tokens": a.new_tokens, "sampling": vars(sampling), "methods": {}}
     for name, dec in methods.items():
         r = mc_lossless(dec, prompt, a.new_tokens, a.samples, a.seed)

@@ -1,0 +1,333 @@
+"""Model-free decoder-side drafters: SuffixDecoding, prompt lookup, and the hybrid with a trained drafter.
+
+They build each step's tree themselves (the decoder's ``draft_tree`` hook,
+engine/drafters.py) from deterministic candidates, put every node with
+children in ``tree.certain`` and so are verified by "accept iff the
+target's own sample equals the candidate" (lossless, see
+`draftsmith.engine.sampling.verify_node_certain`); no logits, no q.
+
+* `SuffixDrafter`: a per-request `TokenIndex` over the prompt and the tokens
+  generated so far, and a global `SuffixIndex` over earlier responses (fed by
+  ``finish`` after each generation); the higher-scoring draft of the two.
+* `PromptLookupDrafter`: the k tokens after the newest earlier occurrence of
+  the context's last n-gram (the simplest member, HF's prompt lookup).
+* `HybridDrafter`: per step, the suffix draft when its score (expected
+  accepted tokens under the counts) is at least the trained drafter's
+  running mean of accepted tokens per step, else the trained drafter's own
+  draft. The choice depends only on the history, never on this step's
+  verification, so the hybrid is as lossless as its two members.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from draftsmith.drafters.suffix.index import Draft, SuffixConfig, SuffixIndex, TokenIndex
+
+
+@dataclass
+class _LocalState:
+    local: TokenIndex
+    fed: int = 0  # state.tokens[:fed] are in ``local``
+
+    def __copy__(self) -> "_LocalState":
+        # a cloned decode state may commit other tokens: it gets its own per-request index
+        ix = TokenIndex(self.local.config)
+        ix.toks, ix.link1, ix.link3 = array_copy(self.local.toks), array_copy(self.local.link1), array_copy(
+            self.local.link3)
+        ix.head1, ix.head3, ix.base = dict(self.local.head1), dict(self.local.head3), self.local.base
+        return _LocalState(ix, self.fed)
+
+
+def array_copy(a):
+    return a[:]  # array slicing copies
+
+
+def _feed(ls: _LocalState, state) -> list[int]:
+    """Index the committed tokens and the root (emitted, uncached) not yet in the local index; the context."""
+    end = state.length + 1
+    if ls.fed < end:
+        ls.local.extend(state.tokens[ls.fed:end])
+        ls.fed = end
+    return state.tokens[:end]
+
+
+def add_draft(tree, d: Draft, eos: frozenset) -> int:
+    """Put a draft into the decoder's tree as certain candidates; nodes under a drafted EOS are dropped
+    (nothing after an accepted EOS is emitted). Returns the nodes added."""
+    where = {-1: 0}
+    dead = set()
+    for i, (tok, par) in enumerate(zip(d.tokens, d.parents)):
+        if par in dead:
+            dead.add(i)
+            continue
+        parent = where[par]
+        where[i] = tree.add(parent, int(tok))
+        tree.certain.add(parent)
+        if tok in eos:
+            dead.add(i)
+    return tree.n
+
+
+class SuffixDrafter:
+    """SuffixDecoding: per-request and global suffix indexes (drafters/suffix/index.py)."""
+
+    model_free = True
+    target_fingerprint = None  # token ids only: any target (the caller keeps one tokenizer per index)
+    max_depth = None
+    supports_trees = True
+
+    def __init__(self, config: SuffixConfig | None = None, index: SuffixIndex | None = None, *,
+                 name: str = "suffix", learn: bool = True):
+        self.config = config or (index.config if index is not None else SuffixConfig())
+        self.index = index if index is not None else SuffixIndex(self.config)
+        self.name = name
+        self.learn = learn  # finish() adds each finished response to the global index
+        self.max_nodes = self.config.max_spec_tokens
+        self.lookup_s = 0.0  # time spent in lookups (both indexes), for reports
+        self.lookups = 0
+
+    def start(self, dec, state) -> _LocalState:
+        return _LocalState(TokenIndex(self.config))
+
+    def speculate(self, ls: _LocalState, state, cap: int) -> Draft:
+        t0 = time.perf_counter()
+        ctx = _feed(ls, state)
+        a = ls.local.speculate(ctx, cap)
+        b = self.index.speculate(ctx, cap)
+        self.lookup_s += time.perf_counter() - t0
+        self.lookups += 1
+        return b if b.score > a.score else a
+
+    def draft_tree(self, dec, state, tree, cap: int) -> bool:
+        d = self.speculate(state.drafter_state, state, min(cap, tree.capacity))
+        add_draft(tree, d, dec.eos)
+        return True  # an empty tree is a plain step
+
+    def propose(self, dec, state, tree, start, end):
+        return None
+
+    def commit(self, dec, state, tree, path) -> None:
+        return None
+
+    def batch_adapter(self) -> ModelFreeRows:
+        return ModelFreeRows(self)
+
+    def stats(self) -> dict:
+        """Lookups made, lookup time per step (both indexes) and the global index's memory report."""
+        return {"lookups": self.lookups,
+                "lookup_ms_per_step": round(1e3 * self.lookup_s / self.lookups, 4) if self.lookups else None,
+                "index": self.index.memory_report()}
+
+    def finish(self, dec, state) -> None:
+        if self.learn:
+            self.index.add_response(state.tokens[state.prompt_len:])
+
+
+class PromptLookupDrafter:
+    """Prompt lookup: a chain of ``k`` tokens after the newest earlier match of the last n-gram in the
+    request's own context (n from ``max_ngram`` down to ``min_ngram``)."""
+
+    model_free = True
+    target_fingerprint = None
+    max_depth = None
+    supports_trees = True
+
+    def __init__(self, k: int = 10, max_ngram: int = 3, min_ngram: int = 1, name: str | None = None):
+        if k < 1 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"prompt lookup needs k >= 1 and 1 <= min_ngram <= max_ngram, got k={k}, "
+                             f"min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+        self.max_nodes = k
+        self.name = name or f"prompt-lookup K={k}"
+        self._config = SuffixConfig(max_depth=max(max_ngram, 2), max_cached_requests=0)
+
+    def start(self, dec, state) -> _LocalState:
+        return _LocalState(TokenIndex(self._config))
+
+    def draft_tree(self, dec, state, tree, cap: int) -> bool:
+        ls = state.drafter_state
+        ctx = _feed(ls, state)
+        toks = ls.local.lookup(ctx, min(cap, self.k, tree.capacity), self.max_ngram, self.min_ngram)
+        add_draft(tree, Draft(tokens=toks, parents=list(range(-1, len(toks) - 1))), dec.eos)
+        return True
+
+    def batch_adapter(self) -> ModelFreeRows:
+        return ModelFreeRows(self)
+
+    def propose(self, dec, state, tree, start, end):
+        return None
+
+    def commit(self, dec, state, tree, path) -> None:
+        return None
+
+
+class ModelFreeRows:
+    """The batched decoder's adapter for a model-free drafter: per-row state only (the rows' trees are built
+    by the drafter's ``draft_tree``, called per row by `draftsmith.engine.batched.BatchedSpeculativeDecoder`)."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def start(self, dec, states: list, capacity: int) -> None:
+        for s in states:
+            s.drafter_state = self.drafter.start(dec, s)
+
+    def begin_step(self, states: list) -> None:
+        pass
+
+    def propose(self, rows, states, trees, ranges):
+        return [None] * len(rows)
+
+    def commit(self, row: int, dec, state, tree, path) -> None:
+        pass
+
+    def history(self, state, old, new):
+        return new
+
+    def move_row(self, src: int, dst: int, src_state) -> None:
+        pass  # per-row state lives in the row's DecodeState
+
+
+@dataclass
+class _HybridState:
+    inner: Any
+    local: _LocalState
+    est: float  # running mean of the trained drafter's accepted tokens per step
+    unseen: list = field(default_factory=list)  # target hidden states the trained drafter has not read
+    last_fresh: Any = None
+    chose: str = "inner"
+    since_inner: int = 0  # steps since the trained drafter last drafted (exploration)
+    t_prev: float | None = None  # when the previous step's drafting began (step timing)
+    step: int = 0
+
+    @property
+    def hidden(self):  # drafter features for length policies: the trained drafter's
+        return getattr(self.inner, "hidden", None)
+
+    def __copy__(self) -> "_HybridState":
+        c = _HybridState(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        c.inner, c.local, c.unseen = copy.copy(self.inner), copy.copy(self.local), list(self.unseen)
+        return c
+
+
+class HybridDrafter:
+    """A trained drafter and SuffixDecoding, chosen per step by expected tokens per second.
+
+    Per step, with s the suffix draft's score (expected accepted tokens under the counts; 0 when nothing
+    matches, i.e. a plain step), e the trained drafter's running mean of accepted tokens per step, and
+    r the cost of a trained-drafter step relative to a model-free step: the suffix draft (or a plain step)
+    when (1 + s) * r >= 1 + e, else the trained drafter. ``inner_cost`` fixes r (1.0: compare expected
+    accepted lengths only); None measures it online (running means of the wall time between consecutive
+    steps of each kind, the first step of a generation, which holds the prefill, left out). Every
+    ``explore_every`` steps without it, the trained drafter drafts once, so its estimate can recover.
+    ``prior``: e before any step is measured; ``ema``: the weight of each new step in the running means.
+    The choice reads only the history, never this step's verification: lossless. Estimates carry over
+    between generations (written back by ``finish``)."""
+
+    def __init__(self, inner: Any, suffix: SuffixDrafter, *, prior: float = 1.0, ema: float = 0.1,
+                 inner_cost: float | None = None, explore_every: int = 16, name: str | None = None):
+        if getattr(inner, "verify_forward", None) is not None:
+            raise ValueError(f"drafter {getattr(inner, 'name', type(inner).__name__)!r} replaces the target's "
+                             "verification forward (a self-drafter): a hybrid with it is not supported")
+        if getattr(inner, "draft_tree", None) is not None:
+            raise ValueError("the hybrid's trained drafter must draft from logits, not build its own trees")
+        self.inner, self.suffix = inner, suffix
+        self.name = name or f"{getattr(inner, 'name', 'drafter')}+suffix"
+        self.target_fingerprint = getattr(inner, "target_fingerprint", None)
+        self.max_depth = getattr(inner, "max_depth", None)
+        self.needs_target_hidden = getattr(inner, "needs_target_hidden", False)
+        self.supports_trees = getattr(inner, "supports_trees", True)
+        self.max_nodes = suffix.max_nodes
+        self.prior = float(prior)
+        self.estimate, self.ema = self.prior, float(ema)
+        self.inner_cost, self.explore_every = inner_cost, int(explore_every)
+        self.step_s: dict[str, float | None] = {"suffix": None, "inner": None}
+        self.steps = {"suffix": 0, "inner": 0}
+        pol = getattr(inner, "default_policy", None)
+        if pol is not None:
+            self.default_policy = pol
+        for attr in ("vocab_size", "context_length"):
+            v = getattr(inner, attr, None)
+            if v is not None:
+                setattr(self, attr, v)
+
+    def cost_ratio(self) -> float:
+        """r: a trained-drafter step's cost relative to a model-free one (fixed, measured, or 1.0)."""
+        if self.inner_cost is not None:
+            return self.inner_cost
+        a, b = self.step_s["inner"], self.step_s["suffix"]
+        return a / b if a and b else 1.0
+
+    def start(self, dec, state) -> _HybridState:
+        return _HybridState(self.inner.start(dec, state), self.suffix.start(dec, state), self.estimate)
+
+    def _time(self, hs: _HybridState) -> None:
+        if self.inner_cost is not None:
+            return
+        now = time.perf_counter()
+        if hs.t_prev is not None and hs.step >= 2:  # steps committed so far; the first one holds the prefill
+            old = self.step_s[hs.chose]
+            dt = now - hs.t_prev
+            self.step_s[hs.chose] = dt if old is None else (1 - self.ema) * old + self.ema * dt
+        hs.t_prev = now
+
+    def draft_tree(self, dec, state, tree, cap: int) -> bool:
+        # drafting may be repeated for one step (exact enumeration re-drafts): everything the choice reads is
+        # advanced in commit, never here
+        hs: _HybridState = state.drafter_state
+        self._time(hs)
+        if state.fresh_hidden is not None and state.fresh_hidden is not hs.last_fresh:
+            hs.unseen.append(state.fresh_hidden)
+            hs.last_fresh = state.fresh_hidden
+        d = self.suffix.speculate(hs.local, state, min(cap, tree.capacity))
+        explore = self.explore_every > 0 and hs.since_inner >= self.explore_every
+        if not explore and (1 + d.score) * self.cost_ratio() >= 1 + hs.est:
+            hs.chose = "suffix"
+            self.steps["suffix"] += 1
+            add_draft(tree, d, dec.eos)
+            return True
+        hs.chose = "inner"
+        self.steps["inner"] += 1
+        if len(hs.unseen) > 1:  # hidden states of the suffix steps since the trained drafter last ran
+            state.fresh_hidden = torch.cat(hs.unseen)
+            hs.last_fresh = state.fresh_hidden
+        hs.unseen = []
+        return False
+
+    def propose(self, dec, state, tree, start, end):
+        hs: _HybridState = state.drafter_state
+        state.drafter_state = hs.inner
+        try:
+            return self.inner.propose(dec, state, tree, start, end)
+        finally:
+            state.drafter_state = hs
+
+    def commit(self, dec, state, tree, path) -> None:
+        hs: _HybridState = state.drafter_state
+        hs.step += 1
+        if hs.chose != "inner":
+            hs.since_inner += 1
+            return
+        hs.since_inner = 0
+        if tree.n:  # a step that drafted nothing (no room, or the drafter could not) says nothing of it
+            hs.est = (1 - self.ema) * hs.est + self.ema * (len(path) - 1)
+        state.drafter_state = hs.inner
+        try:
+            self.inner.commit(dec, state, tree, path)
+        finally:
+            state.drafter_state = hs
+
+    def stats(self) -> dict:
+        """The suffix member's figures, the steps each member drafted and the current estimates."""
+        return {**self.suffix.stats(), "steps": dict(self.steps), "inner_estimate": round(self.estimate, 3),
+                "cost_ratio": round(self.cost_ratio(), 3)}
+
+    def finish(self, dec, state) -> None:
+        self.estimate = state.drafter_state.est
+        self.suffix.finish(dec, state)
