@@ -180,6 +180,9 @@ def run_trace(args) -> int:
     tr = load_step_trace(args.trace)
     prof = load_profile(args.profile)
     check_trace_for(tr, prof.target, f"step trace {args.trace}")
+    if not prof.target.get("fingerprint") and prof.target.get("name") != tr.target.get("name"):
+        print(f"note: profile {prof.name} prices target {prof.target.get('name')!r}; the trace's decisions come from "
+              f"{tr.target.get('name')!r} (a what-if: its acceptance at the profile's costs)")
     r = simulate_trace(tr, prof, args.drafter_cost)
     print(f"{tr.mode} trace, {r['tokens']} tokens, {r['steps']} steps under profile {prof.name} ({prof.hardware}):")
     print(f"  simulated: {r['simulated_tokens_per_s']:.2f} tokens/s ({r['simulated_s']:.3f} s)")

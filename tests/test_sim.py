@@ -188,7 +188,7 @@ def test_trace_from_another_target_or_tokenizer_is_refused():
         check_trace_for(tr, {**TID, "vocab_size": 49152})
     with pytest.raises(StepTraceError, match="tokenizer"):
         check_trace_for(tr, {**TID, "tokenizer": "other"})
-    check_trace_for(tr, {"name": "t"})  # a published profile names its target only: nothing to compare
+    check_trace_for(tr, {"name": "llama"})  # a published profile names its target only: nothing to compare
 
 
 def test_profile_with_missing_shapes_is_refused():
@@ -245,3 +245,22 @@ def test_builtin_gpu_profile_loads_and_says_where_it_comes_from():
     p = load_profile("h100-llama31-8b-sglang")
     assert "158.34" in p.source and any("ASSUMPTION" in a for a in p.assumptions)
     assert p.forward_s(9, 100) / p.forward_s(1, 100) < 1.1  # verification rows nearly free there (assumed)
+
+
+def test_cli_run_and_dsi(tmp_path, capsys):
+    from draftsmith.cli import main
+
+    p = linear_profile()
+    p.save(tmp_path / "p.yaml")
+    steps = [Step(rows=5, context=0, nodes=4, passes=4, accepted=1, emitted=2)] * 3
+    StepTrace("chain", TID, "d", [Run(steps, [], 6, wall_s=0.5)]).save(tmp_path / "t.json")
+    assert main(["simulate", "run", str(tmp_path / "t.json"), "--profile", str(tmp_path / "p.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "simulated:" in out and "measured (wall)" in out
+    StepTrace("chain", {**TID, "fingerprint": "other"}, "d", [Run(steps, [], 6)]).save(tmp_path / "u.json")
+    assert main(["simulate", "run", str(tmp_path / "u.json"), "--profile", str(tmp_path / "p.yaml")]) != 0
+    assert "fingerprint" in capsys.readouterr().err
+    assert main(["simulate", "dsi", "--point", "x:0.5:0.2", "--max-lookahead", "4", "--tokens", "200",
+                 "--repeats", "1", "--out", str(tmp_path / "d.json")]) == 0
+    pt = json.loads((tmp_path / "d.json").read_text())["points"][0]
+    assert pt["si_over_plain"] < 1 <= pt["dsi_over_plain"]
