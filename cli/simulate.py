@@ -28,6 +28,7 @@ from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.sim import dsi
+from draftsmith.sim.batch import acceptance_by_depth, batch_table
 from draftsmith.sim.calibrate import calibrate
 from draftsmith.sim.profile import builtin_profiles, load_profile
 from draftsmith.sim.replay import replay
@@ -86,6 +87,8 @@ def add_parser(subparsers, name: str, summary: str) -> None:
     p.add_argument("--max-len", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-predictors", action="store_true", help="skip DISCO and SpecDec++ (no training)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                   help="batch sizes for the batch-aware policy's plan")
     p.add_argument("--out", default=None, help="JSON report")
     p.set_defaults(func=run_replay)
 
@@ -217,6 +220,16 @@ def run_replay(args) -> int:
         for k, v in res["policies"].items():
             print(f"| {k} | {v['tokens_per_cost']:.3f} | {v['tau']:.2f} | {v['mean_draft_len']:.2f} | "
                   f"{100 * v['vs_best_fixed']:+.1f}% |")
+        cal = load_traces(args.traces, "calibration").at_temperature(args.temperature)
+        acc = acceptance_by_depth(cal.columns["position"], cal.columns["ratio"].astype(float), res["max_len"])
+        sizes = [b for b in args.batch_sizes if b * (res["max_len"] + 1) <= prof.forward.rows[-1]]
+        tab = batch_table(prof, who, acc, sizes, range(1, res["max_len"] + 1))
+        plan = {b: tab.best_k(b) for b in sizes}
+        gain = {b: tab.goodput(b, plan[b]) / tab.goodput(b, 0) for b in sizes}
+        out["profiles"][prof.name]["batch_aware"] = {"acceptance_by_depth": acc, "k_by_batch": plan,
+                                                     "goodput_over_plain": gain, "table": tab.to_dict()}
+        print("batch-aware K by batch size (SIMULATED): " + ", ".join(
+            f"b={b}: K={plan[b]} ({gain[b]:.2f}x plain)" for b in sizes))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=2, default=str))

@@ -264,3 +264,20 @@ def test_cli_run_and_dsi(tmp_path, capsys):
                  "--repeats", "1", "--out", str(tmp_path / "d.json")]) == 0
     pt = json.loads((tmp_path / "d.json").read_text())["points"][0]
     assert pt["si_over_plain"] < 1 <= pt["dsi_over_plain"]
+
+
+def test_batch_aware_policy_under_a_profile():
+    from draftsmith.engine.batch_policy import BatchAwareLength
+    from draftsmith.sim.batch import acceptance_by_depth, batch_table
+
+    p = linear_profile()
+    tab = batch_table(p, "d", [0.9, 0.8, 0.7], batch_sizes=[1, 8], ks=[1, 2, 3], context=50)
+    s1 = 0.010 + 0.001 * 2 + 0.005 + 0.002 + 0.004 + (0.001 + 0.005 + 0.0005)
+    assert tab.cost(1, 1) == pytest.approx(s1)
+    assert tab.cost(8, 0) == pytest.approx(0.010 + 0.008 + 0.005 + 0.002 + 0.004 + 7 * 0.003)
+    pol = BatchAwareLength(tab, margin=0.0)
+    assert pol.choose(1) >= 1  # cheap rows, good acceptance: speculate
+    bad = batch_table(p, "d", [0.01], batch_sizes=[1], ks=[1], context=50)
+    assert BatchAwareLength(bad, margin=0.0).choose(1) == 0  # nothing accepted: plain decoding
+    pos, ratio = np.array([1, 1, 2, 2, 3]), np.array([1.0, 0.0, 1.0, 1.0, 0.5])
+    assert acceptance_by_depth(pos, ratio, 4) == [0.5, 1.0, 0.5, 0.0]
