@@ -273,9 +273,13 @@ def run_dsi(args) -> int:
                        "dsi_strictly_faster_than_both": sum(c["dsi_over_best"] > 1 + 1e-9 for c in cells)}
         out["cells"] = cells
         g = out["grid"]
+        slower = [c for c in cells if c["dsi_over_best"] < 1 - 1e-9]
+        g["dsi_slower_than_best"] = [{k: c[k] for k in ("c", "a", "dsi_over_best", "k_si", "k_dsi")} for c in slower]
         print(f"grid of {g['cells']} cells (c x a), lookahead 1..{args.max_lookahead}, {args.servers} target "
-              f"instances: SI slower than plain in {si_slower}; DSI never slower than the better of SI and plain "
-              f"(min ratio {worst:.3f}), strictly faster in {g['dsi_strictly_faster_than_both']}; DSI / SI from "
+              f"instances: SI slower than plain in {si_slower}; DSI faster than both SI and plain in "
+              f"{g['dsi_strictly_faster_than_both']}, as fast as the better in "
+              f"{g['cells'] - g['dsi_strictly_faster_than_both'] - len(slower)}, slower in {len(slower)} (worst "
+              f"{worst:.3f}x, at c = {sorted({c['c'] for c in slower})}); DSI / SI from "
               f"{g['dsi_over_si_range'][0]:.2f}x to {g['dsi_over_si_range'][1]:.2f}x -> {args.heatmap}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
