@@ -108,7 +108,7 @@ class Profile(StrictModel):
             raise ProfileError(f"a forward has at least one row, got {rows}")
         if rows > f.rows[-1]:
             raise ProfileError(f"profile {self.name!r} has no forward time for {rows} rows (its table stops at "
-                               f"{f.rows[-1]} rows): calibrate with larger --rows or give the shape")
+                               f"{f.rows[-1]} rows): measure or give a table that reaches it")
         if rows < f.rows[0]:
             raise ProfileError(f"profile {self.name!r} has no forward time for {rows} rows (its table starts at "
                                f"{f.rows[0]} rows)")
