@@ -13,7 +13,8 @@ ROOT = Path(__file__).parent
 FOLDERS = {"draftsmith": "core", "draftsmith.cli": "cli", "draftsmith.export": "export",
            "draftsmith.common": "common", "draftsmith.engine": "engine", "draftsmith.heads": "heads",
            "draftsmith.drafters": "drafters", "draftsmith.classifiers": "classifiers", "draftsmith.train": "train",
-           "draftsmith.eval": "eval", "draftsmith.serve": "serve", "draftsmith.recipes": "recipes"}
+           "draftsmith.eval": "eval", "draftsmith.serve": "serve", "draftsmith.recipes": "recipes",
+           "draftsmith.sim": "sim"}
 
 
 def packages() -> tuple[list[str], dict[str, str]]:
@@ -36,5 +37,5 @@ def packages() -> tuple[list[str], dict[str, str]]:
 PACKAGES, PACKAGE_DIR = packages()
 setup(packages=PACKAGES, package_dir=PACKAGE_DIR,
       package_data={"draftsmith.recipes": ["*.yaml"], "draftsmith.recipes.launch": ["*.yaml", "*.json"],
-                    "draftsmith.recipes.trees": ["*.json"]},
+                    "draftsmith.recipes.trees": ["*.json"], "draftsmith.sim": ["profiles/*.yaml"]},
       include_package_data=False)

@@ -12,6 +12,7 @@
   draftsmith import SRC --out CKPT           an engine-layout dir (EAGLE-3, Medusa) -> checkpoint
   draftsmith traces RECIPE [--checkpoint C]  acceptance traces of a chain drafter on training prompts
   draftsmith predictors TRACES               DISCO and SpecDec++ trained and tuned on those traces
+  draftsmith simulate calibrate|record|run|replay|dsi  cost-model simulator (measured or published profiles)
   draftsmith serve [--publish DIR --logs DIR] OpenAI-compatible server, lossless decoding, logs traffic
   draftsmith publish CKPT --to DIR           check a drafter against its target, make it current (list|rollback)
   draftsmith online RECIPE --logs DIR        continual distillation from the logs (rollback|status|import)
@@ -50,6 +51,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("export", "export a drafter to a layout serving engines load (checked by reload)"),
     "traces": ("traces", "record acceptance traces of a chain drafter on the recipe's training prompts"),
     "predictors": ("predictors", "train DISCO and SpecDec++ on acceptance traces (per temperature)"),
+    "simulate": ("simulate", "simulate decoding from traces and a cost profile: calibrate, record, run, replay, dsi"),
     "merge": ("merge", "data + caches of several finished data runs as one directory (for shared_data)"),
     "publish": ("publish", "check a drafter checkpoint and make it current in a publish directory (list|rollback)"),
     "import": ("export", "an engine-layout directory (EAGLE-3: speculators or EAGLE; Medusa: vLLM or TGI) -> "

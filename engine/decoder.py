@@ -329,6 +329,7 @@ class SpeculativeDecoder:
         t0 = self._now()
         tree = self.draft(state, rng)
         t1 = self._now()
+        rows, context = state.length - state.cached + tree.n + 1, state.cached  # for step-cost simulation (sim/)
         logits, hidden = self.verify_forward(state, tree)
         verdict = self.verify(state, tree, logits, rng)
         observe = getattr(self.policy, "observe", None)  # optional policy hook (policies.py): traces, online refits
@@ -338,7 +339,7 @@ class SpeculativeDecoder:
         out = self.commit(state, tree, verdict, hidden)
         t3 = self._now()
         st = StepStats(emitted=len(out), accepted=verdict.accepted, attempted=verdict.attempted, drafted=tree.n,
-                       draft_s=t1 - t0, verify_s=t2 - t1, other_s=t3 - t2)
+                       draft_s=t1 - t0, verify_s=t2 - t1, other_s=t3 - t2, rows=rows, context=context)
         state.steps.append(st)
         return st
 

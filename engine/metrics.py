@@ -33,6 +33,8 @@ class StepStats:
     verify_s: float
     other_s: float
     target_forwards: int = 1
+    rows: int = 0  # rows of the target forward (uncached committed tokens + root + drafted nodes); 0: not recorded
+    context: int = 0  # cached entries the forward attended to
 
 
 @dataclass

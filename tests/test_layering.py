@@ -4,7 +4,7 @@ Folders (each a subpackage of `draftsmith`, core/ being `draftsmith` itself) sit
 may point down or sideways along an allowed arrow, never up:
 
     core, recipes  <-  engine  <-  common  <-  kinds (heads, drafters, classifiers)
-        <-  train, serve, eval  <-  export  <-  cli
+        <-  train, serve, eval, sim  <-  export  <-  cli
 
 Checked here, function-local imports included: no arrow against the layers, no import cycle between
 modules, no private (underscore) name imported from another folder, no function-local import of a
@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"core": "draftsmith", "recipes": "draftsmith.recipes", "engine": "draftsmith.engine",
            "common": "draftsmith.common", "heads": "draftsmith.heads", "drafters": "draftsmith.drafters",
            "classifiers": "draftsmith.classifiers", "train": "draftsmith.train", "serve": "draftsmith.serve",
-           "eval": "draftsmith.eval", "export": "draftsmith.export", "cli": "draftsmith.cli"}
+           "eval": "draftsmith.eval", "export": "draftsmith.export", "cli": "draftsmith.cli",
+           "sim": "draftsmith.sim"}
 LAYER = {"core": 0, "recipes": 0, "engine": 1, "common": 2, "heads": 3, "drafters": 3, "classifiers": 3,
-         "train": 4, "serve": 4, "eval": 4, "export": 5, "cli": 6}
+         "train": 4, "serve": 4, "eval": 4, "sim": 4, "export": 5, "cli": 6}
 #: arrows allowed between two folders of one layer (everything else sideways is an error)
 SIDEWAYS = {("drafters", "heads"), ("eval", "train"), ("serve", "train")}
 KIND_FAMILIES = ("heads", "drafters", "classifiers")
