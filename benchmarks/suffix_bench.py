@@ -85,6 +85,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tree", default="chain", help="the trained drafter's tree (draftsmith eval's --tree)")
     ap.add_argument("--prompt-lookup", type=int, default=10, metavar="K")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip HF generate and HF prompt lookup")
+    ap.add_argument("--no-hf-generate", dest="hf_generate", action="store_false", help="skip HF generate only")
     ap.add_argument("--no-ours-lookup", dest="ours_lookup", action="store_false", help="skip ours prompt lookup")
     add_common_args(ap, threads=True, threads_default=1, seed=True, cpu_layout=True)
     a = ap.parse_args(argv)
@@ -110,7 +111,7 @@ def main(argv=None) -> dict:
         sampling = SamplingParams(temp)
         label = "greedy" if sampling.greedy else f"T={temp}"
         methods = [ours(BASELINE, SpeculativeDecoder(target, sampling=sampling))]
-        if a.hf:
+        if a.hf and a.hf_generate:
             methods.append(hf_generate(target, sampling))
         for d, trees in trained:
             methods += [ours(f"ours {d.name} {lbl}", SpeculativeDecoder(target, d, tree=t, sampling=sampling))

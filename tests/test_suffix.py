@@ -309,7 +309,7 @@ def test_hybrid_cost_ratio_and_exploration(tgt):
     dec = SpeculativeDecoder(tgt, h, sampling=TEMP, policy=FixedLength(2))
     r = dec.generate([0, 1, 2], 12, seed=0)
     n = len(r.steps)
-    assert h.steps["inner"] == n // 4 and h.steps["suffix"] == n - n // 4
+    assert h.steps["inner"] == n // 4 and h.steps.get("plain", 0) + h.steps["suffix"] == n - n // 4
     m = HybridDrafter(other_model_drafter(tgt), SuffixDrafter(), prior=1.0)  # measured costs
     SpeculativeDecoder(tgt, m, sampling=TEMP, policy=FixedLength(2)).generate([0, 1, 2], 12, seed=0)
     assert m.cost_ratio() > 0

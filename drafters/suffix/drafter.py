@@ -219,12 +219,14 @@ class _HybridState:
 class HybridDrafter:
     """A trained drafter and SuffixDecoding, chosen per step by expected tokens per second.
 
-    Per step, with s the suffix draft's score (expected accepted tokens under the counts; 0 when nothing
-    matches, i.e. a plain step), e the trained drafter's running mean of accepted tokens per step, and
-    r the cost of a trained-drafter step relative to a model-free step: the suffix draft (or a plain step)
-    when (1 + s) * r >= 1 + e, else the trained drafter. ``inner_cost`` fixes r (1.0: compare expected
-    accepted lengths only); None measures it online (running means of the wall time between consecutive
-    steps of each kind, the first step of a generation, which holds the prefill, left out). Every
+    Per step, with s the suffix draft's score (expected accepted tokens under the counts), e the trained
+    drafter's running mean of accepted tokens per step, and r_inner, r_suffix the costs of a
+    trained-drafter step and of a step verifying a suffix draft relative to a plain step (no draft): the
+    choice with the most expected tokens per unit of time among the suffix draft (1 + s) / r_suffix, a
+    plain step 1, and the trained drafter (1 + e) / r_inner. ``inner_cost`` fixes r_inner (and r_suffix =
+    1; 1.0 compares expected accepted lengths only); None measures both online (running means of the wall
+    time between consecutive steps of each kind, the first step of a generation, which holds the prefill,
+    left out). Every
     ``explore_every`` steps without it, the trained drafter drafts once, so its estimate can recover.
     ``prior``: e before any step is measured; ``ema``: the weight of each new step in the running means.
     The choice reads only the history, never this step's verification: lossless. Estimates carry over
@@ -247,7 +249,7 @@ class HybridDrafter:
         self.prior = float(prior)
         self.estimate, self.ema = self.prior, float(ema)
         self.inner_cost, self.explore_every = inner_cost, int(explore_every)
-        self.step_s: dict[str, float | None] = {"suffix": None, "inner": None}
+        self.step_s: dict[str, float | None] = {"suffix": None, "inner": None, "plain": None}
         self.steps = {"suffix": 0, "inner": 0}
         pol = getattr(inner, "default_policy", None)
         if pol is not None:
@@ -257,11 +259,13 @@ class HybridDrafter:
             if v is not None:
                 setattr(self, attr, v)
 
-    def cost_ratio(self) -> float:
-        """r: a trained-drafter step's cost relative to a model-free one (fixed, measured, or 1.0)."""
+    def cost_ratio(self, kind: str = "inner") -> float:
+        """A ``kind`` step's cost ("inner": a trained-drafter step, "suffix": a step verifying a suffix draft)
+        relative to a plain step (no draft): fixed (``inner_cost``; suffix steps then cost 1), measured,
+        or 1.0 while unmeasured."""
         if self.inner_cost is not None:
-            return self.inner_cost
-        a, b = self.step_s["inner"], self.step_s["suffix"]
+            return self.inner_cost if kind == "inner" else 1.0
+        a, b = self.step_s[kind], self.step_s["plain"]
         return a / b if a and b else 1.0
 
     def start(self, dec, state) -> _HybridState:
@@ -287,10 +291,15 @@ class HybridDrafter:
             hs.last_fresh = state.fresh_hidden
         d = self.suffix.speculate(hs.local, state, min(cap, tree.capacity))
         explore = self.explore_every > 0 and hs.since_inner >= self.explore_every
-        if not explore and (1 + d.score) * self.cost_ratio() >= 1 + hs.est:
-            hs.chose = "suffix"
-            self.steps["suffix"] += 1
-            add_draft(tree, d, dec.eos)
+        # expected tokens per unit of a plain step's time, for each choice
+        inner = (1 + hs.est) / self.cost_ratio("inner")
+        suffix = (1 + d.score) / self.cost_ratio("suffix") if len(d) else 0.0
+        if not explore and max(suffix, 1.0) >= inner:
+            kind = "suffix" if suffix >= 1.0 else "plain"  # a plain step beats a draft not worth its cost
+            hs.chose = kind
+            self.steps[kind] = self.steps.get(kind, 0) + 1
+            if kind == "suffix":
+                add_draft(tree, d, dec.eos)
             return True
         hs.chose = "inner"
         self.steps["inner"] += 1
@@ -311,7 +320,7 @@ class HybridDrafter:
     def commit(self, dec, state, tree, path) -> None:
         hs: _HybridState = state.drafter_state
         hs.step += 1
-        if hs.chose != "inner":
+        if hs.chose != "inner":  # a suffix or plain step
             hs.since_inner += 1
             return
         hs.since_inner = 0
