@@ -2,7 +2,7 @@
 (what the server does) or left raw (still lossless: only the target's side must be exact), and without processors.
 
     OMP_NUM_THREADS=1 taskset -c 0 python -m benchmarks.processors_acceptance \\
-        --checkpoint /tmp/new/runs/quickstart/final --out runs/processors_acceptance.json
+        --checkpoint runs/quickstart/final --out runs/processors_acceptance.json
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Greedy equality: ``--prompts`` MT-Bench first turns, ``--max-new-tokens`` tokens
 decoder (all prompts in one batch, chain and tree); divergences are counted with the processed top-2 gap.
 
     OMP_NUM_THREADS=1 taskset -c 1 python -m benchmarks.processors_real \\
-        --checkpoint /tmp/new/runs/quickstart/final --out runs/processors_real.json
+        --checkpoint runs/quickstart/final --out runs/processors_real.json
 """
 
 from __future__ import annotations

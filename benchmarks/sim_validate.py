@@ -1,7 +1,7 @@
 """The simulator against measured runs on this machine: calibrate, decode, replay, compare.
 
-    OMP_NUM_THREADS=1 taskset -c 0 python -m benchmarks.sim_validate /tmp/new/runs/quickstart/final \
-        --data /tmp/new/runs/quickstart/data/train.jsonl --threads 1 --out runs/sim-validate
+    OMP_NUM_THREADS=1 taskset -c 0 python -m benchmarks.sim_validate runs/quickstart/final \
+        --data runs/quickstart/data/train.jsonl --threads 1 --out runs/sim-validate
 
 1. Calibrate a profile (`draftsmith.sim.calibrate`) on ``--calibration-prompts`` training prompts taken
    from the END of ``--data`` (the validation never decodes them).

@@ -1,7 +1,6 @@
 """Medusa heads in the layouts serving engines load, and back.
 
-One export directory serves both engines (names read from their loaders,
-see ``shared/reference/serving_formats.md``):
+One export directory serves both engines (names read from their loaders):
 
   * vLLM (``vllm/model_executor/models/medusa.py``): ``config.json`` with
     ``model_type: "medusa"``, ``num_heads`` / ``num_hidden_layers`` (and the
