@@ -212,6 +212,19 @@ def test_suffix_drafts_trees_with_certain_siblings(tgt):
     assert not tree.q  # no vocabulary-sized q
 
 
+def test_min_score_gate_drafts_only_promising_drafts(tgt):
+    """The gate turns a draft whose expected accepted tokens are under min_score into a plain step."""
+    ctx = [0, 4, 3]  # (4, 3) is continued in the global index: a draft of score < 3 (path probabilities <= 1)
+    for min_score, drafts in ((0.0, True), (0.05, True), (3.0, False), (1e3, False)):
+        dec = SpeculativeDecoder(tgt, _suffix(min_score=min_score), sampling=TEMP)
+        assert (dec.draft(dec.start(ctx, N_NEW), TorchRandom(0)).n > 0) == drafts, min_score
+
+
+@pytest.mark.parametrize("sampling", [TEMP, TOPKP], ids=["T0.8", "topk-topp"])
+def test_gated_suffix_is_exact(tgt, references, sampling):
+    _exact(tgt, references, _suffix(min_score=0.9), sampling)
+
+
 @pytest.mark.parametrize("sampling", [TEMP, TOPKP], ids=["T0.8", "topk-topp"])
 @pytest.mark.parametrize("tree", [True, False], ids=["tree", "path"])
 def test_suffix_is_exact(tgt, references, sampling, tree):

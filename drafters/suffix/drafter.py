@@ -102,7 +102,9 @@ class SuffixDrafter:
         b = self.index.speculate(ctx, cap)
         self.lookup_s += time.perf_counter() - t0
         self.lookups += 1
-        return b if b.score > a.score else a
+        best = b if b.score > a.score else a
+        # the gate: a draft expected to gain less than min_score tokens costs its verification rows for nothing
+        return best if best.score >= self.config.min_score else Draft()
 
     def draft_tree(self, dec, state, tree, cap: int) -> bool:
         d = self.speculate(state.drafter_state, state, min(cap, tree.capacity))

@@ -61,6 +61,8 @@ class SuffixConfig(StrictModel):
     max_spec_offset: float = Field(0.0, description="see max_spec_factor")
     min_token_prob: float = Field(0.1, ge=0, le=1, description="stop drafting under this path probability")
     tree: bool = Field(True, description="draft a tree (best-first by probability) instead of one path")
+    min_score: float = Field(0.0, ge=0, description="SuffixDrafter drafts nothing (a plain step) when its best "
+                                                    "draft's score, the expected accepted tokens, is under this")
     max_cached_requests: int = Field(10000, ge=0, description="responses kept in the global index, FIFO "
                                                               "(0: no global index)")
     max_response_tokens: int = Field(8192, ge=1, description="tokens indexed per response (its first ones)")
