@@ -704,13 +704,16 @@ def _chat_sse(service: DecodingService, fmt: _Formatter, spec: Spec, req: ChatRe
     want = spec.top_logprobs is not None
     events = _events(service, spec, cid)
     try:
-        yield from _chat_chunks(service, events, chunk, cid, created, req, want)
+        yield from _relay(service, events, chunk, "chat.completion.chunk", cid, created, req, want,
+                          lambda text: {"content": text}, {})
     finally:
         events.close()
     yield "data: [DONE]\n\n"
 
 
-def _chat_chunks(service, events, chunk, cid, created, req, want) -> Iterator[str]:
+def _relay(service, events, chunk, obj: str, cid, created, req, want, content, ended) -> Iterator[str]:
+    """The SSE lines of one request's decoding events: ``content(text)`` makes a text delta's first argument to
+    ``chunk``, ``ended`` the finishing chunk's; usage after it when the request asked (object type ``obj``)."""
     for what, ev in events:
         if what == "error":
             yield _sse_line({"error": {"message": str(ev), "type": "invalid_request_error", "param": ev.param,
@@ -718,14 +721,13 @@ def _chat_chunks(service, events, chunk, cid, created, req, want) -> Iterator[st
             break
         if what == "delta":
             if ev["delta"] or ev["logprobs"]:
-                yield chunk({"content": ev["delta"]}, lps=ev["logprobs"] if want else None)
+                yield chunk(content(ev["delta"]), lps=ev["logprobs"] if want else None)
             continue
         rec = ev
-        yield chunk({}, rec["finish_reason"])
+        yield chunk(ended, rec["finish_reason"])
         if req.include_usage:
-            yield _sse_line({"id": cid, "object": "chat.completion.chunk", "created": created,
-                             "model": service.model_name, "choices": [], "usage": _usage(rec),
-                             "draftsmith": _decoding_info(rec)})
+            yield _sse_line({"id": cid, "object": obj, "created": created, "model": service.model_name,
+                             "choices": [], "usage": _usage(rec), "draftsmith": _decoding_info(rec)})
 
 
 def _completion_sse(service: DecodingService, fmt: _Formatter, spec: Spec, req: CompletionRequest, created: int,
@@ -749,25 +751,8 @@ def _completion_sse(service: DecodingService, fmt: _Formatter, spec: Spec, req: 
     want = spec.top_logprobs is not None
     events = _events(service, spec, cid)
     try:
-        yield from _completion_chunks(service, events, chunk, cid, created, req, want)
+        yield from _relay(service, events, chunk, "text_completion", cid, created, req, want,
+                          lambda text: text, "")
     finally:
         events.close()
     yield "data: [DONE]\n\n"
-
-
-def _completion_chunks(service, events, chunk, cid, created, req, want) -> Iterator[str]:
-    for what, ev in events:
-        if what == "error":
-            yield _sse_line({"error": {"message": str(ev), "type": "invalid_request_error", "param": ev.param,
-                                       "code": None}})
-            break
-        if what == "delta":
-            if ev["delta"] or ev["logprobs"]:
-                yield chunk(ev["delta"], lps=ev["logprobs"] if want else None)
-            continue
-        rec = ev
-        yield chunk("", rec["finish_reason"])
-        if req.include_usage:
-            yield _sse_line({"id": cid, "object": "text_completion", "created": created,
-                             "model": service.model_name, "choices": [], "usage": _usage(rec),
-                             "draftsmith": _decoding_info(rec)})

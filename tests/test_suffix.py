@@ -23,11 +23,10 @@ from draftsmith.eval.exact import enumerate_branches, exact_distribution, target
 from draftsmith.eval.mc_lossless import mc_lossless
 from draftsmith.traffic import make_record
 from tests.test_decoder import PathHeads, other_model_drafter, tiny
+# the exact-enumeration setting and check shared with the decoder's own enumeration tests
+from tests.test_decoder_enumeration import N_NEW, PROMPT, TEMP, TOPKP
+from tests.test_decoder_enumeration import _check as _exact
 
-PROMPT = [1, 3, 4, 3]
-N_NEW = 3
-TEMP = SamplingParams(0.8)
-TOPKP = SamplingParams(1.0, top_k=4, top_p=0.95)
 
 
 # ---------------------------------------------------------------------------------------------- the index
@@ -193,15 +192,6 @@ def _suffix(tree=True, **kw):
     for r in ([3, 2, 5, 1], [4, 3, 2, 2], [4, 3, 1, 0], [3, 5, 4, 3], [2, 3, 2, 2]):  # siblings after (4, 3)
         g.add_response(r)
     return SuffixDrafter(cfg, g)
-
-
-def _exact(tgt, references, drafter, sampling, **kw):
-    dec = SpeculativeDecoder(tgt, drafter, sampling=sampling, **kw)
-    got = exact_distribution(dec, PROMPT, N_NEW)
-    assert abs(sum(got.values()) - 1.0) < 1e-12
-    tv = total_variation(got, references[sampling])
-    assert tv < 1e-9, tv
-    return dec
 
 
 def test_suffix_drafts_trees_with_certain_siblings(tgt):
