@@ -1,4 +1,4 @@
-"""Model-free drafting from traffic on three workloads (issue 28), every method interleaved per prompt.
+"""Model-free drafting from traffic on three workloads, every method interleaved per prompt.
 
 Workloads (``--workload``):
   * ``humaneval``: ``--samples`` samples of each of ``--problems`` HumanEval problems, served in turn (the

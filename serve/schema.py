@@ -1,6 +1,6 @@
 """The request bodies the server accepts, as typed models: every field is implemented, refused, or listed as ignored.
 
-Rules (docs/DECISIONS.md, issue 31):
+Rules (docs/DECISIONS.md):
   * an unknown field is a 400 naming it (no field is silently dropped);
   * a field of the OpenAI API that would change the output is either implemented or refused with a 400
     naming it (`REFUSED`); only the fields in `IGNORED` are accepted and ignored: they change nothing in

@@ -3,7 +3,7 @@
 Not a registered kind: there is nothing to train, and its "checkpoint" is
 an index configuration (`SuffixConfig`) plus, optionally, a saved global
 index (`SuffixIndex.save` / `load`). It is a decoder-side drafter, chosen
-with ``--suffix`` (docs/DECISIONS.md, issue 28).
+with ``--suffix`` (docs/DECISIONS.md).
 """
 
 from draftsmith.drafters.suffix.drafter import HybridDrafter, PromptLookupDrafter, SuffixDrafter
