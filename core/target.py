@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,6 +48,9 @@ class Target:
     name: str
     path: Path
     fingerprint: str
+    # the decoding forward decoders built on this target use instead of the model's body, or None
+    # (`draftsmith.engine.fastpath.use_fast_forward` sets it)
+    fast_body: Any = None
 
     @property
     def config(self):

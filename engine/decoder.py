@@ -134,6 +134,9 @@ class SpeculativeDecoder:
         self.tree = tree
         self.model = target.model
         self.body = self.model.get_decoder()
+        # the target's forward for prefill and verification: our static-shape one (engine/fastpath.py) when
+        # `use_fast_forward` put it on the target, else the model's own body
+        self.fast = getattr(target, "fast_body", None)
         self.lm_head = self.model.get_output_embeddings()
         p = next(self.model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -192,6 +195,8 @@ class SpeculativeDecoder:
                                max_new_tokens=0, done=True, stop_reason="max_new_tokens")
         if self.cache is None or self.capacity < need:
             self.capacity = max(need, 256)
+            if self.fast is not None and self.fast.compiled is not None:  # few capacities: few compiled graphs
+                self.capacity = 1 << max(self.capacity - 1, 511).bit_length()
             self.cache = SlotCache.for_model(self.model, self.capacity)
         L = len(ids) - 1
         state = DecodeState(tokens=ids, prompt_len=len(ids), length=L, hidden=None, max_new_tokens=max_new_tokens)
@@ -214,9 +219,13 @@ class SpeculativeDecoder:
         self.cache.set_write(c)
         mask = None if c == 0 else prefix_block_mask(
             c, torch.ones(L - c, L - c, dtype=torch.bool, device=self.device).tril(), self.dtype)
-        h = self.body(input_ids=torch.tensor([state.tokens[c:L]], device=self.device),
-                      position_ids=torch.arange(c, L, device=self.device)[None], attention_mask=mask,
-                      **cache_arg(self.body, self.cache), use_cache=True).last_hidden_state
+        ids, pos = torch.tensor([state.tokens[c:L]], device=self.device), torch.arange(c, L, device=self.device)[None]
+        if self.fast is not None:
+            h = self.fast(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache,
+                          want_logits=False).last_hidden_state
+        else:
+            h = self.body(input_ids=ids, position_ids=pos, attention_mask=mask,
+                          **cache_arg(self.body, self.cache), use_cache=True).last_hidden_state
         state.hidden, state.cached = h[0, -1:], L
         state.fresh_hidden = h[0] if c == 0 or state.fresh_hidden is None else torch.cat([state.fresh_hidden, h[0]])
 
@@ -281,6 +290,9 @@ class SpeculativeDecoder:
             pos, block = tree.verify_rows(c, L, self.device)
             mask = prefix_block_mask(c, block, self.dtype)
         self.cache.set_write(c)
+        if self.fast is not None:
+            out = self.fast(input_ids=ids[None], position_ids=pos[None], attention_mask=mask, cache=self.cache)
+            return out.logits[0, pre:], out.last_hidden_state[0, pre:]
         h = self.body(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
                       **cache_arg(self.body, self.cache), use_cache=True).last_hidden_state[0, pre:]
         return project(self.lm_head, h), h

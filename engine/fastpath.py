@@ -1,0 +1,246 @@
+"""A static-shape decoding forward for Llama-family targets, compiled with inductor on CPU (gpt-fast style).
+
+The decoder calls the target's body through its public forward (``body(input_ids=..., position_ids=...,
+attention_mask=..., cache=SlotCache)``). `FastBody` is a drop-in for that call: the same arguments, the
+same pre-allocated `SlotCache`, the same result (``.last_hidden_state``, after the final norm), plus
+``.logits`` from the LM head inside the same graph. What it changes is how the work is done:
+
+  * the weights are fused (q/k/v in one matrix, gate/up in one) and, compiled, frozen into the graph:
+    inductor packs each weight once for its own small-M matrix kernels (the CPP GEMM template), which
+    multiply the 1 to 16 rows of decoding much faster than MKL's general kernels on these CPUs
+    (docs/results.md, "compiled decoding");
+  * the rows of one call are padded up to a bucket (1, 2, 4, 8, 16, 32): one compiled graph per bucket,
+    so a chain, a static tree and plain decoding each reuse one graph. A padded row writes its key and
+    value past the committed entries, where the next forward overwrites them (as a rejected draft's
+    entries are), and attends to nothing but itself, so it changes no real row;
+  * the cache's live length is a dynamic dimension of the graph (marked once), so the graph does not
+    recompile as the context grows; attention covers the live slots only.
+
+A call with more rows than the largest bucket (a long prompt's prefill) runs the same Python function
+eagerly. Only the order of floating-point accumulation differs from the Hugging Face forward (as it does
+between a 1-row and an 8-row forward of the same model); tests/test_fastpath.py compares the two, and
+every losslessness test of the decoder runs through this path too.
+
+Supported: ``model_type`` llama, mistral (no sliding window) and qwen2 with SiLU MLPs and the default,
+linear, dynamic or llama3 RoPE (computed by the model's own rotary module). `unsupported` names the reason
+for any other model, and the decoder then keeps the Hugging Face forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32)
+MODES = ("eager", "fast", "compile")  # HF forward | our forward, eager | our forward, compiled where it fits
+
+
+def unsupported(model) -> str | None:
+    """Why `FastBody` cannot run ``model`` (None when it can)."""
+    cfg = model.config
+    mt = getattr(cfg, "model_type", None)
+    if mt not in ("llama", "mistral", "qwen2"):
+        return f"model_type {mt!r} (supported: llama, mistral, qwen2)"
+    if getattr(cfg, "sliding_window", None) and mt != "qwen2":
+        return "sliding-window attention"
+    if mt == "qwen2" and getattr(cfg, "use_sliding_window", False):
+        return "sliding-window attention"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r}"
+    if getattr(cfg, "mlp_bias", False):
+        return "MLP biases"
+    body = model.get_decoder()
+    for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(body, attr):
+            return f"the body has no {attr!r}"
+    return None
+
+
+@dataclass
+class FastOutput:
+    last_hidden_state: torch.Tensor
+    logits: torch.Tensor | None
+
+
+def _bucket(q: int) -> int | None:
+    for b in BUCKETS:
+        if q <= b:
+            return b
+    return None
+
+
+class _Core(torch.nn.Module):
+    """The weights (fused, registered so that inductor's freezing sees them) and the computation."""
+
+    def __init__(self, model):
+        super().__init__()
+        cfg = model.config
+        body = model.get_decoder()
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.eps = float(cfg.rms_norm_eps)
+        self.embed = body.embed_tokens
+        self.rotary = body.rotary_emb
+        self.norm_w = body.norm.weight
+        self.head_w = model.get_output_embeddings().weight
+        P = torch.nn.ParameterList
+        self.qkv, self.o, self.ln1, self.ln2, self.gate_up, self.down = P(), P(), P(), P(), P(), P()
+        self.qkv_b: P | None = None
+        with torch.no_grad():
+            for layer in body.layers:
+                a, m = layer.self_attn, layer.mlp
+                cat = lambda *ws: torch.nn.Parameter(torch.cat(ws).contiguous(), requires_grad=False)  # noqa: E731
+                self.qkv.append(cat(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
+                if getattr(a.q_proj, "bias", None) is not None:
+                    if self.qkv_b is None:
+                        self.qkv_b = P()
+                    self.qkv_b.append(cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias))
+                if getattr(a.o_proj, "bias", None) is not None:
+                    raise ValueError("the fast decoding forward does not support an output-projection bias")
+                self.o.append(a.o_proj.weight)
+                self.ln1.append(layer.input_layernorm.weight)
+                self.ln2.append(layer.post_attention_layernorm.weight)
+                self.gate_up.append(cat(m.gate_proj.weight, m.up_proj.weight))
+                self.down.append(m.down_proj.weight)
+        self.inter = int(self.gate_up[0].shape[0] // 2)
+
+    # the computation -------------------------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * x.to(dt)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
+                kv: list[torch.Tensor], logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids, pos [1, q]; mask [1, 1, q, e] additive over the first e cache slots; slots [q] where the q
+        new entries go; kv: the cache's key and value buffers, layer by layer."""
+        q = ids.shape[1]
+        e = mask.shape[-1]
+        h = self.embed(ids)
+        cos, sin = self.rotary(h, pos)
+        cos, sin = cos[:, None], sin[:, None]
+        nh, nk, d = self.n_heads, self.n_kv, self.head_dim
+        half = d // 2
+        for i in range(len(self.qkv)):
+            x = self._rms(h, self.ln1[i])
+            qkv = F.linear(x, self.qkv[i], None if self.qkv_b is None else self.qkv_b[i])
+            qs, ks, vs = qkv.split([nh * d, nk * d, nk * d], dim=-1)
+            qs = qs.view(1, q, nh, d).transpose(1, 2)
+            ks = ks.view(1, q, nk, d).transpose(1, 2)
+            vs = vs.view(1, q, nk, d).transpose(1, 2)
+            qs = qs * cos + torch.cat([-qs[..., half:], qs[..., :half]], dim=-1) * sin
+            ks = ks * cos + torch.cat([-ks[..., half:], ks[..., :half]], dim=-1) * sin
+            kc, vc = kv[2 * i], kv[2 * i + 1]
+            kc.index_copy_(2, slots, ks)
+            vc.index_copy_(2, slots, vs)
+            att = F.scaled_dot_product_attention(qs, kc[:, :, :e], vc[:, :, :e], attn_mask=mask,
+                                                 enable_gqa=nk != nh)
+            h = h + F.linear(att.transpose(1, 2).reshape(1, q, nh * d), self.o[i])
+            x = self._rms(h, self.ln2[i])
+            gu = F.linear(x, self.gate_up[i])
+            h = h + F.linear(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], self.down[i])
+        h = self._rms(h, self.norm_w)
+        return h, F.linear(h, self.head_w) if logits else None
+
+
+class FastBody(torch.nn.Module):
+    """The target body (and LM head) as one static-shape function; see the module docstring.
+
+    Args:
+      model: a Llama-family causal LM (`unsupported` is None for it); its weights are copied fused.
+      compile: compile with inductor (weights frozen into the graph) for calls of up to 32 rows.
+    """
+
+    def __init__(self, model, compile: bool = True):
+        super().__init__()
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"the fast decoding forward does not support this model: {why}")
+        self.core = _Core(model)
+        self.dtype = self.core.norm_w.dtype
+        self.compiled = None
+        self.compile_s = 0.0  # seconds spent in the first calls of new compiled shapes
+        self._seen: set = set()
+        if compile:
+            import torch._inductor.config as icfg
+            icfg.freezing = True  # weights become constants: packed once for the small-M GEMM kernels
+            icfg.max_autotune = True
+            icfg.max_autotune_gemm_backends = "CPP,ATEN"
+            self.compiled = torch.compile(self.core, dynamic=False)
+
+    # the body's calling convention -----------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, cache=None, past_key_values=None,
+                use_cache: bool = True, want_logits: bool = True, **kwargs) -> FastOutput:
+        if kwargs.get("output_hidden_states"):
+            raise ValueError("FastBody does not return intermediate hidden states; use the model's body")
+        cache = cache if cache is not None else past_key_values
+        if cache is None or not hasattr(cache, "write_start"):
+            raise ValueError("FastBody needs the decoder's pre-allocated SlotCache")
+        dev = input_ids.device
+        q = int(input_ids.shape[1])
+        s = int(cache.write_start)
+        e = s + q
+        if position_ids is None:
+            position_ids = torch.arange(s, e, device=dev)[None]
+        if attention_mask is None:
+            allowed = torch.ones(q, e, dtype=torch.bool, device=dev).tril(diagonal=s)
+            attention_mask = torch.zeros(1, 1, q, e, dtype=self.dtype, device=dev)
+            attention_mask.masked_fill_(~allowed, torch.finfo(attention_mask.dtype).min)
+        kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        b = _bucket(q) if self.compiled is not None else None
+        if b is None or s + b > cache.capacity:
+            h, lg = self.core(input_ids, position_ids, attention_mask, torch.arange(s, e, device=dev), kv,
+                              logits=want_logits)
+            return FastOutput(h, lg)
+        pad = b - q
+        if pad:
+            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(1, pad)], dim=1)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(1, pad)], dim=1)
+            m = torch.full((1, 1, b, e + pad), torch.finfo(attention_mask.dtype).min, dtype=attention_mask.dtype,
+                           device=dev)
+            m[:, :, :q, :e] = attention_mask
+            m[0, 0, torch.arange(q, b), torch.arange(e, e + pad)] = 0  # a padded row sees only itself
+            attention_mask = m
+        slots = torch.arange(s, s + b, device=dev)
+        key = (b, kv[0].shape[2], str(dev))
+        first = key not in self._seen
+        if first:
+            torch._dynamo.mark_dynamic(attention_mask, 3)
+            self._seen.add(key)
+            t0 = time.perf_counter()
+        h, lg = self.compiled(input_ids, position_ids, attention_mask, slots, kv)
+        if first:
+            self.compile_s += time.perf_counter() - t0
+            log.info("compiled the decoding forward for %d rows in %.1f s", b, time.perf_counter() - t0)
+        if pad:
+            h, lg = h[:, :q], lg[:, :q]
+        return FastOutput(h, lg)
+
+
+def use_fast_forward(target, mode: str = "compile") -> dict:
+    """Make every decoder built on ``target`` from now on use our forward (``mode`` "fast": eager;
+    "compile": compiled where it fits) or, with "eager", the model's own forward. Returns what was done,
+    for the report: a model the fast forward does not support keeps its own, with the reason."""
+    if mode not in MODES:
+        raise ValueError(f"decoding forward must be one of {MODES}, got {mode!r}")
+    if mode == "eager":
+        target.fast_body = None
+        return {"forward": "eager"}
+    why = unsupported(target.model)
+    if why is not None:
+        log.warning("the fast decoding forward does not support %s (%s): keeping the model's own", target.name, why)
+        target.fast_body = None
+        return {"forward": "eager", "why": why}
+    import torch._dynamo
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    target.fast_body = FastBody(target.model, compile=mode == "compile")
+    return {"forward": mode}

@@ -1,0 +1,105 @@
+"""Our static-shape decoding forward (engine/fastpath.py), eager and compiled, against the model's own.
+
+The forward must give the model's hidden states and logits (up to the order of floating-point
+accumulation), write the same keys and values into the slot cache, leave padded rows without effect, and
+keep the decoder lossless: greedy outputs equal plain decoding through the model's own forward, and the
+exact-enumeration tests run through it in tests/test_decoder_enumeration.py (the ``compiled`` target).
+"""
+
+import pytest
+import torch
+
+from draftsmith.engine.cache_kw import cache_arg
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.fastpath import FastBody, unsupported, use_fast_forward
+from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+from draftsmith.engine.trees import DynamicTree
+from tests.test_decoder import random_medusa, tiny
+
+
+def _hf_and_fast(tgt, fast, prompt_len=11, q=3, tree=False, capacity=64):
+    """Prefill then one block of q rows through both forwards; returns (hf logits, fast logits, caches)."""
+    m, body = tgt.model, tgt.model.get_decoder()
+    dt = next(m.parameters()).dtype
+    c1, c2 = SlotCache.for_model(m, capacity), SlotCache.for_model(m, capacity)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, tgt.vocab_size, (1, prompt_len), generator=g)
+    with torch.no_grad():
+        c1.set_write(0), c2.set_write(0)
+        body(input_ids=ids, use_cache=True, **cache_arg(body, c1))
+        fast(input_ids=ids, cache=c2)
+        blk = torch.ones(q, q, dtype=torch.bool).tril()
+        if tree:  # rows 1 and 2 are siblings: row 2 must not see row 1
+            blk[2, 1] = False
+        mask = prefix_block_mask(prompt_len, blk, dt)
+        pos = torch.arange(prompt_len, prompt_len + q)[None]
+        if tree:
+            pos[0, 2] = pos[0, 1]
+        x = torch.randint(3, tgt.vocab_size, (1, q), generator=g)
+        c1.set_write(prompt_len), c2.set_write(prompt_len)
+        h1 = body(input_ids=x, position_ids=pos, attention_mask=mask, use_cache=True,
+                  **cache_arg(body, c1)).last_hidden_state
+        out = fast(input_ids=x, position_ids=pos, attention_mask=mask, cache=c2)
+    return m.lm_head(h1), out.logits, c1, c2, prompt_len + q
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_fast_eager_forward_equals_the_models(tree):
+    tgt = tiny(vocab=40, layers=2, dtype=torch.float64)
+    a, b, c1, c2, n = _hf_and_fast(tgt, FastBody(tgt.model, compile=False), tree=tree)
+    assert (a - b).abs().max() < 1e-10
+    for l1, l2 in zip(c1.layers, c2.layers):
+        assert (l1.keys[:, :, :n] - l2.keys[:, :, :n]).abs().max() < 1e-10
+        assert (l1.values[:, :, :n] - l2.values[:, :, :n]).abs().max() < 1e-10
+
+
+def test_a_wrong_mask_is_detected():
+    # The comparison has teeth: a tree mask given to one forward and a chain mask to the other differ.
+    tgt = tiny(vocab=40, layers=2, dtype=torch.float64)
+    a, _, _, _, _ = _hf_and_fast(tgt, FastBody(tgt.model, compile=False), tree=True)
+    b, _, _, _, _ = _hf_and_fast(tgt, FastBody(tgt.model, compile=False), tree=False)
+    assert (a[0, 2] - b[0, 2]).abs().max() > 1e-4
+
+
+@pytest.fixture(scope="module")
+def compiled_target():
+    tgt = tiny(vocab=40, layers=2)
+    use_fast_forward(tgt, "compile")
+    return tgt
+
+
+def test_compiled_forward_pads_rows_without_effect(compiled_target):
+    # 3 rows run in the 4-row graph: the real rows' logits and the cache's committed entries are the model's.
+    a, b, c1, c2, n = _hf_and_fast(compiled_target, compiled_target.fast_body, q=3, tree=True)
+    assert (a - b).abs().max() < 1e-4
+    for l1, l2 in zip(c1.layers, c2.layers):
+        assert (l1.keys[:, :, :n] - l2.keys[:, :, :n]).abs().max() < 1e-4
+    assert compiled_target.fast_body.compile_s > 0
+
+
+def test_compiled_decoder_greedy_equals_plain_through_the_models_forward(compiled_target):
+    tgt = compiled_target
+    prompts = [[1, 5, 9, 4, 7], [1, 30, 2 + 10, 11, 12, 13, 14, 15, 16], [1, 3]]
+    fast = tgt.fast_body
+    tgt.fast_body = None
+    ref = [SpeculativeDecoder(tgt).generate(p, 24).tokens for p in prompts]
+    tgt.fast_body = fast
+    medusa = random_medusa(tgt, num_heads=3, std=0.3)
+    decs = {"plain": SpeculativeDecoder(tgt),
+            "chain": SpeculativeDecoder(tgt, medusa),
+            "static tree": SpeculativeDecoder(tgt, medusa, tree=[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]),
+            "dynamic tree": SpeculativeDecoder(tgt, medusa, tree=DynamicTree(6, 3, 2))}
+    for name, dec in decs.items():
+        assert dec.fast is fast
+        got = [dec.generate(p, 24).tokens for p in prompts]
+        assert got == ref, name
+
+
+def test_unsupported_models_keep_their_own_forward():
+    tgt = tiny(vocab=40, layers=2)
+    tgt.model.config.model_type = "gpt2"
+    assert "gpt2" in unsupported(tgt.model)
+    assert use_fast_forward(tgt, "compile")["forward"] == "eager"
+    assert SpeculativeDecoder(tgt).fast is None
+    with pytest.raises(ValueError, match="decoding forward must be one of"):
+        use_fast_forward(tgt, "fastest")
