@@ -62,10 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def publish_hint(publish: str | None, tree: str) -> str:
+def publish_hint(publish: str | None, tree: str, suffix: bool = False) -> str:
     """What `main` prints when no drafter is current: how to publish one."""
     where = publish or "DIR"
-    return (f"no drafter is current{' in ' + publish if publish else ''}: decoding plainly. Publish one (checked "
+    now = "drafting with SuffixDecoding alone" if suffix else "decoding plainly"
+    return (f"no drafter is current{' in ' + publish if publish else ''}: {now}. Publish one (checked "
             f"against the target first; picked up before the next request) with\n"
             f"    draftsmith publish CHECKPOINT --to {where} --tree {tree}"
             + ("" if publish else f"\nand restart with --publish {where}"))
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.suffix:
         print(suffix_summary(service.suffix_report()), flush=True)
     if service.version is None:
-        print(publish_hint(a.publish, a.tree), flush=True)
+        print(publish_hint(a.publish, a.tree, a.suffix), flush=True)
     try:
         uvicorn.run(create_app(service), host=a.host, port=a.port, log_level="warning")
     finally:

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from draftsmith.cli.eval import build_parser as eval_parser
 from draftsmith.cli.serve import build_parser as serve_parser
-from draftsmith.cli.serve import suffix_summary
+from draftsmith.cli.serve import publish_hint, suffix_summary
 from draftsmith.cli.shared import suffix_config
 from draftsmith.drafters.suffix import SuffixConfig, SuffixIndex
 from draftsmith.publish import PublishStore
@@ -185,3 +185,16 @@ def test_cli_options_are_eval_suffix_options():
     assert suffix_config(serve_parser().parse_args([])) == suffix_config(eval_parser().parse_args(["none",
                                                                                                  "--out", "o"]))
     assert suffix_config(serve_parser().parse_args([])).min_score == 2.0
+    assert "SuffixDecoding alone" in publish_hint(None, "chain", suffix=True)
+
+
+def test_a_drafter_that_cannot_be_a_hybrid_member_is_served_alone_and_the_index_learns(target, tmp_path, service,
+                                                                                        caplog):
+    store = PublishStore(tmp_path / "pub")
+    store.publish(test_serve.kangaroo_checkpoint(target, tmp_path / "k1"))  # replaces the verification forward
+    with caplog.at_level(logging.WARNING, logger="draftsmith.serve.app"):
+        svc = service(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", suffix=CFG)
+    assert "cannot draft beside SuffixDecoding" in caplog.text and svc.version == "v000001"
+    r = _ask(TestClient(create_app(svc)), MSGS[0], 16)
+    assert r["choices"][0]["message"]["content"] == _plain(target, MSGS[0], 16)[1]
+    assert len(svc.suffix.index) == 1 and svc.kind == "kangaroo"
