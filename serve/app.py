@@ -293,6 +293,7 @@ class DecodingService:
                 self.suffix.index.save(self.suffix_state, self.target.fingerprint)
             except Exception as e:  # noqa: BLE001 (a full disk must not fail the request that triggered it)
                 log.error("could not save the suffix index to %s: %s", self.suffix_state, e)
+                self._since_save = 0  # retried after the next suffix_save_every responses, not on every one
                 return False
             self._since_save = 0
             self.suffix_saves += 1
