@@ -21,6 +21,7 @@ import argparse
 from pathlib import Path
 
 from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environment, read_manifest
+from draftsmith.cli.shared import add_suffix_args, suffix_config
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.drafters import SelfDrafter
 from draftsmith.engine.sampling import SamplingParams
@@ -30,7 +31,6 @@ from draftsmith.eval.compare import self_drafter_methods, tree_specs_for
 from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
 from draftsmith.eval.report import write_report
 from draftsmith.eval.suffix import suffix_methods, suffix_stats
-from draftsmith.drafters.suffix import SuffixConfig
 from draftsmith.target import default_device, load_target
 
 
@@ -88,18 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also run the untrained early-exit self-drafter (first L layers + LM head, --draft-len)")
     ap.add_argument("--hf-early-exit", type=int, default=None, metavar="L",
                     help="also run Hugging Face assisted generation with assistant_early_exit=L (--draft-len)")
-    ap.add_argument("--suffix", action="store_true",
-                    help="also run SuffixDecoding alone, prompt lookup (ours and HF) and each checkpoint beside "
-                         "SuffixDecoding (hybrid)")
-    ap.add_argument("--suffix-depth", type=int, default=24, help="SuffixDecoding: longest match + draft")
-    ap.add_argument("--suffix-spec-factor", type=float, default=1.0,
-                    help="SuffixDecoding: draft at most match length x this many tokens")
-    ap.add_argument("--suffix-min-prob", type=float, default=0.1, help="SuffixDecoding: stop under this probability")
-    ap.add_argument("--suffix-min-score", type=float, default=2.0,
-                    help="SuffixDecoding: draft only when the draft's expected accepted tokens reach this "
-                         "(0: always draft, as the reference implementation; 2: measured best on a CPU)")
-    ap.add_argument("--suffix-max-requests", type=int, default=10000,
-                    help="SuffixDecoding: responses kept in the global index (FIFO; 0 = per-request index only)")
+    add_suffix_args(ap, "also run SuffixDecoding alone, prompt lookup (ours and HF) and each checkpoint beside "
+                        "SuffixDecoding (hybrid)")
     ap.add_argument("--suffix-index", default=None, metavar="DIR",
                     help="SuffixDecoding: start from a saved global index (SuffixIndex.save)")
     ap.add_argument("--prompt-lookup", type=int, default=10, metavar="K",
@@ -181,9 +171,7 @@ def eval_main(argv: list[str] | None = None) -> dict:
             methods += self_drafter_methods(target, d, sampling, a, trees)
         methods += self_drafter_methods(target, None, sampling, a)
         if a.suffix:
-            cfg = SuffixConfig(max_depth=a.suffix_depth, max_spec_tokens=a.suffix_depth,
-                               max_spec_factor=a.suffix_spec_factor, min_token_prob=a.suffix_min_prob,
-                               max_cached_requests=a.suffix_max_requests, min_score=a.suffix_min_score)
+            cfg = suffix_config(a)
             hybrids = [(d, trees) for d, trees in drafters if getattr(d, "verify_forward", None) is None]
             extra, members = suffix_methods(target, sampling, hybrids, config=cfg, lookup_k=a.prompt_lookup,
                                             index_dir=a.suffix_index)

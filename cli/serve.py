@@ -2,6 +2,7 @@
 
     draftsmith serve [--target NAME|DIR] [--publish DIR] [--logs DIR] [--host 127.0.0.1] [--port 8000]
                      [--tree chain] [--model-name NAME] [--max-log-mb 64] [--max-batch 8]
+                     [--suffix [--suffix-state DIR] [--suffix-save-every 100] [--suffix-min-score 2 ...]]
 
 Serves ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming and not) and ``GET /v1/models``
 on loopback unless ``--host`` says otherwise, decoding with the lossless decoder
@@ -11,6 +12,15 @@ Writes one JSON line per finished request to rotating files in ``--logs``
 (schema: docs/online.md). Concurrent requests are decoded together, up to
 ``--max-batch`` at a time, by the batched decoder (``--max-batch 1``: one request
 at a time, under a lock).
+
+``--suffix`` turns on SuffixDecoding: one global suffix index over every
+logged response (shared by all requests, kept across drafter swaps) drafts
+alone while nothing is published, and beside the published drafter (the
+hybrid, one request at a time) otherwise. The index is saved to
+``--suffix-state`` (default ``LOGS/suffix-index``) every
+``--suffix-save-every`` responses and at shutdown, and loaded at start; a
+missing or unusable state is rebuilt from the request logs. ``GET /health``
+reports its size and memory.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import argparse
 import torch
 import uvicorn
 
+from draftsmith.cli.shared import add_suffix_args, suffix_config
 from draftsmith.serve.app import DecodingService, create_app
 from draftsmith.target import default_device, load_target
 
@@ -39,18 +50,43 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch", type=int, default=8,
                     help="decode up to this many concurrent requests together (batched decoder); "
                          "1 = one request at a time under a lock")
+    add_suffix_args(ap, "SuffixDecoding: draft from a global index of every served response (alone while no "
+                        "drafter is published, else beside it: the hybrid)")
+    ap.add_argument("--suffix-state", default=None, metavar="DIR",
+                    help="SuffixDecoding: save the global index here and load it at start (default: "
+                         "LOGS/suffix-index with --logs, else not saved); rebuilt from the logs when unusable")
+    ap.add_argument("--suffix-save-every", type=int, default=100, metavar="N",
+                    help="SuffixDecoding: save the index after every N indexed responses (0: at shutdown only)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--device", default=None)
     return ap
 
 
-def publish_hint(publish: str | None, tree: str) -> str:
+def publish_hint(publish: str | None, tree: str, suffix: bool = False) -> str:
     """What `main` prints when no drafter is current: how to publish one."""
     where = publish or "DIR"
-    return (f"no drafter is current{' in ' + publish if publish else ''}: decoding plainly. Publish one (checked "
+    now = "drafting with SuffixDecoding alone" if suffix else "decoding plainly"
+    return (f"no drafter is current{' in ' + publish if publish else ''}: {now}. Publish one (checked "
             f"against the target first; picked up before the next request) with\n"
             f"    draftsmith publish CHECKPOINT --to {where} --tree {tree}"
             + ("" if publish else f"\nand restart with --publish {where}"))
+
+
+def suffix_summary(report: dict) -> str:
+    """What `main` prints at start with ``--suffix``: where the global index came from, its size and memory."""
+    st = report["start"] or {}
+    if st.get("source") == "state":
+        origin = f"loaded from {st['dir']}"
+    elif st.get("source") == "logs":
+        origin = (f"rebuilt from the request logs ({st['reason']}): {st['used']} records used, {st['skipped']} "
+                  f"skipped {st['skipped_by_reason']}")
+    else:
+        origin = f"empty ({st.get('reason', 'no state, no logs')})"
+    every = f" and every {report['save_every']} responses" if report["save_every"] else " only"
+    where = (f"saved to {report['state_dir']} at shutdown{every}" if report["state_dir"]
+             else "not saved (no --suffix-state and no --logs)")
+    return (f"SuffixDecoding: global index {origin}; {report['responses']} responses, {report['indexed_tokens']} "
+            f"tokens, {report['bytes']} bytes (at most {report['max_cached_requests']} responses, FIFO); {where}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,11 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(a.target, device=default_device(a.device))
     service = DecodingService(target, publish_dir=a.publish, log_dir=a.logs, tree=a.tree, model_name=a.model_name,
                               max_log_bytes=int(a.max_log_mb * (1 << 20)), default_max_tokens=a.max_tokens,
-                              max_batch=a.max_batch)
-    print(f"serving {service.model_name} ({target.fingerprint}) with drafter {service.version or 'none (plain)'} "
+                              max_batch=a.max_batch, suffix=suffix_config(a) if a.suffix else None,
+                              suffix_state=a.suffix_state, suffix_save_every=a.suffix_save_every)
+    plain = "none (SuffixDecoding alone)" if a.suffix else "none (plain)"
+    print(f"serving {service.model_name} ({target.fingerprint}) with drafter {service.version or plain} "
           f"on http://{a.host}:{a.port}/v1, up to {a.max_batch} request(s) per batch", flush=True)
+    if a.suffix:
+        print(suffix_summary(service.suffix_report()), flush=True)
     if service.version is None:
-        print(publish_hint(a.publish, a.tree), flush=True)
+        print(publish_hint(a.publish, a.tree, a.suffix), flush=True)
     try:
         uvicorn.run(create_app(service), host=a.host, port=a.port, log_level="warning")
     finally:

@@ -35,6 +35,19 @@ Two modes (``max_batch``):
     refuses (self-drafters such as Kangaroo, dynamic trees, drafters with
     their own tokenizer, non-fixed draft lengths) is served one request at a
     time by the same thread with `SpeculativeDecoder` (logged when loaded).
+
+SuffixDecoding (``suffix=SuffixConfig(...)``, ``draftsmith serve --suffix``):
+one global `SuffixIndex` per service, shared by every request and kept across
+drafter swaps, drafts alone while nothing is published and beside the
+published drafter (`HybridDrafter`) otherwise. Every logged response is added
+to it as it finishes (`_finish`, both modes; a cancelled request is neither
+logged nor indexed), so the index is always the suffix index of the log. It is
+saved to ``suffix_state`` every ``suffix_save_every`` indexed responses and at
+`close`, and loaded at start; a missing, unreadable or other-target state is
+rebuilt from the request logs instead (records used and skipped logged).
+The hybrid runs in the single-sequence decoder only: with ``max_batch > 1``
+its requests are served one at a time by the batching thread (logged when
+loaded); SuffixDecoding alone is batched.
 """
 
 from __future__ import annotations
@@ -56,6 +69,7 @@ from pydantic import ValidationError
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
 from draftsmith.checkpoint import drafter_from_checkpoint, read_manifest
+from draftsmith.drafters.suffix import HybridDrafter, SuffixConfig, SuffixDrafter, SuffixIndex
 from draftsmith.engine.batched import BatchedSpeculativeDecoder, plain_batched_decoder
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.policies import FixedLength
@@ -149,13 +163,21 @@ class DecodingService:
 
     ``max_batch``: 1 decodes one request at a time under a lock in the caller's thread; more queues requests
     for one batching thread (see the module docstring), started at once unless ``start=False`` (then call
-    `start`; tests queue requests first to see them batched)."""
+    `start`; tests queue requests first to see them batched).
+
+    ``suffix``: SuffixDecoding's settings (None: off). ``suffix_state``: where its global index is saved and
+    loaded (default ``log_dir/suffix-index`` when there is a log, else nowhere); ``suffix_save_every``: save
+    after this many indexed responses (0: at `close` only)."""
 
     def __init__(self, target: Target, *, publish_dir: str | Path | None = None, log_dir: str | Path | None = None,
                  tree: str = "chain", model_name: str | None = None, max_log_bytes: int = 64 << 20,
-                 default_max_tokens: int = 256, max_batch: int = 1, start: bool = True):
+                 default_max_tokens: int = 256, max_batch: int = 1, start: bool = True,
+                 suffix: SuffixConfig | None = None, suffix_state: str | Path | None = None,
+                 suffix_save_every: int = 100):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+        if suffix_save_every < 0:
+            raise ValueError(f"suffix_save_every must be >= 0, got {suffix_save_every}")
         self.target = target
         self.max_batch = max_batch
         self.store = PublishStore(publish_dir) if publish_dir else None
@@ -179,6 +201,21 @@ class DecodingService:
         self._waiting: list[_Job] = []
         self._closed = False
         self._thread: threading.Thread | None = None
+        # SuffixDecoding: one drafter (and global index) for the service's lifetime, whatever is published
+        self.suffix: SuffixDrafter | None = None
+        self.suffix_state = Path(suffix_state) if suffix_state else Path(log_dir) / "suffix-index" if log_dir else None
+        self.suffix_save_every = suffix_save_every
+        self.suffix_start: dict | None = None  # how the index was made at start (loaded, rebuilt, empty)
+        self.suffix_saves = 0
+        self._since_save = 0
+        self._suffix_lock = threading.Lock()  # the index's writers and readers outside the decoding thread
+        if suffix is not None:
+            self.suffix = SuffixDrafter(suffix, self._start_index(suffix, log_dir), learn=False)  # we add (_finish)
+            if self.suffix_start["source"] == "logs":  # a rebuilt index is saved at once: the next start loads it
+                self.save_suffix()
+            self.decoder = SpeculativeDecoder(target, self.suffix)
+            self.batched = BatchedSpeculativeDecoder(target, self.suffix) if max_batch > 1 else None
+            self.kind = "suffix"
         self.refresh()
         if max_batch > 1 and start:
             self.start()
@@ -186,8 +223,91 @@ class DecodingService:
     def _load(self, path: Path):
         drafter = drafter_from_checkpoint(path, self.target)
         tree = parse_tree(self.tree_spec, path) if getattr(drafter, "supports_trees", True) else None
-        dec, kind = SpeculativeDecoder(self.target, drafter, tree=tree), read_manifest(path).get("kind")
-        return dec, (self._batched_for(dec, path.name) if self.max_batch > 1 else None), kind
+        kind = read_manifest(path).get("kind")
+        hybrid = False
+        if self.suffix is not None:
+            try:
+                drafter, kind, hybrid = HybridDrafter(drafter, self.suffix), f"{kind}+suffix", True
+            except ValueError as e:  # a self-drafter or a drafter building its own trees
+                log.warning("drafter %s cannot draft beside SuffixDecoding (%s): serving it alone (the suffix "
+                            "index still learns from every response)", path.name, e)
+        dec = SpeculativeDecoder(self.target, drafter, tree=tree)
+        if self.max_batch == 1:
+            return dec, None, kind
+        if hybrid:
+            log.warning("drafter %s beside SuffixDecoding (the hybrid) runs in the single-sequence decoder only: "
+                        "serving it one request at a time", path.name)
+            return dec, None, kind
+        return dec, self._batched_for(dec, path.name), kind
+
+    # ------------------------------------------------------------------ SuffixDecoding's global index
+    def _start_index(self, cfg: SuffixConfig, log_dir: str | Path | None) -> SuffixIndex:
+        """The saved index if it loads for this target, else one rebuilt from the request logs, else empty.
+        Never raises: a corrupt state or log costs the drafts it would have given, not the server."""
+        fp, state = self.target.fingerprint, self.suffix_state
+        why = "no saved state"
+        if state is not None and (state / "suffix_index.json").exists():
+            try:
+                index = SuffixIndex.load(state, cfg, fingerprint=fp)
+            except Exception as e:  # noqa: BLE001 (unreadable, torn, another target's: rebuild instead)
+                why = f"saved state in {state} unusable: {e}"
+                log.warning("suffix index: %s", why)
+            else:
+                self.suffix_start = {"source": "state", "dir": str(state), "responses": len(index)}
+                log.info("suffix index loaded from %s: %d responses", state, len(index))
+                return index
+        if log_dir is None:
+            self.suffix_start = {"source": "empty", "reason": why}
+            return SuffixIndex(cfg)
+        try:
+            index, counts = SuffixIndex.rebuild_from_logs(log_dir, fp, vocab_size=self.target.vocab_size,
+                                                          max_tokens=self.target.context_length, config=cfg)
+        except Exception as e:  # noqa: BLE001 (an unreadable log directory: start empty rather than not at all)
+            log.error("suffix index: could not rebuild from the request logs in %s (%s): starting empty", log_dir, e)
+            self.suffix_start = {"source": "empty", "reason": f"{why}; logs unreadable: {e}"}
+            return SuffixIndex(cfg)
+        skipped = sum(counts["skipped"].values())
+        self.suffix_start = {"source": "logs", "reason": why, "used": counts["used"], "skipped": skipped,
+                             "skipped_by_reason": counts["skipped"], "responses": len(index)}
+        log.log(logging.WARNING if skipped or why != "no saved state" else logging.INFO,
+                "suffix index rebuilt from the request logs in %s (%s): %d records used, %d skipped %s",
+                log_dir, why, counts["used"], skipped, counts["skipped"])
+        return index
+
+    def _learn(self, response: list[int], request_id: str) -> None:
+        """Index a finished response in the global index; save it every ``suffix_save_every`` responses."""
+        with self._suffix_lock:
+            self.suffix.index.add_response(response, request_id)
+            self._since_save += 1
+            due = self.suffix_save_every > 0 and self._since_save >= self.suffix_save_every
+        if due:
+            self.save_suffix()
+
+    def save_suffix(self) -> bool:
+        """Save the global index to ``suffix_state`` (temporary files renamed); False when there is nothing to
+        save it to or saving failed (logged: the server goes on)."""
+        if self.suffix is None or self.suffix_state is None:
+            return False
+        with self._suffix_lock:
+            try:
+                self.suffix.index.save(self.suffix_state, self.target.fingerprint)
+            except Exception as e:  # noqa: BLE001 (a full disk must not fail the request that triggered it)
+                log.error("could not save the suffix index to %s: %s", self.suffix_state, e)
+                self._since_save = 0  # retried after the next suffix_save_every responses, not on every one
+                return False
+            self._since_save = 0
+            self.suffix_saves += 1
+        return True
+
+    def suffix_report(self) -> dict | None:
+        """The global index's memory report, where it is saved and how it was made at start (None: off)."""
+        if self.suffix is None:
+            return None
+        with self._suffix_lock:
+            rep = self.suffix.index.memory_report()
+        return {**rep, "state_dir": None if self.suffix_state is None else str(self.suffix_state),
+                "save_every": self.suffix_save_every, "saves": self.suffix_saves,
+                "start": self.suffix_start}
 
     def _batched_for(self, dec: SpeculativeDecoder, version: str) -> BatchedSpeculativeDecoder | None:
         """The batched decoder drafting exactly as ``dec`` does (same drafter, tree, fixed K), or None."""
@@ -333,6 +453,9 @@ class DecodingService:
             raise
         finally:
             dec.processing = None
+        finish_hook = getattr(dec.drafter, "finish", None)  # as SpeculativeDecoder.generate calls it (the hybrid's
+        if finish_hook is not None and state.drafter_state is not None:  # running estimate carries over)
+            finish_hook(dec, state)
         out = state.tokens[state.prompt_len:]
         finish = "stop" if ts.stopped or state.stop_reason == "eos" else "length"
         rec = self._finish(spec, out, ts.text, finish, steps, request_id, started, self.version, self.kind)
@@ -349,6 +472,8 @@ class DecodingService:
                              started=started, finished=time.time())
         if self.log is not None:
             self.log.write(record)
+        if self.suffix is not None:  # exactly the logged responses: the index stays the suffix index of the log
+            self._learn(out, record["id"])
         self.served += 1
         return record
 
@@ -360,12 +485,15 @@ class DecodingService:
             self._thread.start()
 
     def close(self, timeout: float | None = 30) -> None:
-        """Stop the batching thread after its current batch; requests still queued get an error."""
+        """Stop the batching thread after its current batch (requests still queued get an error); save the
+        suffix index."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.save_suffix():
+            log.info("suffix index saved to %s", self.suffix_state)
 
     def queued(self) -> int:
         """Requests waiting for the batching thread."""
@@ -568,7 +696,7 @@ def create_app(service: DecodingService) -> FastAPI:
     @app.get("/health")
     def health() -> dict:
         return {"status": "ok", "drafter_version": service.version, "served": service.served,
-                "aborted": service.aborted}
+                "aborted": service.aborted, "suffix": service.suffix_report()}
 
     async def parse(request: Request, schema) -> tuple[Any, Any]:
         """(spec, validated request) or (None, error response)."""

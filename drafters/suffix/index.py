@@ -36,7 +36,9 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import os
 import sys
+import zlib
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
@@ -376,8 +378,10 @@ class SuffixIndex:
                 "max_cached_requests": self.config.max_cached_requests, "max_depth": self.config.max_depth}
 
     # ------------------------------------------------------------------ persistence
-    def save(self, directory: str | Path) -> Path:
-        """Write DIR/suffix_index.json (config, ids, lengths) and DIR/suffix_index.bin (int32 tokens)."""
+    def save(self, directory: str | Path, fingerprint: str | None = None) -> Path:
+        """Write DIR/suffix_index.json (config, ids, lengths, the tokens' CRC-32 and, if given, the target's
+        fingerprint) and DIR/suffix_index.bin (int32 tokens), each to a temporary file, fsynced, then renamed:
+        a crash leaves the previous pair or a pair `load` refuses (its CRC does not match), never a torn file."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         toks = array("i")
@@ -385,25 +389,34 @@ class SuffixIndex:
         for _, s, e in self.responses:
             toks.extend(self.index.toks[s:e])
             lens.append(e - s)
-        tmp = d / "suffix_index.bin.tmp"
-        with open(tmp, "wb") as f:
-            if sys.byteorder != "little":
-                toks.byteswap()
-            toks.tofile(f)
-        tmp.replace(d / "suffix_index.bin")
+        if sys.byteorder != "little":
+            toks.byteswap()
+        raw = toks.tobytes()
         meta = {"format": self.FORMAT, "config": self.config.model_dump(), "ids": [r for r, _, _ in self.responses],
-                "lengths": lens, "added": self.added, "evicted": self.evicted}
-        (d / "suffix_index.json.tmp").write_text(json.dumps(meta))
-        (d / "suffix_index.json.tmp").replace(d / "suffix_index.json")
+                "lengths": lens, "added": self.added, "evicted": self.evicted, "crc32": zlib.crc32(raw),
+                "fingerprint": fingerprint}
+        for name, data in (("suffix_index.bin", raw), ("suffix_index.json", json.dumps(meta).encode())):
+            tmp = d / f"{name}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(d / name)
         return d
 
     @classmethod
-    def load(cls, directory: str | Path, config: SuffixConfig | None = None) -> "SuffixIndex":
-        """Read what `save` wrote (``config`` overrides the saved one, e.g. a smaller bound)."""
+    def load(cls, directory: str | Path, config: SuffixConfig | None = None,
+             fingerprint: str | None = None) -> "SuffixIndex":
+        """Read what `save` wrote (``config`` overrides the saved one, e.g. a smaller bound). ValueError when
+        the files disagree (lengths, CRC) or, with ``fingerprint``, when they were saved for another target."""
         d = Path(directory)
         meta = json.loads((d / "suffix_index.json").read_text())
-        if meta.get("format") != cls.FORMAT:
-            raise ValueError(f"{d / 'suffix_index.json'} is not a {cls.FORMAT} file (format {meta.get('format')!r})")
+        if not isinstance(meta, dict) or meta.get("format") != cls.FORMAT:
+            got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+            raise ValueError(f"{d / 'suffix_index.json'} is not a {cls.FORMAT} file (format {got!r})")
+        if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+            raise ValueError(f"{d / 'suffix_index.json'} was saved for target {meta.get('fingerprint')!r}, "
+                             f"not {fingerprint!r}")
         toks = array("i")
         raw = (d / "suffix_index.bin").read_bytes()
         toks.frombytes(raw)
@@ -412,6 +425,11 @@ class SuffixIndex:
         if sum(meta["lengths"]) != len(toks):
             raise ValueError(f"{d / 'suffix_index.bin'} holds {len(toks)} tokens, the lengths say "
                              f"{sum(meta['lengths'])}")
+        if meta.get("crc32") is not None and zlib.crc32(raw) != meta["crc32"]:
+            raise ValueError(f"{d / 'suffix_index.bin'} does not match the CRC-32 in suffix_index.json")
+        if len(meta["ids"]) != len(meta["lengths"]):
+            raise ValueError(f"{d / 'suffix_index.json'} has {len(meta['ids'])} ids and "
+                             f"{len(meta['lengths'])} lengths")
         out = cls(config or SuffixConfig(**meta["config"]))
         pos = 0
         for rid, n in zip(meta["ids"], meta["lengths"]):
