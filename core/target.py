@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -76,6 +76,11 @@ class Target:
     def context_length(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the target computes in (its parameters')."""
+        return next(self.model.parameters()).dtype
+
 
 def eos_token_ids(model, tokenizer) -> list[int]:
     """Every token id that ends a turn (generation config, tokenizer)."""
@@ -96,20 +101,58 @@ def _arch_dict(config) -> dict:
     return {k: d.get(k) for k in _ARCH_FIELDS if k in d}
 
 
-def fingerprint(model, tokenizer) -> str:
+def fingerprint(model, tokenizer, output_weight: torch.Tensor | None = None) -> str:
     """Identity of a target: architecture config, vocabulary, output head.
 
     Two targets with the same fingerprint give drafters the same inputs and
     the same teacher; anything else makes a drafter worthless, so every
     checkpoint stores this string and loading checks it.
+
+    The output head is hashed as fp32 bytes of ``output_weight`` when given
+    (the weights as the checkpoint stores them, see `stored_output_weight`),
+    else of the model's own head. The dtype a target is loaded in is not part
+    of its identity: `load_target` hashes the stored weights for a bf16/fp16
+    load, so that a bf16 and an fp32 load share the fingerprint.
     """
     h = hashlib.sha256()
     h.update(json.dumps(_arch_dict(model.config), sort_keys=True, default=str).encode())
     vocab = tokenizer.get_vocab()
     h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1])).encode())
-    w = model.get_output_embeddings().weight.detach().to(torch.float32).contiguous().cpu()
-    h.update(w.numpy().tobytes())
+    w = model.get_output_embeddings().weight if output_weight is None else output_weight
+    h.update(w.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
     return "sha256:" + h.hexdigest()[:32]
+
+
+def _output_weight_names(model) -> list[str]:
+    """Every state-dict name of the model's output-head weight (a tied head has two: lm_head, embed_tokens)."""
+    w = model.get_output_embeddings().weight
+    return [k for k, v in model.state_dict(keep_vars=True).items() if v is w or (
+        v.shape == w.shape and v.data_ptr() == w.data_ptr())]
+
+
+def stored_output_weight(path: str | Path, model) -> torch.Tensor | None:
+    """The output-head weight as the model directory's safetensors store it (any stored dtype), or None when
+    it cannot be found there (no safetensors, another naming): only that tensor is read."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    names = _output_weight_names(model)
+    index = path / "model.safetensors.index.json"
+    files: dict[str, Path] = {}
+    if index.exists():
+        wmap = json.loads(index.read_text()).get("weight_map", {})
+        files = {n: path / wmap[n] for n in names if n in wmap}
+    elif (path / "model.safetensors").exists():
+        files = {n: path / "model.safetensors" for n in names}
+    for n, f in files.items():
+        if not f.exists():
+            continue
+        with safe_open(str(f), framework="pt") as st:
+            if n in st.keys():
+                t = st.get_tensor(n)
+                if tuple(t.shape) == tuple(model.get_output_embeddings().weight.shape):
+                    return t
+    return None
 
 
 def default_target_dir() -> Path:
@@ -175,18 +218,94 @@ def default_device(requested: str | None = None) -> torch.device:
     return dev
 
 
-def load_target(name_or_path: str | Path = DEFAULT_TARGET, dtype: torch.dtype = torch.float32,
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _cpuinfo_flags() -> set[str]:
+    """The CPU's feature flags (linux /proc/cpuinfo), empty where unreadable."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """What `resolve_dtype` chose, and why (for reports)."""
+
+    dtype: torch.dtype
+    name: str
+    reason: str
+
+
+def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device = "cpu",
+                  cpu_flags: Callable[[], set[str]] | None = None) -> DtypeChoice:
+    """The torch dtype for a recipe's / CLI's ``dtype`` on ``device``.
+
+    ``float32`` / ``bfloat16`` / ``float16`` are taken as they are. ``auto``: on CUDA bf16 where the device
+    supports it, else fp16; on CPU bf16 when the CPU computes bf16 natively (flags avx512_bf16 or amx_bf16),
+    else float32 (emulated bf16 matmuls are slower than fp32 ones). None means float32.
+    """
+    if isinstance(name, torch.dtype):
+        inv = {v: k for k, v in DTYPES.items()}
+        if name not in inv:
+            raise ValueError(f"dtype {name} is not one of {sorted(DTYPES)}")
+        return DtypeChoice(name, inv[name], "given")
+    name = name or "float32"
+    if name in DTYPES:
+        return DtypeChoice(DTYPES[name], name, "asked for")
+    if name != "auto":
+        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPES) + ['auto']}")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return DtypeChoice(torch.bfloat16, "bfloat16", "auto: the CUDA device supports bf16")
+        return DtypeChoice(torch.float16, "float16", "auto: the CUDA device has no bf16, fp16 instead")
+    if dev.type == "cpu":
+        flags = (cpu_flags or _cpuinfo_flags)()
+        native = sorted(flags & {"avx512_bf16", "amx_bf16"})
+        if native:
+            return DtypeChoice(torch.bfloat16, "bfloat16", f"auto: the CPU has native bf16 ({', '.join(native)})")
+        return DtypeChoice(torch.float32, "float32", "auto: the CPU has no native bf16 (no avx512_bf16 or "
+                           "amx_bf16 flag), so float32")
+    return DtypeChoice(torch.float32, "float32", f"auto: float32 on device type {dev.type!r}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``bfloat16`` (the recipe's spelling)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def load_target(name_or_path: str | Path = DEFAULT_TARGET, dtype: torch.dtype | str = torch.float32,
                 device: str | torch.device = "cpu") -> Target:
-    """Load a target, frozen and in eval mode, with its fingerprint."""
+    """Load a target, frozen and in eval mode, with its fingerprint.
+
+    ``dtype``: a torch dtype or a recipe name (``auto`` resolved by `resolve_dtype` for ``device``). The
+    fingerprint does not depend on it: a load in another dtype than fp32 hashes the output head as the
+    directory stores it (fp32 bytes of the stored tensor, what an fp32 load holds), falling back to an fp32
+    load of the model when the stored tensor cannot be found.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = resolve_dtype(dtype, device).dtype
     name, path = resolve_target_path(name_or_path)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.to(device).eval().requires_grad_(False)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return Target(model=model, tokenizer=tok, name=name, path=path, fingerprint=fingerprint(model, tok))
+    weight = None
+    if dtype != torch.float32:
+        weight = stored_output_weight(path, model)
+        if weight is None:
+            log.info("%s: output head not found in its safetensors; loading it in float32 for the fingerprint", path)
+            weight = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True
+                                                          ).get_output_embeddings().weight
+    return Target(model=model, tokenizer=tok, name=name, path=path, fingerprint=fingerprint(model, tok, weight))
 
 
 def check_fingerprint(expected: str, target: Target, what: str = "checkpoint") -> None:
