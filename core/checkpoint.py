@@ -4,11 +4,16 @@ A checkpoint directory holds
   * ``model.safetensors``: the drafter's trainable weights (frozen target
     weights such as a shared LM head are not duplicated);
   * ``config.json``: the drafter config (its ``kind`` included);
-  * ``manifest.json``: kind, target name and fingerprint, recipe, data
+  * ``manifest.json``: kind, target name, fingerprint and dtype (the dtype
+    the target computed the drafter's training features in), recipe, data
     provenance, metrics, the exact command, versions, time.
 Loading against a target with another fingerprint raises
 ``TargetMismatchError``; a missing, truncated or malformed file raises
-``CheckpointError`` naming the file and what is wrong with it.
+``CheckpointError`` naming the file and what is wrong with it. Decoding with
+a target loaded in another dtype than the manifest's works (the fingerprint
+does not depend on the dtype) with a `DtypeMismatchWarning`: the drafter saw
+features of another rounding, so its acceptance may differ (never the output
+distribution).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import shlex
 import struct
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +34,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from draftsmith import __version__, registry
-from draftsmith.target import Target, check_fingerprint
+from draftsmith.target import Target, check_fingerprint, dtype_name
 
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+
+
+class DtypeMismatchWarning(UserWarning):
+    """A drafter trained on features of the target in one dtype decodes with the target in another."""
 
 
 class CheckpointError(ValueError):
@@ -144,8 +154,13 @@ def trainable_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(path: str | Path, module: torch.nn.Module, target: Target, *,
                     recipe: dict | None = None, data: dict | None = None,
-                    metrics: dict | None = None, extra: dict | None = None) -> Path:
-    """Write a drafter checkpoint directory (atomic per file)."""
+                    metrics: dict | None = None, extra: dict | None = None,
+                    target_dtype: str | None = None) -> Path:
+    """Write a drafter checkpoint directory (atomic per file).
+
+    ``target_dtype``: the dtype the target computed the training features in (a cache's ``target_dtype``),
+    default ``target``'s own; recorded as the manifest's ``target.dtype``.
+    """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     sd = trainable_state_dict(module)
@@ -158,7 +173,8 @@ def save_checkpoint(path: str | Path, module: torch.nn.Module, target: Target, *
     _atomic_write_json(path / CONFIG, {"kind": module.kind, **module.config})
     manifest = {
         "kind": module.kind,
-        "target": {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint},
+        "target": {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint,
+                   "dtype": target_dtype or dtype_name(target.dtype)},
         "recipe": recipe, "data": data, "metrics": metrics or {},
         "command": command_line(), "environment": environment(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -220,10 +236,25 @@ def load_checkpoint(path: str | Path, target: Target, device: str | torch.device
     return module.to(device).eval(), manifest
 
 
+def check_dtype(manifest: dict, target: Target, what: str = "checkpoint") -> bool:
+    """Warn (`DtypeMismatchWarning`) when the target decodes in another dtype than the one the checkpoint's
+    features were computed in (a manifest without ``target.dtype`` predates the field: float32). True if equal."""
+    trained = (manifest.get("target") or {}).get("dtype") or "float32"
+    now = dtype_name(target.dtype)
+    if trained == now:
+        return True
+    warnings.warn(f"{what} was trained on features of the target in {trained}; the target now runs in {now}: "
+                  f"decoding stays lossless (w.r.t. the target in {now}) but acceptance may differ",
+                  DtypeMismatchWarning, stacklevel=3)
+    return False
+
+
 def drafter_from_checkpoint(path: str | Path, target: Target):
-    """Load a trained drafter checkpoint (fingerprint-checked) as a decoder drafter: the kind's own adapter."""
+    """Load a trained drafter checkpoint (fingerprint-checked) as a decoder drafter: the kind's own adapter,
+    its modules cast to the target's dtype (and a warning when it was trained in another, `check_dtype`)."""
     p = next(target.model.parameters())
     module, manifest = load_checkpoint(path, target, device=p.device)
+    check_dtype(manifest, target, what=f"checkpoint {path}")
     kind = manifest.get("kind", "drafter")
     return module.to(dtype=p.dtype).decoder_drafter(target, manifest["target"]["fingerprint"], kind)
 

@@ -169,6 +169,11 @@ class OnlineConfig(StrictModel):
 class Recipe(StrictModel):
     name: str
     target: str = "smollm2-135m-instruct"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="the dtype the target is loaded and run in (data generation, cache features, "
+        "decoding); auto = bf16 on a CUDA device that supports it else fp16, bf16 on a CPU with native bf16 "
+        "(avx512_bf16 / amx_bf16) else float32. Training reads the target in float32 whatever this says; the "
+        "fingerprint does not depend on it; decoding is lossless w.r.t. the target as computed in this dtype")
     output_dir: str = "runs/${name}"
     shared_data: Optional[str] = Field(None, description="a directory whose data/ and cache/ this run uses "
                                        "(created there if missing): recipes that compare drafters on the same data")

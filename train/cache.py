@@ -35,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.common.hidden_cache import NP_DTYPE, TORCH_DTYPE, field_file, target_states
-from draftsmith.target import Target
+from draftsmith.target import Target, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,7 @@ def build_cache(target: Target, sequences: list[dict], needs: list[str], out_dir
         states["earlier_cache_pass"] = reused
     index = {
         "target_fingerprint": target.fingerprint, "needs": needs, "dtype": dtype, "hidden_size": d,
+        "target_dtype": dtype_name(target.dtype),  # what the target computed the features in (stored in `dtype`)
         "shards": [f"shard-{i:05d}" for i in range(len(shards))], "sequences": len(sequences),
         "tokens": total, "loss_tokens": int(sum(sum(s["mask"]) for s in sequences)),
         "bytes": size, "bytes_per_token": size / max(total, 1),
@@ -362,6 +363,9 @@ def merge_caches(out_dir: str | Path, sources: list[str | Path]) -> dict:
             names.append(name)
     total = lambda k: sum(int(ix[k]) for _, ix in idx)  # noqa: E731
     index = {key: first[key] for key in ("target_fingerprint", "needs", "dtype", "hidden_size")}
+    dtypes = {ix.get("target_dtype") for _, ix in idx}
+    if len(dtypes) == 1 and None not in dtypes:  # the target dtype the features were computed in, when one
+        index["target_dtype"] = dtypes.pop()
     index.update({"shards": names, "sequences": total("sequences"), "tokens": total("tokens"),
                   "loss_tokens": total("loss_tokens"), "bytes": total("bytes"),
                   "bytes_per_token": total("bytes") / max(total("tokens"), 1), "seconds": 0.0,

@@ -241,7 +241,8 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
             if acc.is_main_process:
                 path = run_dir / "checkpoints" / f"step-{done}"
                 save_checkpoint(path, acc.unwrap_model(model), target, recipe=recipe.model_dump(mode="json"),
-                                data=data_provenance, metrics={"step": done})
+                                data=data_provenance, metrics={"step": done},
+                                target_dtype=cache.index.get("target_dtype"))
                 if acc.distributed_type.name != "DEEPSPEED":
                     save_trainer_state(path, optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer,
                                        scheduler, done, {"epoch": epoch, "world_size": world})
