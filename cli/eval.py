@@ -21,7 +21,7 @@ import argparse
 from pathlib import Path
 
 from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environment, read_manifest
-from draftsmith.cli.shared import add_suffix_args, suffix_config
+from draftsmith.cli.shared import add_dtype_arg, add_suffix_args, load_target_as, suffix_config
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.drafters import SelfDrafter
 from draftsmith.engine.sampling import SamplingParams
@@ -31,7 +31,7 @@ from draftsmith.eval.compare import self_drafter_methods, tree_specs_for
 from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
 from draftsmith.eval.report import write_report
 from draftsmith.eval.suffix import suffix_methods, suffix_stats
-from draftsmith.target import default_device, load_target
+from draftsmith.target import default_device, dtype_name, resolve_dtype
 
 
 def add_parser(subparsers, name: str, summary: str) -> None:
@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt lookup's draft length (ours and HF's prompt_lookup_num_tokens) with --suffix")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
+    add_dtype_arg(ap, None, "the first checkpoint's recipe dtype, else float32")
     ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false",
                     help="keep PyTorch's default weight layout on CPU (default: column-major linears, oneDNN-packed "
                          "copies for 2+ rows and a transposed LM-head copy for every method, see "
@@ -111,11 +112,14 @@ def eval_main(argv: list[str] | None = None) -> dict:
     if a.hf_assisted and not a.drafter_layers:
         raise SystemExit("--hf-assisted needs --drafter-layers N (the assistant model)")
     ckpts = [] if [c.lower() for c in a.checkpoint] == ["none"] else [Path(c) for c in a.checkpoint]
-    target_name = a.target
-    if target_name is None and ckpts:
-        t = read_manifest(ckpts[0])["target"]
-        target_name = t["path"] if Path(t["path"]).exists() else t["name"]
-    target = load_target(target_name or "smollm2-135m-instruct", device=default_device(a.device))
+    target_name, dtype = a.target, a.dtype
+    if ckpts:
+        manifest = read_manifest(ckpts[0])
+        t = manifest["target"]
+        if target_name is None:
+            target_name = t["path"] if Path(t["path"]).exists() else t["name"]
+        dtype = dtype or (manifest.get("recipe") or {}).get("dtype")
+    target = load_target_as(target_name or "smollm2-135m-instruct", dtype, default_device(a.device))
     drafters = []
     for c in ckpts:
         d = drafter_from_checkpoint(c, target)
@@ -183,7 +187,9 @@ def eval_main(argv: list[str] | None = None) -> dict:
         print(table(runs[label]), flush=True)
     config = {k: v for k, v in vars(a).items()}
     config["cpu_layout"] = layout
-    config["target"] = {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint}
+    config["target"] = {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint,
+                        "dtype": dtype_name(target.dtype),
+                        "dtype_reason": resolve_dtype(dtype, target.model.device).reason}
     report = write_report(a.out, runs, config, command_line(), environment())
     print(f"wrote {Path(a.out) / 'report.json'}, report.md and {len(report['plots'])} plots")
     return report

@@ -72,6 +72,9 @@ def main(argv: list[str]) -> int:
     recipe = load_recipe(a.recipe, a.overrides)
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
+    if recipe.dtype != "float32":  # the job trains on the target's states as well as decoding with it
+        print(f"online: the target runs in float32 (updates train on its states); recipe dtype {recipe.dtype} "
+              f"is for the data, cache and bench stages and for `draftsmith serve --dtype`")
     target = load_target(recipe.target, device=default_device(a.device))
     job = OnlineJob(recipe, target, a.logs, state_dir=a.state, publish_dir=a.publish)
     results = job.run(once=a.once)

@@ -26,7 +26,7 @@ from pathlib import Path
 from draftsmith.checkpoint import drafter_from_checkpoint, read_manifest
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.tree_build import parse_tree
-from draftsmith.eval.greedy_equality import first_divergence, top2_gap
+from draftsmith.eval.greedy_equality import first_divergence, tie_threshold, top2
 from draftsmith.eval.mtbench import mtbench_prompts
 from draftsmith.publish import PublishError, PublishStore
 from draftsmith.target import load_target
@@ -75,8 +75,8 @@ def check_checkpoint(ckpt: Path, target, tree: str = "chain", prompts: int = 2, 
         if d is None:
             out["equal"] += 1
             continue
-        gap = top2_gap(target, p.ids + ref[:d])
-        if gap >= TIE_GAP:
+        gap, top1 = top2(target, p.ids + ref[:d])
+        if gap >= tie_threshold(top1, target.dtype, TIE_GAP):  # TIE_GAP in fp32, a few ulps in bf16/fp16
             raise ValueError(f"{ckpt}: greedy decoding with this drafter differs from plain greedy decoding on "
                              f"MT-Bench question {p.question_id} at token {d} (top-2 gap {gap:.4f}, not a tie): "
                              f"not published")

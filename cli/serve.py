@@ -30,9 +30,9 @@ import argparse
 import torch
 import uvicorn
 
-from draftsmith.cli.shared import add_suffix_args, suffix_config
+from draftsmith.cli.shared import add_dtype_arg, add_suffix_args, load_target_as, suffix_config
 from draftsmith.serve.app import DecodingService, create_app
-from draftsmith.target import default_device, load_target
+from draftsmith.target import default_device
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="SuffixDecoding: save the index after every N indexed responses (0: at shutdown only)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--device", default=None)
+    add_dtype_arg(ap, "float32", "float32")
     return ap
 
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    target = load_target(a.target, device=default_device(a.device))
+    target = load_target_as(a.target, a.dtype, default_device(a.device))
     service = DecodingService(target, publish_dir=a.publish, log_dir=a.logs, tree=a.tree, model_name=a.model_name,
                               max_log_bytes=int(a.max_log_mb * (1 << 20)), default_max_tokens=a.max_tokens,
                               max_batch=a.max_batch, suffix=suffix_config(a) if a.suffix else None,

@@ -1,5 +1,6 @@
 """What subcommands share: the recipe named on the command line, with its overrides, and the target it
-names, loaded (the stages, ``traces``); SuffixDecoding's options (``eval --suffix``, ``serve --suffix``)."""
+names, loaded in its dtype (the stages, ``traces``); ``--dtype``; SuffixDecoding's options (``eval --suffix``,
+``serve --suffix``)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,46 @@ import torch
 
 from draftsmith.drafters.suffix import SuffixConfig
 from draftsmith.recipe import Recipe, load_recipe
-from draftsmith.target import Target, load_target
+from draftsmith.target import Target, dtype_name, load_target, resolve_dtype
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")
+
+
+def add_dtype_arg(ap: argparse.ArgumentParser, default: str | None, where: str) -> None:
+    """``--dtype``: the dtype the target is loaded and decoded in (``where`` names the default)."""
+    ap.add_argument("--dtype", choices=DTYPE_CHOICES, default=default,
+                    help=f"the target's dtype (default: {where}); auto = bf16 on CUDA with bf16 else fp16, bf16 on a "
+                         "CPU with native bf16 else float32. Decoding is lossless w.r.t. the target in this dtype; "
+                         "the fingerprint does not depend on it")
 
 
 def recipe_from(args: argparse.Namespace) -> Recipe:
-    """The recipe ``args.recipe`` with the dotted overrides ``args.overrides``."""
-    return load_recipe(args.recipe, args.overrides)
+    """The recipe ``args.recipe`` with the dotted overrides ``args.overrides`` (and ``--dtype``, which beats
+    them)."""
+    overrides = list(args.overrides or [])
+    if getattr(args, "dtype", None):
+        overrides.append(f"dtype={args.dtype}")
+    return load_recipe(args.recipe, overrides)
 
 
-def target_of(recipe: Recipe) -> Target:
-    """The recipe's target on the GPU when there is one; says what it loaded and how long it took."""
+def load_target_as(name: str, dtype: str | None, device) -> Target:
+    """`load_target` in ``dtype`` (a recipe name, None = float32) on ``device``; prints what it chose and why
+    when that is not plain float32."""
+    choice = resolve_dtype(dtype, device)
+    if choice.name != "float32" or (dtype or "float32") != "float32":
+        print(f"target dtype {choice.name} ({choice.reason})")
+    return load_target(name, dtype=choice.dtype, device=device)
+
+
+def target_of(recipe: Recipe, dtype: str | None = None) -> Target:
+    """The recipe's target on the GPU when there is one, in the recipe's dtype (or ``dtype``); says what it
+    loaded and how long it took."""
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     t0 = time.time()
-    target = load_target(recipe.target, device="cuda" if torch.cuda.is_available() else "cpu")
-    print(f"target {target.name} ({target.fingerprint}) loaded in {time.time() - t0:.1f} s")
+    target = load_target_as(recipe.target, dtype or recipe.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    print(f"target {target.name} ({target.fingerprint}, {dtype_name(target.dtype)}) loaded in "
+          f"{time.time() - t0:.1f} s")
     return target
 
 

@@ -11,21 +11,30 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from draftsmith.cli import pipeline
-from draftsmith.cli.shared import recipe_from, target_of
+from draftsmith.cli.shared import add_dtype_arg, recipe_from, target_of
+from draftsmith.target import resolve_dtype
 
 STAGES = ("data", "cache", "train", "trees", "report", "bench")
+# Stages that read the target in float32 whatever the recipe's dtype: training (the drafter trains in fp32 on the
+# cached features, and a Medusa head shares the target's LM head) and what reads the trained module against
+# cached features (trees: held-out acceptance; report: held-out accuracy).
+FP32_STAGES = ("train", "trees", "report")
 
 
 def add_parser(subparsers, name: str, summary: str) -> None:
     """``name`` is a stage, ``run`` or ``quickstart``."""
     sp = subparsers.add_parser(name, help=summary)
+    add_dtype_arg(sp, None, "the recipe's dtype, float32 unless it says otherwise; train, trees and report read "
+                            "the target in float32 whatever this says")
     if name == "quickstart":
         sp.add_argument("overrides", nargs="*")
         sp.set_defaults(func=run, recipe="quickstart", stages=STAGES)
         return
     sp.add_argument("recipe", help="recipe YAML path or built-in name (quickstart, medusa-large)")
-    sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=5e-4")
+    sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=5e-4 or dtype=bfloat16")
     if name in ("train", "run"):
         sp.add_argument("--fresh", action="store_true", help="ignore existing checkpoints (no resume)")
     sp.set_defaults(func=run, stages=STAGES if name == "run" else (name,))
@@ -50,11 +59,28 @@ def run(args: argparse.Namespace) -> int:
             elif not link.is_symlink():
                 raise ValueError(f"{link} exists and is not a link to shared_data {shared}: move it away first")
     t_all = time.time()
-    target = target_of(recipe)
+    choice = resolve_dtype(recipe.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    if recipe.dtype == "auto":
+        print(f"dtype auto: {choice.name} ({choice.reason})")
+    loaded: dict[str, object] = {}
+
+    def target_for(st: str):
+        """The target in the recipe's dtype, or in float32 for `FP32_STAGES`; loaded when a stage first needs
+        that dtype (the other one is let go first: one copy in memory at a time)."""
+        want = "float32" if st in FP32_STAGES else choice.name
+        if want not in loaded:
+            if want != choice.name:
+                print(f"{st}: the target in float32 (training reads it so; the recipe's dtype {choice.name} is "
+                      f"for data, cache and bench)")
+            loaded.clear()
+            loaded[want] = target_of(recipe, want)
+        return loaded[want]
+
     times = {}
     ckpt = recipe.out / "final"
     for st in args.stages:
         t0 = time.time()
+        target = target_for(st)
         if st == "data":
             pipeline.stage_data(recipe, target)
             meta = json.loads((recipe.out / "data" / "meta.json").read_text())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import torch
@@ -42,20 +43,46 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 @torch.no_grad()
-def top2_gap(target, context: list[int]) -> float:
-    """Gap between the target's two largest next-token logits after ``context`` (cache-free forward)."""
+def top2(target, context: list[int]) -> tuple[float, float]:
+    """(gap between the target's two largest next-token logits after ``context``, the largest), from a
+    cache-free forward in the target's dtype."""
     dev = next(target.model.parameters()).device
     logits = target.model(torch.tensor([context], device=dev)).logits[0, -1].float()
     top = torch.topk(logits, 2).values
-    return float(top[0] - top[1])
+    return float(top[0] - top[1]), float(top[0])
+
+
+def top2_gap(target, context: list[int]) -> float:
+    """Gap between the target's two largest next-token logits after ``context`` (cache-free forward)."""
+    return top2(target, context)[0]
+
+
+#: in a low-precision dtype a gap of this many units in the last place of the top logit is a tie
+TIE_ULPS = 4
+
+
+def tie_threshold(top1: float, dtype: torch.dtype, tie_gap: float = 1e-3) -> float:
+    """The top-2 gap under which a greedy divergence is a near-tie: ``tie_gap``, or ``TIE_ULPS`` units in the
+    last place of the top logit in ``dtype`` when that is larger. fp32: 1e-3 (an ulp is ~1e-6). bf16: the logits
+    come out of the LM head rounded to 8 significant bits (an ulp of a logit near 6 is 0.03), and a 1-row and a
+    many-row forward may round the states under them differently, so gaps of an ulp or two flip."""
+    if not dtype.is_floating_point or abs(top1) == 0.0:
+        return tie_gap
+    ulp = 2.0 ** math.floor(math.log2(abs(top1))) * torch.finfo(dtype).eps
+    return max(tie_gap, TIE_ULPS * ulp)
 
 
 def greedy_equality(target, methods: dict, prompts: list, max_new_tokens: int = 128,
                     tie_gap: float = 1e-3) -> dict:
-    """Run plain greedy and every method on every prompt; count and explain divergences."""
+    """Run plain greedy and every method on every prompt; count and explain divergences.
+
+    A divergence is explained when the target's top-2 gap there is under `tie_threshold` (``tie_gap`` in fp32,
+    a few ulps of the top logit in bf16/fp16): greedy equality holds in the target's dtype up to near-ties."""
 
     plain = SpeculativeDecoder(target)
-    report = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "tie_gap": tie_gap, "methods": {}}
+    dtype = next(target.model.parameters()).dtype
+    report = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "tie_gap": tie_gap,
+              "dtype": str(dtype).removeprefix("torch."), "methods": {}}
     for name in methods:
         report["methods"][name] = {"equal": 0, "divergences": [], "unexplained": 0}
     t0 = time.perf_counter()
@@ -68,10 +95,11 @@ def greedy_equality(target, methods: dict, prompts: list, max_new_tokens: int = 
             if i is None:
                 m["equal"] += 1
                 continue
-            gap = top2_gap(target, pr.ids + ref[:i]) if i < len(ref) else float("nan")
-            near_tie = gap < tie_gap
+            gap, top1 = top2(target, pr.ids + ref[:i]) if i < len(ref) else (float("nan"), 0.0)
+            limit = tie_threshold(top1, dtype, tie_gap)
+            near_tie = gap < limit
             m["divergences"].append({"question_id": pr.question_id, "position": i, "top2_gap": gap,
-                                     "near_tie": near_tie})
+                                     "tie_threshold": limit, "near_tie": near_tie})
             m["unexplained"] += 0 if near_tie else 1
         print(f"[{k + 1}/{len(prompts)}] " + " ".join(
             f"{n}: {m['equal']} equal, {len(m['divergences'])} diverged ({m['unexplained']} unexplained)"
@@ -99,7 +127,7 @@ def merge_reports(reports: list[dict]) -> dict:
     ``seconds`` is the longest shard's wall time (shards run side by side)."""
     if not reports:
         raise ValueError("nothing to merge")
-    keys = ("max_new_tokens", "tie_gap")
+    keys = ("max_new_tokens", "tie_gap", "dtype")
     for r in reports[1:]:
         for k in keys:
             if r.get(k) != reports[0].get(k):
@@ -110,7 +138,7 @@ def merge_reports(reports: list[dict]) -> dict:
     shards = [r.get("shard") for r in reports]
     if None not in shards and len({tuple(s) for s in shards}) != len(shards):
         raise ValueError(f"the same shard appears twice: {shards}")
-    out = {k: reports[0][k] for k in keys}
+    out = {k: reports[0][k] for k in keys if k in reports[0]}  # reports before the dtype choice have none
     out["prompts"] = sum(r["prompts"] for r in reports)
     out["shards"] = shards
     out["methods"] = {}
@@ -159,6 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="merge shard reports into one (written to --out); runs nothing else")
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "auto"), default="float32",
+                    help="the target's dtype: greedy equality is checked in it (docs/methods.md)")
     a = ap.parse_args(argv)
     if a.merge:
         reports = []
@@ -172,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
                 json.dump(report, f, indent=2)
         return report
     shard = parse_shard(a.shard) if a.shard else None
-    target = load_target(a.target, device=default_device(a.device))
+    target = load_target(a.target, dtype=a.dtype, device=default_device(a.device))
     layers = first_layers_drafter(target, a.drafter_layers)
     methods = {
         "chain": SpeculativeDecoder(target, layers),

@@ -167,9 +167,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--suffix", type=int, default=0, metavar="N",
                     help="also SuffixDecoding, its global index holding N of the target's own sampled answers to "
                          "the prompt (32 tokens each), and prompt lookup")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "auto"), default="float32",
+                    help="the target's dtype: the reference distribution is the target's in it (docs/methods.md)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    target = load_target(a.target)
+    target = load_target(a.target, dtype=a.dtype)
     prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False)
     sampling = SamplingParams(a.temperature, a.top_k, a.top_p)
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     heads = MedusaHeads(target.hidden_size, target.vocab_size, target.lm_head, num_heads=3)
     for blk in heads.blocks:  # random, non-identity heads: a poor but valid drafter
         torch.nn.init.normal_(blk[0].linear.weight, std=0.02)
-    medusa = HeadDrafter(heads.eval(), target.fingerprint)
+    medusa = HeadDrafter(heads.to(target.dtype).eval(), target.fingerprint)
     methods = {
         "chain-first4-K3": SpeculativeDecoder(target, first_layers_drafter(target, 4), policy=FixedLength(3),
                                               sampling=sampling),
