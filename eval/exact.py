@@ -14,6 +14,14 @@ commits it (real KV compaction and drafter bookkeeping) and recurses. The
 result is the decoder's exact distribution over outputs, in float64 when the
 models are float64; `target_distribution` is the reference computed from
 plain full-sequence forwards of the target.
+
+In bf16/fp16 the decoder is lossless w.r.t. the target as its verification
+forwards compute it (docs/methods.md): `record_forwards` keeps every row those
+forwards computed and `forwards_distribution` is the autoregressive
+distribution of exactly those logits, the reference in that dtype.
+`exact_distribution` groups continuations by the emitted tokens: exact when
+a row rounds alike whatever else its forward carries, an approximation within
+the forwards' disagreement otherwise.
 """
 
 from __future__ import annotations
@@ -136,3 +144,54 @@ def target_distribution(target, prompt: list[int], max_new_tokens: int, temperat
 def total_variation(a: dict, b: dict) -> float:
     keys = set(a) | set(b)
     return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in keys)
+
+
+
+def record_forwards(dec) -> dict[tuple[int, ...], list[torch.Tensor]]:
+    """Wrap ``dec.verify_forward`` so that every row of every verification forward is kept: context (the
+    tokens the row predicts after) -> the fp32 logits rows computed for it, in order."""
+    rows: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
+    inner = dec.verify_forward
+
+    def forward(state, tree):
+        logits, hidden = inner(state, tree)
+        toks, _ = tree.host_tokens()
+        base = state.tokens[: state.length + 1]
+        for i in range(tree.n + 1):
+            rows[tuple(base + [toks[j] for j in tree.path(i)[1:]])].append(logits[i].float().cpu())
+        return logits, hidden
+
+    dec.verify_forward = forward
+    return rows
+
+
+@torch.no_grad()
+def forwards_distribution(rows: dict, prompt: list[int], max_new_tokens: int, sampling, eos, fallback: Callable
+                          ) -> tuple[dict[tuple[int, ...], float], float, int]:
+    """The autoregressive distribution of the logits the decoder's own forwards computed (`record_forwards`):
+    the reference of losslessness in the forward's dtype. Returns (distribution, spread, missing): ``spread``
+    is the largest |logit| difference between two forwards of one context (0 when a row rounds alike whatever
+    else its forward carries; the reference is then unambiguous), ``missing`` counts contexts no forward
+    computed, whose logits come from ``fallback(context)`` (a lossless decoder leaves none with mass)."""
+    out: dict[tuple[int, ...], float] = defaultdict(float)
+    spread, missing = 0.0, 0
+
+    def walk(seq: list[int], w: float, left: int) -> None:
+        nonlocal spread, missing
+        if left == 0 or (len(seq) > len(prompt) and seq[-1] in eos):
+            out[tuple(seq[len(prompt):])] += w
+            return
+        got = rows.get(tuple(seq))
+        if got:
+            spread = max([spread] + [float((r - got[0]).abs().max()) for r in got[1:]])
+            logits = got[0]
+        else:
+            missing += 1
+            logits = fallback(seq).float().cpu()
+        p = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p).double()
+        p = p / p.sum()
+        for t in torch.nonzero(p > 0).flatten().tolist():
+            walk(seq + [t], w * float(p[t]), left - 1)
+
+    walk(list(prompt), 1.0, max_new_tokens)
+    return dict(out), spread, missing
