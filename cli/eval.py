@@ -21,8 +21,9 @@ import argparse
 from pathlib import Path
 
 from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environment, read_manifest
-from draftsmith.cli.shared import add_dtype_arg, add_suffix_args, load_target_as, suffix_config
+from draftsmith.cli.shared import add_dtype_arg, add_forward_arg, add_suffix_args, load_target_as, suffix_config
 from draftsmith.engine.cpu_layout import apply_cpu_layout
+from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.engine.drafters import SelfDrafter
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.tree_build import TREES, parse_tree
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep PyTorch's default weight layout on CPU (default: column-major linears, oneDNN-packed "
                          "copies for 2+ rows and a transposed LM-head copy for every method, see "
                          "draftsmith.engine.cpu_layout)")
+    add_forward_arg(ap)
     ap.add_argument("--out", required=True, help="output directory")
     return ap
 
@@ -149,6 +151,8 @@ def eval_main(argv: list[str] | None = None) -> dict:
         if layout["applied"]:
             print(f"CPU decoding layout: {layout['linears']} linears column-major, "
                   f"{layout.get('packed', 0)} oneDNN-packed, {layout['heads']} head copies")
+    forward = use_fast_forward(target, a.forward)
+    print(f"target forward: {forward}")
     if a.prompts_file:
         prompts, bad = user_prompts(target.tokenizer, a.prompts_file, a.prompts)
         if bad["skipped"]:
@@ -187,6 +191,7 @@ def eval_main(argv: list[str] | None = None) -> dict:
         print(table(runs[label]), flush=True)
     config = {k: v for k, v in vars(a).items()}
     config["cpu_layout"] = layout
+    config["forward"] = dict(forward, compile_s=round(getattr(target.fast_body, "compile_s", 0.0), 1))
     config["target"] = {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint,
                         "dtype": dtype_name(target.dtype),
                         "dtype_reason": resolve_dtype(dtype, target.model.device).reason}

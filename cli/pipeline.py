@@ -26,6 +26,7 @@ from draftsmith.checkpoint import command_line, environment, load_checkpoint, up
 from draftsmith.train import predictors as classifier_stage
 from draftsmith.eval.bench import default_methods, run_bench, table
 from draftsmith.engine.cpu_layout import apply_cpu_layout
+from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.eval.head_accuracy import head_accuracy
 from draftsmith.eval.mtbench import mtbench_prompts
@@ -340,6 +341,7 @@ def stage_trees(recipe: Recipe, target: Target, ckpt: Path) -> dict:
         raise EmptyDatasetError("train.calibration_every is 0: no held-out sequences to build trees from")
     acc = head_accuracy(model, cache, model.num_heads, ranks=10, sequences=calib)
     apply_cpu_layout(target)  # step costs measured on the layout decoding uses (bench and eval apply it too)
+    use_fast_forward(target, recipe.eval.forward)  # ... and with the forward decoding uses
     trees = build_trees(acc["rank_acc"], recipe.train.tree_budgets,
                         {"split": f"every {recipe.train.calibration_every}-th training sequence, " + (
                              "held out of training" if held_out else
@@ -364,12 +366,14 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     drafter = drafter_from_checkpoint(ckpt, target)
     drafter.name = recipe.name
     apply_cpu_layout(target, drafter)  # decoding only from here on (see draftsmith.engine.cpu_layout)
+    forward = use_fast_forward(target, e.forward)
     trees = [(t, parse_tree(t, ckpt)) for t in e.trees]
     methods = default_methods(target, SamplingParams(0.0), drafter_layers=None, hf=e.hf_generate,
                               hf_assisted_too=False, heads=drafter, trees=trees)
     figures = run_bench(methods, mtbench_prompts(target.tokenizer, e.prompts, spread=True), e.max_new_tokens,
                         log=None)
     figures["table"] = table(figures)
+    figures["forward"] = dict(forward, compile_s=round(getattr(target.fast_body, "compile_s", 0.0), 1))
     figures["command"], figures["environment"] = command_line(), environment()
     (recipe.out / "bench.json").write_text(json.dumps(figures, indent=2))
     return figures

@@ -124,6 +124,10 @@ class EvalConfig(StrictModel):
     max_new_tokens: int = Field(64, ge=1)
     trees: list[str] = Field(["chain", "built:8"], description="chain | built:BUDGET | dynamic[:B,D,W] | JSON paths")
     hf_generate: bool = Field(True, description="also time Hugging Face generate (speedup baseline)")
+    forward: Literal["eager", "fast", "compile"] = Field(
+        "compile", description="the target's decoding forward in the trees and bench stages: compile = our "
+        "static-shape forward compiled with inductor (once per row bucket: 1, 4, 8, 16, 32 rows), fast = the same "
+        "forward eager, eager = the model's own forward")
 
 
 class OnlineConfig(StrictModel):

@@ -149,6 +149,9 @@ class SpeculativeDecoder:
         self.processing: Any = None
         if drafter is not None:
             self._check_drafter(drafter)
+        if self.fast is not None:
+            self.fast.reserve(1)
+            self.fast.reserve(self.max_block)
 
     def _check_drafter(self, drafter) -> None:
         fp = getattr(drafter, "target_fingerprint", None)

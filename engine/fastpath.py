@@ -9,12 +9,14 @@ same pre-allocated `SlotCache`, the same result (``.last_hidden_state``, after t
     inductor packs each weight once for its own small-M matrix kernels (the CPP GEMM template), which
     multiply the 1 to 16 rows of decoding much faster than MKL's general kernels on these CPUs
     (docs/results.md, "compiled decoding");
-  * the rows of one call are padded up to a bucket (1, 2, 4, 8, 16, 32): one compiled graph per bucket,
-    so a chain, a static tree and plain decoding each reuse one graph. A padded row writes its key and
-    value past the committed entries, where the next forward overwrites them (as a rejected draft's
-    entries are), and attends to nothing but itself, so it changes no real row;
-  * the cache's live length is a dynamic dimension of the graph (marked once), so the graph does not
-    recompile as the context grows; attention covers the live slots only.
+  * the rows of one call are padded up to a bucket (1, 4, 8, 16, 32) that a decoder reserved (its 1-row
+    step and its largest step): one compiled graph per bucket, so plain decoding, a chain or a static tree
+    compile at most two, and a step cut short near the end of a generation reuses the larger one. A padded
+    row writes its key and value past the committed entries, where the next forward overwrites them (as a
+    rejected draft's entries are), and attends to nothing but itself, so it changes no real row;
+  * the cache's live length and its capacity are dynamic dimensions of the graph (marked once), so the
+    graph does not recompile as the context grows or for another decoder's cache; attention covers the
+    live slots only.
 
 A call with more rows than the largest bucket (a long prompt's prefill) runs the same Python function
 eagerly. Only the order of floating-point accumulation differs from the Hugging Face forward (as it does
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16, 32)
+BUCKETS = (1, 4, 8, 16, 32)  # 2 rows run in the 4-row graph: one graph less to compile, and no slower
 MODES = ("eager", "fast", "compile")  # HF forward | our forward, eager | our forward, compiled where it fits
 
 
@@ -118,15 +120,20 @@ class _Core(torch.nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * x.to(dt)
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
-                kv: list[torch.Tensor], logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids, pos [1, q]; mask [1, 1, q, e] additive over the first e cache slots; slots [q] where the q
-        new entries go; kv: the cache's key and value buffers, layer by layer."""
+    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, 1, q, head_dim] by the model's own rotary module, computed eagerly (outside the compiled
+        graph, whose vectorised cos/sin round differently)."""
+        cos, sin = self.rotary(self.norm_w, pos)
+        return cos[:, None], sin[:, None]
+
+    def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                slots: torch.Tensor, kv: list[torch.Tensor],
+                logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [1, q]; cos, sin from `rope`; mask [1, 1, q, e] additive over the first e cache slots; slots
+        [q] where the q new entries go; kv: the cache's key and value buffers, layer by layer."""
         q = ids.shape[1]
         e = mask.shape[-1]
         h = self.embed(ids)
-        cos, sin = self.rotary(h, pos)
-        cos, sin = cos[:, None], sin[:, None]
         nh, nk, d = self.n_heads, self.n_kv, self.head_dim
         half = d // 2
         for i in range(len(self.qkv)):
@@ -159,7 +166,7 @@ class FastBody(torch.nn.Module):
       compile: compile with inductor (weights frozen into the graph) for calls of up to 32 rows.
     """
 
-    def __init__(self, model, compile: bool = True):
+    def __init__(self, model, compile: bool = True, autotune: bool = True):
         super().__init__()
         why = unsupported(model)
         if why is not None:
@@ -168,13 +175,26 @@ class FastBody(torch.nn.Module):
         self.dtype = self.core.norm_w.dtype
         self.compiled = None
         self.compile_s = 0.0  # seconds spent in the first calls of new compiled shapes
+        self.hot: set[int] = set()  # the row buckets decoders asked for (`reserve`): the only ones compiled
         self._seen: set = set()
         if compile:
-            import torch._inductor.config as icfg
-            icfg.freezing = True  # weights become constants: packed once for the small-M GEMM kernels
-            icfg.max_autotune = True
-            icfg.max_autotune_gemm_backends = "CPP,ATEN"
-            self.compiled = torch.compile(self.core, dynamic=False)
+            # freezing: the weights become constants, packed once for the small-M GEMM kernels (the CPP GEMM
+            # template, chosen by autotuning against MKL); without autotune, inductor keeps ATen's GEMMs
+            # emulate_precision_casts: round where the eager code casts (the norms compute in float32, as the
+            # model's own do), so a float64 or bf16 model computes what it computes eagerly
+            opts = {"freezing": True, "emulate_precision_casts": True}
+            if autotune:
+                opts.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+            self.compiled = torch.compile(self.core, dynamic=False, options=opts)
+
+    def reserve(self, rows: int) -> None:
+        """A decoder will run forwards of up to ``rows`` rows: compile the bucket that holds them (on first use).
+        A call pads its rows up to the smallest reserved bucket that holds them; one that no reserved bucket
+        holds (a long prompt's prefill) runs eagerly. So a decoder compiles its 1-row graph and the graph of its
+        largest step, and nothing for the odd sizes a step takes near the end of a generation."""
+        b = _bucket(rows)
+        if b is not None:
+            self.hot.add(b)
 
     # the body's calling convention -----------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -196,10 +216,10 @@ class FastBody(torch.nn.Module):
             attention_mask = torch.zeros(1, 1, q, e, dtype=self.dtype, device=dev)
             attention_mask.masked_fill_(~allowed, torch.finfo(attention_mask.dtype).min)
         kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        b = _bucket(q) if self.compiled is not None else None
+        b = min((h for h in self.hot if h >= q), default=None) if self.compiled is not None else None
         if b is None or s + b > cache.capacity:
-            h, lg = self.core(input_ids, position_ids, attention_mask, torch.arange(s, e, device=dev), kv,
-                              logits=want_logits)
+            h, lg = self.core(input_ids, *self.core.rope(position_ids), attention_mask,
+                              torch.arange(s, e, device=dev), kv, logits=want_logits)
             return FastOutput(h, lg)
         pad = b - q
         if pad:
@@ -211,13 +231,15 @@ class FastBody(torch.nn.Module):
             m[0, 0, torch.arange(q, b), torch.arange(e, e + pad)] = 0  # a padded row sees only itself
             attention_mask = m
         slots = torch.arange(s, s + b, device=dev)
-        key = (b, kv[0].shape[2], str(dev))
+        key = (b, str(dev))
         first = key not in self._seen
         if first:
             torch._dynamo.mark_dynamic(attention_mask, 3)
+            for t in kv:
+                torch._dynamo.mark_dynamic(t, 2)
             self._seen.add(key)
             t0 = time.perf_counter()
-        h, lg = self.compiled(input_ids, position_ids, attention_mask, slots, kv)
+        h, lg = self.compiled(input_ids, *self.core.rope(position_ids), attention_mask, slots, kv)
         if first:
             self.compile_s += time.perf_counter() - t0
             log.info("compiled the decoding forward for %d rows in %.1f s", b, time.perf_counter() - t0)
@@ -226,7 +248,7 @@ class FastBody(torch.nn.Module):
         return FastOutput(h, lg)
 
 
-def use_fast_forward(target, mode: str = "compile") -> dict:
+def use_fast_forward(target, mode: str = "compile", autotune: bool = True) -> dict:
     """Make every decoder built on ``target`` from now on use our forward (``mode`` "fast": eager;
     "compile": compiled where it fits) or, with "eager", the model's own forward. Returns what was done,
     for the report: a model the fast forward does not support keeps its own, with the reason."""
@@ -240,7 +262,10 @@ def use_fast_forward(target, mode: str = "compile") -> dict:
         log.warning("the fast decoding forward does not support %s (%s): keeping the model's own", target.name, why)
         target.fast_body = None
         return {"forward": "eager", "why": why}
+    have = getattr(target, "fast_body", None)
+    if have is not None and (have.compiled is not None) == (mode == "compile"):
+        return {"forward": mode}  # already there: keep its compiled graphs
     import torch._dynamo
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    target.fast_body = FastBody(target.model, compile=mode == "compile")
+    target.fast_body = FastBody(target.model, compile=mode == "compile", autotune=autotune)
     return {"forward": mode}

@@ -86,7 +86,11 @@ def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int 
     """
     model, dev = target.model, next(target.model.parameters()).device
     body, head = model.get_decoder(), model.get_output_embeddings()
+    fast = getattr(target, "fast_body", None)  # the forward decoding will use (engine/fastpath.py)
     n_max = max(sizes) + 1
+    if fast is not None:
+        for n in [1] + [b + 1 for b in sizes]:
+            fast.reserve(n)
     cache = SlotCache.for_model(model, prefix + n_max)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (1, prefix + n_max), generator=g).to(dev)
@@ -99,9 +103,13 @@ def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int 
                               next(model.parameters()).dtype)
         cache.set_write(prefix)
         t0 = time.perf_counter()
-        h = body(input_ids=ids[:, prefix:prefix + n], position_ids=torch.arange(prefix, prefix + n, device=dev)[None],
-                 attention_mask=m, **cache_arg(body, cache), use_cache=True).last_hidden_state[0]
-        project(head, h)
+        pos = torch.arange(prefix, prefix + n, device=dev)[None]
+        if fast is not None:
+            fast(input_ids=ids[:, prefix:prefix + n], position_ids=pos, attention_mask=m, cache=cache)
+        else:
+            h = body(input_ids=ids[:, prefix:prefix + n], position_ids=pos, attention_mask=m,
+                     **cache_arg(body, cache), use_cache=True).last_hidden_state[0]
+            project(head, h)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return time.perf_counter() - t0

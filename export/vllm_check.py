@@ -50,13 +50,14 @@ def vllm_python(path: str | None = None) -> Path | None:
 
 def run_vllm(python: Path, target_dir: str, prompts: list[list[int]], max_tokens: int, out: Path,
              speculative: dict | None = None, threads: int = 1, timeout: float = 3600,
-             max_model_len: int = 2048) -> dict:
-    """One vLLM process: generate greedily for every prompt; returns the worker's JSON."""
+             max_model_len: int = 2048, extra: dict | None = None) -> dict:
+    """One vLLM process: generate greedily for every prompt; returns the worker's JSON. ``extra``: more job
+    keys (``enforce_eager``, ``dtype``, ``batched``: see export/vllm_worker.py)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     job = out.with_suffix(".job.json")
     job.write_text(json.dumps({"target": str(target_dir), "prompts": prompts, "max_tokens": max_tokens,
                                "speculative_config": speculative, "threads": threads,
-                               "max_model_len": max_model_len}))
+                               "max_model_len": max_model_len, **(extra or {})}))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
     iomp = sorted(python.parent.parent.glob("lib/libiomp5.so"))

@@ -4,7 +4,9 @@ only vLLM and the standard library. `draftsmith.export.vllm_check` starts it onc
     .venv-vllm/bin/python export/vllm_worker.py JOB.json OUT.json
 
 JOB.json: ``{"target": DIR, "prompts": [[ids...], ...], "max_tokens": N, "speculative_config": {...} | null,
-"max_model_len": 2048, "threads": 1}``. OUT.json: the generated token ids per prompt, wall time, generated
+"max_model_len": 2048, "threads": 1}``, optionally ``"enforce_eager": false`` (vLLM's compiled mode; default true),
+``"dtype"`` (default float32) and ``"batched": true`` (every prompt in one ``generate`` call, vLLM batching them).
+OUT.json: the generated token ids per prompt, wall time, generated
 tokens, and vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens, accepted per position).
 """
 
@@ -38,7 +40,7 @@ def main(job_path: str, out_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     kw = {"model": job["target"], "dtype": job.get("dtype", "float32"), "max_model_len": int(job.get("max_model_len",
-          2048)), "disable_log_stats": False, "seed": 0, "enforce_eager": True}
+          2048)), "disable_log_stats": False, "seed": 0, "enforce_eager": bool(job.get("enforce_eager", True))}
     if job.get("speculative_config"):
         kw["speculative_config"] = job["speculative_config"]
     llm = LLM(**kw)
@@ -48,8 +50,11 @@ def main(job_path: str, out_path: str) -> None:
     before = _counters(llm)
     t0 = time.perf_counter()
     outs = []
-    for p in prompts:  # one request at a time: batch size 1, as our decoder runs
-        outs.append(llm.generate([p], sp, use_tqdm=False)[0])
+    if job.get("batched"):
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    else:
+        for p in prompts:  # one request at a time: batch size 1, as our decoder runs
+            outs.append(llm.generate([p], sp, use_tqdm=False)[0])
     wall = time.perf_counter() - t0
     after = _counters(llm)
     spec = {}

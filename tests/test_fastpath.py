@@ -21,6 +21,7 @@ def _hf_and_fast(tgt, fast, prompt_len=11, q=3, tree=False, capacity=64):
     """Prefill then one block of q rows through both forwards; returns (hf logits, fast logits, caches)."""
     m, body = tgt.model, tgt.model.get_decoder()
     dt = next(m.parameters()).dtype
+    fast.reserve(q)  # compiled: the block runs in the bucket holding q rows (the prefill runs eagerly)
     c1, c2 = SlotCache.for_model(m, capacity), SlotCache.for_model(m, capacity)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, tgt.vocab_size, (1, prompt_len), generator=g)
@@ -64,7 +65,7 @@ def test_a_wrong_mask_is_detected():
 @pytest.fixture(scope="module")
 def compiled_target():
     tgt = tiny(vocab=40, layers=2)
-    use_fast_forward(tgt, "compile")
+    use_fast_forward(tgt, "compile")  # autotuned: inductor's CPP GEMM kernels on this CPU, as decoding uses
     return tgt
 
 
@@ -75,6 +76,15 @@ def test_compiled_forward_pads_rows_without_effect(compiled_target):
     for l1, l2 in zip(c1.layers, c2.layers):
         assert (l1.keys[:, :, :n] - l2.keys[:, :, :n]).abs().max() < 1e-4
     assert compiled_target.fast_body.compile_s > 0
+
+
+def test_compiled_forward_does_not_recompile_for_another_cache_or_a_longer_context(compiled_target):
+    from torch._dynamo.utils import counters
+    _hf_and_fast(compiled_target, compiled_target.fast_body, q=3, capacity=64)
+    graphs = counters["stats"]["unique_graphs"]
+    a, b, _, _, _ = _hf_and_fast(compiled_target, compiled_target.fast_body, prompt_len=40, q=2, capacity=100)
+    assert (a - b).abs().max() < 1e-4
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_compiled_decoder_greedy_equals_plain_through_the_models_forward(compiled_target):

@@ -1,0 +1,238 @@
+"""Plain decoding on this machine: ours (compiled and not), Hugging Face ``generate`` and vLLM on CPU, and each
+drafter's speedup over the fastest of them.
+
+    python -m benchmarks.fastest_plain [--prompts 80] [--max-new-tokens 128] [--threads 2] [--dtype float32]
+        [--checkpoint CKPT --tree built:best ...] [--vllm-modes compiled,eager] [--batched] --out FILE
+
+One process of ours runs its methods interleaved per prompt (a seeded shuffle per prompt, as eval/bench.py):
+  * ``plain (ours, compiled)``: our static-shape forward compiled with inductor (engine/fastpath.py);
+  * ``plain (ours, eager)``: the model's own forward with the CPU weight layout (what the decoder used before);
+  * ``HF generate``;
+  * each ``--checkpoint`` with each ``--tree``, on the compiled forward.
+Then vLLM (its own environment, .venv-vllm; scripts/vllm_env.sh) runs the same prompts, one request at a time,
+once per ``--vllm-modes`` entry (compiled = vLLM's default CPU compile mode, eager = enforce_eager), right after,
+with the same thread count. ``--batched``: also every prompt at once, vLLM against our batched decoder.
+
+Printed: tok/s of each method; greedy outputs equal to ours compiled (count, with the top-2 logit gap at each
+first divergence); per-token step time against the memory floor (the bytes of the weights one forward reads,
+divided by this machine's measured read bandwidth); each drafter's speedup over the fastest plain decoding
+measured, named. Compile time is reported and counted in nothing else (warm-up runs absorb it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environment
+from draftsmith.engine.cpu_layout import apply_cpu_layout
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.fastpath import FastBody
+from draftsmith.engine.sampling import SamplingParams
+from draftsmith.eval.bench import hf_generate
+from draftsmith.eval.greedy_equality import first_divergence, top2_gap
+from draftsmith.eval.mtbench import mtbench_prompts
+from draftsmith.engine.tree_build import parse_tree
+from draftsmith.export.vllm_check import run_vllm, vllm_python
+from draftsmith.target import load_target, resolve_dtype
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+        else:
+            name = platform.processor()
+        flags = Path("/proc/cpuinfo").read_text()
+        isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+        extra = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+        return f"{name} ({isa}{', ' + ', '.join(extra) if extra else ''})"
+    except OSError:
+        return platform.processor()
+
+
+def read_bandwidth(threads: int, mib: int = 1024, repeats: int = 5) -> float:
+    """Bytes per second this machine reads a large fp32 tensor at (a sum over 1 GiB, best of ``repeats``)."""
+    torch.set_num_threads(threads)
+    x = torch.ones(mib * 2 ** 20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def forward_bytes(model) -> int:
+    """Bytes of weights one decoding forward reads: every matrix (the LM head included, tied or not), one
+    embedding row left out."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    head = model.get_output_embeddings().weight
+    emb = model.get_input_embeddings().weight
+    if head is not emb and head.data_ptr() != emb.data_ptr():
+        total -= emb.numel() * emb.element_size()  # the input embedding: one row read per token
+    return total
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--prompts", type=int, default=80)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    ap.add_argument("--checkpoint", action="append", default=[])
+    ap.add_argument("--tree", action="append", default=None, help="trees for the checkpoints (default: chain)")
+    ap.add_argument("--vllm-modes", default="compiled,eager", help="comma list of compiled, eager; '' = no vLLM")
+    ap.add_argument("--vllm-python", default=None)
+    ap.add_argument("--no-eager", action="store_true", help="leave out ours on the model's own forward")
+    ap.add_argument("--no-hf", action="store_true", help="leave out Hugging Face generate")
+    ap.add_argument("--batched", action="store_true", help="also all prompts at once: vLLM and our batched decoder")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    choice = resolve_dtype(a.dtype, "cpu")
+    target = load_target(a.target, dtype=choice.dtype)
+    prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
+    ids = [p.ids for p in prompts]
+    report = {"cpu": cpu_name(), "threads": a.threads, "dtype": choice.name, "dtype_reason": choice.reason,
+              "prompts": len(ids), "max_new_tokens": a.max_new_tokens, "methods": {},
+              "command": command_line(), "environment": environment()}
+    print(f"CPU: {report['cpu']}; {a.threads} threads; {choice.name}; {len(ids)} prompts x {a.max_new_tokens}")
+
+    drafters = [(Path(c), drafter_from_checkpoint(c, target)) for c in a.checkpoint]
+    apply_cpu_layout(target, *[d for _, d in drafters])  # the eager methods' best layout
+    fast = FastBody(target.model, compile=True)
+    methods: dict[str, SpeculativeDecoder | object] = {}
+    target.fast_body = fast
+    methods["plain (ours, compiled)"] = SpeculativeDecoder(target)
+    for path, d in drafters:
+        for spec in a.tree or ["chain"]:
+            methods[f"{d.name or path.name} {spec} (ours, compiled)"] = SpeculativeDecoder(
+                target, d, tree=parse_tree(spec, path))
+    target.fast_body = None
+    if not a.no_eager:
+        methods["plain (ours, eager)"] = SpeculativeDecoder(target)
+    run = {}
+    for name, dec in methods.items():
+        run[name] = (lambda dec: lambda p, n, s: dec.generate(p, n, seed=s))(dec)
+    if not a.no_hf:
+        run["HF generate"] = hf_generate(target, SamplingParams()).run
+    t0 = time.perf_counter()
+    for name, f in run.items():  # warm-up: compiles every graph these methods use (timed apart)
+        f(ids[0], 8, a.seed)
+    report["warmup_s"] = round(time.perf_counter() - t0, 1)
+    report["compile_s"] = round(fast.compile_s, 1)
+    print(f"warm-up {report['warmup_s']} s, of which compiling {report['compile_s']} s")
+    outs = {n: [] for n in run}
+    walls = {n: 0.0 for n in run}
+    forwards = {n: 0 for n in run}
+    for k, p in enumerate(ids):
+        order = list(run)
+        random.Random(a.seed * 7919 + k).shuffle(order)
+        for n in order:
+            r = run[n](p, a.max_new_tokens, a.seed + k)
+            outs[n].append(list(r.tokens))
+            walls[n] += r.wall_s
+            forwards[n] += r.target_forwards
+        if (k + 1) % 10 == 0 or k + 1 == len(ids):
+            print(f"[{k + 1}/{len(ids)}] " + ", ".join(f"{n} {sum(map(len, outs[n])) / walls[n]:.2f}" for n in run),
+                  flush=True)
+    ref = outs["plain (ours, compiled)"]
+
+    def agree(other: list[list[int]]) -> dict:
+        div = []
+        for p, x, y in zip(ids, ref, other):
+            i = first_divergence(x, y)
+            if i is not None:
+                div.append({"position": i, "top2_gap": round(top2_gap(target, p + x[:i]), 5)})
+        return {"equal": len(ids) - len(div), "of": len(ids), "divergences": div}
+
+    for n in run:
+        toks = sum(map(len, outs[n]))
+        report["methods"][n] = {"tokens": toks, "wall_s": round(walls[n], 2), "tok_s": round(toks / walls[n], 3),
+                                "tau": round(toks / max(forwards[n], 1), 3), "equal_to_ours_compiled": agree(outs[n])}
+
+    py = vllm_python(a.vllm_python)
+    modes = [m for m in a.vllm_modes.split(",") if m]
+    if modes and py is None:
+        print("vLLM: no .venv-vllm (bash scripts/vllm_env.sh builds it): left out")
+        report["vllm"] = "not built"
+    for mode in modes if py else []:
+        out = Path(a.out).with_suffix(f".vllm-{mode}.json")
+        res = run_vllm(py, str(target.path), ids, a.max_new_tokens, out, threads=a.threads,
+                       extra={"enforce_eager": mode == "eager", "dtype": choice.name})
+        name = f"vLLM plain ({mode})"
+        report["methods"][name] = {"tokens": res["generated"], "wall_s": round(res["wall_s"], 2),
+                                   "tok_s": round(res["generated"] / res["wall_s"], 3),
+                                   "equal_to_ours_compiled": agree(res["tokens"])}
+        print(f"{name}: {report['methods'][name]['tok_s']:.2f} tok/s", flush=True)
+        if a.batched:
+            res = run_vllm(py, str(target.path), ids, a.max_new_tokens, out.with_suffix(".batched.json"),
+                           threads=a.threads, extra={"enforce_eager": mode == "eager", "dtype": choice.name,
+                                                     "batched": True})
+            report["methods"][f"vLLM batched ({mode})"] = {
+                "tokens": res["generated"], "wall_s": round(res["wall_s"], 2),
+                "tok_s": round(res["generated"] / res["wall_s"], 3)}
+    if a.batched:
+        from draftsmith.engine.batched import BatchedSpeculativeDecoder
+        bd = BatchedSpeculativeDecoder(target)
+        bd.generate(ids[:2], 4)
+        t0 = time.perf_counter()
+        res = bd.generate(ids, a.max_new_tokens)
+        wall = time.perf_counter() - t0
+        toks = res.tokens
+        report["methods"]["batched (ours, eager)"] = {"tokens": toks, "wall_s": round(wall, 2),
+                                                      "tok_s": round(toks / wall, 3)}
+
+    plain = {n: m for n, m in report["methods"].items()
+             if (n.startswith("plain") or n.startswith("HF generate") or n.startswith("vLLM plain"))}
+    fastest = max(plain, key=lambda n: plain[n]["tok_s"])
+    report["fastest_plain"] = fastest
+    for n, m in report["methods"].items():
+        if "batched" not in n:
+            m["x_fastest_plain"] = round(m["tok_s"] / plain[fastest]["tok_s"], 3)
+    bw = read_bandwidth(a.threads)
+    nbytes = forward_bytes(target.model)
+    floor_ms = nbytes / bw * 1e3
+    report["memory_floor"] = {"weight_bytes_per_forward": nbytes, "read_GBps": round(bw / 1e9, 2),
+                              "floor_ms_per_forward": round(floor_ms, 2)}
+    for n, m in report["methods"].items():
+        if n.startswith("plain") or n.startswith("vLLM plain") or n == "HF generate":
+            m["ms_per_token"] = round(1e3 / m["tok_s"], 2)
+            m["x_memory_floor"] = round(1e3 / m["tok_s"] / floor_ms, 2)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(report, indent=1))
+    print(f"\nmemory floor: {nbytes / 1e6:.0f} MB of weights per forward at {bw / 1e9:.1f} GB/s read = "
+          f"{floor_ms:.1f} ms per token")
+    print(f"fastest plain decoding here: {fastest}")
+    print("| method | tok/s | x fastest plain | tau | ms/token (x floor) | greedy = ours compiled |")
+    print("|---|---|---|---|---|---|")
+    for n, m in report["methods"].items():
+        eq = m.get("equal_to_ours_compiled")
+        same = "-"
+        if eq:
+            same = f"{eq['equal']}/{eq['of']}"
+            if eq["divergences"]:
+                same += " (top-2 gaps " + ", ".join(str(d["top2_gap"]) for d in eq["divergences"][:5]) + ")"
+        print(f"| {n} | {m['tok_s']:.2f} | {m.get('x_fastest_plain', '-')} | {m.get('tau', '-')} | "
+              f"{m.get('ms_per_token', '-')} ({m.get('x_memory_floor', '-')}) | {same} |")
+    return report
+
+
+if __name__ == "__main__":
+    main()
