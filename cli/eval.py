@@ -21,9 +21,9 @@ import argparse
 from pathlib import Path
 
 from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environment, read_manifest
-from draftsmith.cli.shared import add_dtype_arg, add_forward_arg, add_suffix_args, load_target_as, suffix_config
+from draftsmith.cli.shared import add_dtype_arg, add_suffix_args, load_target_as, suffix_config
 from draftsmith.engine.cpu_layout import apply_cpu_layout
-from draftsmith.engine.fastpath import use_fast_forward
+from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
 from draftsmith.engine.drafters import SelfDrafter
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.tree_build import TREES, parse_tree

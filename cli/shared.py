@@ -74,10 +74,3 @@ def suffix_config(args: argparse.Namespace) -> SuffixConfig:
                         max_spec_factor=args.suffix_spec_factor, min_token_prob=args.suffix_min_prob,
                         max_cached_requests=args.suffix_max_requests, min_score=args.suffix_min_score)
 
-
-def add_forward_arg(ap, default: str = "compile") -> None:
-    """``--forward eager|fast|compile``: the target forward decoders use (`draftsmith.engine.fastpath`)."""
-    ap.add_argument("--forward", choices=["eager", "fast", "compile"], default=default,
-                    help="the target's decoding forward: compile = our static-shape forward compiled with inductor "
-                         "(minutes of compiling once per row bucket, then the fastest), fast = the same forward "
-                         "eager, eager = the model's own forward (default: %(default)s)")

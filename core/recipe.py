@@ -8,6 +8,7 @@ the offending key, e.g. ``recipe key 'train.lrr': unknown key``.
 from __future__ import annotations
 
 import importlib.resources
+import os
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
@@ -119,15 +120,25 @@ class TrainConfig(StrictModel):
                                               description="wandb runs offline unless WANDB_MODE says otherwise")
 
 
+def default_forward() -> str:
+    """``eval.forward`` when a recipe sets none: ``$DRAFTSMITH_FORWARD`` if set (eager, fast or compile), else
+    compile."""
+    v = os.environ.get("DRAFTSMITH_FORWARD", "compile")
+    if v not in ("eager", "fast", "compile"):
+        raise ValueError(f"DRAFTSMITH_FORWARD must be eager, fast or compile, got {v!r}")
+    return v
+
+
 class EvalConfig(StrictModel):
     prompts: int = Field(8, ge=1, le=80, description="MT-Bench first turns, spread over the categories")
     max_new_tokens: int = Field(64, ge=1)
     trees: list[str] = Field(["chain", "built:8"], description="chain | built:BUDGET | dynamic[:B,D,W] | JSON paths")
     hf_generate: bool = Field(True, description="also time Hugging Face generate (speedup baseline)")
     forward: Literal["eager", "fast", "compile"] = Field(
-        "compile", description="the target's decoding forward in the trees and bench stages: compile = our "
-        "static-shape forward compiled with inductor (once per row bucket: 1, 4, 8, 16, 32 rows), fast = the same "
-        "forward eager, eager = the model's own forward")
+        default_factory=default_forward, description="the target's decoding forward in the trees and bench stages: "
+        "compile = our static-shape forward compiled with inductor (once per row bucket: 1, 4, 8, 16, 32 "
+        "rows), fast = the same forward eager, eager = the model's own forward (default: $DRAFTSMITH_FORWARD, "
+        "else compile)")
 
 
 class OnlineConfig(StrictModel):

@@ -269,3 +269,13 @@ def use_fast_forward(target, mode: str = "compile", autotune: bool = True) -> di
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     target.fast_body = FastBody(target.model, compile=mode == "compile", autotune=autotune)
     return {"forward": mode}
+
+
+def add_forward_arg(ap, default: str | None = None) -> None:
+    """``--forward eager|fast|compile`` on an argparse parser: the target forward decoders use. The default is
+    ``$DRAFTSMITH_FORWARD`` if set, else compile (`draftsmith.recipe.default_forward`)."""
+    from draftsmith.recipe import default_forward
+    ap.add_argument("--forward", choices=list(MODES), default=default or default_forward(),
+                    help="the target's decoding forward: compile = our static-shape forward compiled with inductor "
+                         "(a minute or two of compiling once per row bucket, then the fastest), fast = the same "
+                         "forward eager, eager = the model's own forward (default: %(default)s)")

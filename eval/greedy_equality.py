@@ -28,6 +28,7 @@ from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.drafters.suffix import HybridDrafter, PromptLookupDrafter, SuffixDrafter
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
 from draftsmith.engine.drafters import first_layers_drafter
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.engine.trees import DynamicTree
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="merge shard reports into one (written to --out); runs nothing else")
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
+    add_forward_arg(ap)
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "auto"), default="float32",
                     help="the target's dtype: greedy equality is checked in it (docs/methods.md)")
     a = ap.parse_args(argv)
@@ -203,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
         return report
     shard = parse_shard(a.shard) if a.shard else None
     target = load_target(a.target, dtype=a.dtype, device=default_device(a.device))
+    print(f"target forward: {use_fast_forward(target, a.forward)}")
     layers = first_layers_drafter(target, a.drafter_layers)
     methods = {
         "chain": SpeculativeDecoder(target, layers),

@@ -24,6 +24,7 @@ import torch
 from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.drafters.suffix import PromptLookupDrafter, SuffixDrafter
 from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
 from draftsmith.engine.drafters import first_layers_drafter, HeadDrafter
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams, TorchRandom
@@ -167,11 +168,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--suffix", type=int, default=0, metavar="N",
                     help="also SuffixDecoding, its global index holding N of the target's own sampled answers to "
                          "the prompt (32 tokens each), and prompt lookup")
+    add_forward_arg(ap)
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "auto"), default="float32",
                     help="the target's dtype: the reference distribution is the target's in it (docs/methods.md)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     target = load_target(a.target, dtype=a.dtype)
+    print(f"target forward: {use_fast_forward(target, a.forward)}")
     prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False)
     sampling = SamplingParams(a.temperature, a.top_k, a.top_p)
