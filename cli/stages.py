@@ -122,6 +122,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"decoding {b['prompts']} MT-Bench first turns, {b['max_new_tokens']} new tokens, greedy "
                   f"(interleaved, this machine):")
             print(b["table"])
+            ms = b["methods"]
+            plain = ms.get("plain (ours)")
+            drafted = {n: m for n, m in ms.items() if n not in ("plain (ours)", "HF generate")}
+            if plain and drafted:
+                best = max(drafted, key=lambda n: drafted[n]["tokens_per_s"])
+                hf = ms.get("HF generate")
+                fw = b.get("forward", {})
+                print(f"best: {best}, {drafted[best]['tokens_per_s']:.2f} tok/s = "
+                      f"{drafted[best]['tokens_per_s'] / plain['tokens_per_s']:.2f}x our plain decoding "
+                      f"({plain['tokens_per_s']:.2f} tok/s, {fw.get('forward', 'eager')} forward"
+                      + (f", compiled in {fw['compile_s']:.0f} s" if fw.get("compile_s") else "") + ")"
+                      + (f", {drafted[best]['tokens_per_s'] / hf['tokens_per_s']:.2f}x HF generate" if hf else ""))
         times[st] = round(time.time() - t0, 1)
     print(f"stage seconds: {times}; total {time.time() - t_all:.1f} s; outputs in {recipe.out}")
     return 0
