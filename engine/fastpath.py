@@ -217,7 +217,9 @@ class FastBody(torch.nn.Module):
             attention_mask.masked_fill_(~allowed, torch.finfo(attention_mask.dtype).min)
         kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
         b = min((h for h in self.hot if h >= q), default=None) if self.compiled is not None else None
-        if b is None or s + b > cache.capacity:
+        # s + b == capacity runs eagerly: a graph traced with the live length equal to the capacity would see
+        # one size where there are two (dynamo gives equal sizes one symbol)
+        if b is None or s + b >= cache.capacity:
             h, lg = self.core(input_ids, *self.core.rope(position_ids), attention_mask,
                               torch.arange(s, e, device=dev), kv, logits=want_logits)
             return FastOutput(h, lg)
@@ -234,9 +236,9 @@ class FastBody(torch.nn.Module):
         key = (b, str(dev))
         first = key not in self._seen
         if first:
-            torch._dynamo.mark_dynamic(attention_mask, 3)
-            for t in kv:
-                torch._dynamo.mark_dynamic(t, 2)
+            torch._dynamo.maybe_mark_dynamic(attention_mask, 3)  # "maybe": a size the trace specialises
+            for t in kv:  # recompiles instead of failing
+                torch._dynamo.maybe_mark_dynamic(t, 2)
             self._seen.add(key)
             t0 = time.perf_counter()
         h, lg = self.compiled(input_ids, *self.core.rope(position_ids), attention_mask, slots, kv)

@@ -87,6 +87,14 @@ def test_compiled_forward_does_not_recompile_for_another_cache_or_a_longer_conte
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_a_block_that_fills_the_cache_exactly_still_decodes(compiled_target):
+    # 12 + 4 rows = capacity 16: run eagerly (a trace with the live length equal to the capacity would give the
+    # two one symbol); a block one slot short of it runs compiled. Both equal the model's forward.
+    for cap in (16, 17):
+        a, b, _, _, _ = _hf_and_fast(compiled_target, compiled_target.fast_body, prompt_len=12, q=4, capacity=cap)
+        assert (a - b).abs().max() < 1e-4
+
+
 def test_compiled_decoder_greedy_equals_plain_through_the_models_forward(compiled_target):
     tgt = compiled_target
     prompts = [[1, 5, 9, 4, 7], [1, 30, 2 + 10, 11, 12, 13, 14, 15, 16], [1, 3]]
