@@ -14,9 +14,10 @@ same pre-allocated `SlotCache`, the same result (``.last_hidden_state``, after t
     compile at most two, and a step cut short near the end of a generation reuses the larger one. A padded
     row writes its key and value past the committed entries, where the next forward overwrites them (as a
     rejected draft's entries are), and attends to nothing but itself, so it changes no real row;
-  * the cache's live length and its capacity are dynamic dimensions of the graph (marked once), so the
-    graph does not recompile as the context grows or for another decoder's cache; attention covers the
-    live slots only.
+  * every shape is static: attention runs over the cache's whole capacity with the slots past the live
+    length masked out (gpt-fast's way), so the graph does not recompile as the context grows; a cache of
+    another capacity compiles its own graph (decoders round capacities up to a power of two, and the
+    tree-building step-cost measurement uses the same 512 slots).
 
 A call with more rows than the largest bucket (a long prompt's prefill) runs the same Python function
 eagerly. Only the order of floating-point accumulation differs from the Hugging Face forward (as it does
@@ -217,34 +218,32 @@ class FastBody(torch.nn.Module):
             attention_mask.masked_fill_(~allowed, torch.finfo(attention_mask.dtype).min)
         kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
         b = min((h for h in self.hot if h >= q), default=None) if self.compiled is not None else None
-        # s + b == capacity runs eagerly: a graph traced with the live length equal to the capacity would see
-        # one size where there are two (dynamo gives equal sizes one symbol)
-        if b is None or s + b >= cache.capacity:
+        C = int(cache.capacity)
+        if b is None or s + b > C:
             h, lg = self.core(input_ids, *self.core.rope(position_ids), attention_mask,
                               torch.arange(s, e, device=dev), kv, logits=want_logits)
             return FastOutput(h, lg)
+        # every shape static: b rows over the whole capacity, the slots past the live length masked out
+        # (gpt-fast's way; dynamic live lengths got specialised by the trace and recompiled on every step)
         pad = b - q
         if pad:
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(1, pad)], dim=1)
             position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(1, pad)], dim=1)
-            m = torch.full((1, 1, b, e + pad), torch.finfo(attention_mask.dtype).min, dtype=attention_mask.dtype,
-                           device=dev)
-            m[:, :, :q, :e] = attention_mask
+        m = torch.full((1, 1, b, C), torch.finfo(attention_mask.dtype).min, dtype=attention_mask.dtype, device=dev)
+        m[:, :, :q, :e] = attention_mask
+        if pad:
             m[0, 0, torch.arange(q, b), torch.arange(e, e + pad)] = 0  # a padded row sees only itself
-            attention_mask = m
         slots = torch.arange(s, s + b, device=dev)
-        key = (b, str(dev))
+        key = (b, C, str(dev))
         first = key not in self._seen
         if first:
-            torch._dynamo.maybe_mark_dynamic(attention_mask, 3)  # "maybe": a size the trace specialises
-            for t in kv:  # recompiles instead of failing
-                torch._dynamo.maybe_mark_dynamic(t, 2)
             self._seen.add(key)
             t0 = time.perf_counter()
-        h, lg = self.compiled(input_ids, *self.core.rope(position_ids), attention_mask, slots, kv)
+        h, lg = self.compiled(input_ids, *self.core.rope(position_ids), m, slots, kv)
         if first:
             self.compile_s += time.perf_counter() - t0
-            log.info("compiled the decoding forward for %d rows in %.1f s", b, time.perf_counter() - t0)
+            log.info("compiled the decoding forward for %d rows over a %d-slot cache in %.1f s", b, C,
+                     time.perf_counter() - t0)
         if pad:
             h, lg = h[:, :q], lg[:, :q]
         return FastOutput(h, lg)
