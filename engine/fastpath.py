@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from draftsmith.recipe import default_forward
+
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 4, 8, 16, 32)  # 2 rows run in the 4-row graph: one graph less to compile, and no slower
@@ -275,7 +277,6 @@ def use_fast_forward(target, mode: str = "compile", autotune: bool = True) -> di
 def add_forward_arg(ap, default: str | None = None) -> None:
     """``--forward eager|fast|compile`` on an argparse parser: the target forward decoders use. The default is
     ``$DRAFTSMITH_FORWARD`` if set, else compile (`draftsmith.recipe.default_forward`)."""
-    from draftsmith.recipe import default_forward
     ap.add_argument("--forward", choices=list(MODES), default=default or default_forward(),
                     help="the target's decoding forward: compile = our static-shape forward compiled with inductor "
                          "(a minute or two of compiling once per row bucket, then the fastest), fast = the same "
