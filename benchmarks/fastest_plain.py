@@ -35,28 +35,26 @@ from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.fastpath import FastBody
 from draftsmith.engine.sampling import SamplingParams
-from draftsmith.eval.bench import hf_generate
+from draftsmith.eval.bench import hf_generate, ours
 from draftsmith.eval.greedy_equality import first_divergence, top2_gap
 from draftsmith.eval.mtbench import mtbench_prompts
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.export.vllm_check import run_vllm, vllm_python
-from draftsmith.target import load_target, resolve_dtype
+from draftsmith.target import _cpuinfo_flags, load_target, resolve_dtype
 
 
 def cpu_name() -> str:
+    """The CPU's model name and the vector extensions that matter here (flags from `_cpuinfo_flags`)."""
+    name = platform.processor()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-        else:
-            name = platform.processor()
-        flags = Path("/proc/cpuinfo").read_text()
-        isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-        extra = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-        return f"{name} ({isa}{', ' + ', '.join(extra) if extra else ''})"
+        name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                     if ln.startswith("model name")), name)
     except OSError:
-        return platform.processor()
+        pass
+    flags = _cpuinfo_flags()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    extra = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({isa}{', ' + ', '.join(extra) if extra else ''})"
 
 
 def read_bandwidth(threads: int, mib: int = 1024, repeats: int = 5) -> float:
@@ -117,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     drafters = [(Path(c), drafter_from_checkpoint(c, target)) for c in a.checkpoint]
     apply_cpu_layout(target, *[d for _, d in drafters])  # the eager methods' best layout
     fast = FastBody(target.model, compile=True)
-    methods: dict[str, SpeculativeDecoder | object] = {}
+    methods: dict[str, SpeculativeDecoder] = {}
     target.fast_body = fast
     methods["plain (ours, compiled)"] = SpeculativeDecoder(target)
     for path, d in drafters:
@@ -127,9 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     target.fast_body = None
     if not a.no_eager:
         methods["plain (ours, eager)"] = SpeculativeDecoder(target)
-    run = {}
-    for name, dec in methods.items():
-        run[name] = (lambda dec: lambda p, n, s: dec.generate(p, n, seed=s))(dec)
+    run = {name: ours(name, dec).run for name, dec in methods.items()}
     if not a.no_hf:
         run["HF generate"] = hf_generate(target, SamplingParams()).run
     t0 = time.perf_counter()
