@@ -46,9 +46,10 @@ def references(tgt):
 # Losslessness bound on the total variation. Through the model's own forward the decoder's arithmetic is the
 # reference's: 1e-9. The compiled forward rounds differently inside the norms (the model's RMSNorm computes
 # in float32 even in a float64 model, and inductor's vectorised rsqrt differs from eager's by up to an fp32
-# ulp, 6e-8 relative): measured up to 7e-9, bounded at 1e-7 -- four orders of magnitude under what a lossy
-# rule gives (test_typical_acceptance_is_lossy_and_detected: > 1e-3).
-_TOL = {False: 1e-9, True: 1e-7}
+# ulp, 6e-8 relative; the mean's vectorised sum order depends on the SIMD width): measured up to 7e-9 on an
+# AVX2-only EPYC and 1.5e-7 on an AVX-512 Xeon, bounded at 1e-6 -- three orders of magnitude under what a
+# lossy rule gives (test_typical_acceptance_is_lossy_and_detected: > 1e-3).
+_TOL = {False: 1e-9, True: 1e-6}
 
 
 def _check(tgt, references, drafter, sampling, **kw):

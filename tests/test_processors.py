@@ -104,9 +104,12 @@ def test_processing_only_the_root_context_is_lossy_and_detected(tgt, reference):
     assert total_variation(got, reference) > 1e-3
 
 
-@pytest.mark.parametrize("tree", [None, [(0,), (1,), (0, 0)]], ids=["chain", "static-tree"])
+@pytest.mark.parametrize("tree", [None, [(0,), (1,)]], ids=["chain", "static-tree"])
 def test_batched_row_with_processors_is_exact(tgt, reference, tree):
-    """One row enumerated exactly while another row (other prompt, other processors) decodes beside it."""
+    """One row enumerated exactly while another row (other prompt, other processors) decodes beside it.
+    The tree is two siblings (depth-2 trees under processors: the single-sequence test above; the batched
+    decoder's deeper trees: tests/test_batched.py): every replay re-runs both rows, and a third node
+    multiplies the branches (87 s on an AVX-512 Xeon, twice that on an AVX2 EPYC)."""
     drafter = other_model_drafter(tgt) if tree is None else random_medusa(tgt, num_heads=2, std=0.5)
     dec = BatchedSpeculativeDecoder(tgt, drafter, tree=tree, k=2, sampling=TEMP)
     prompts, news = [[1, 3, 4, 3, 5, 4], PROMPT], [2, N_NEW]
