@@ -144,6 +144,7 @@ class SpeculativeDecoder:
         self.sync_timing = sync_timing and self.device.type == "cuda"
         self.cache: SlotCache | None = None
         self.capacity = 0
+        self._caches: dict[int, SlotCache] = {}  # compiled forward: caches of other capacities, kept for reuse
         # per-request logits processing (penalties, logit bias, logprobs: engine/processors.py), or None;
         # applied to the target's logits at every tree node and to the draft's before q is formed
         self.processing: Any = None
@@ -196,10 +197,17 @@ class SpeculativeDecoder:
         if max_new_tokens == 0:
             return DecodeState(tokens=ids, prompt_len=len(ids), length=len(ids) - 1, hidden=None,
                                max_new_tokens=0, done=True, stop_reason="max_new_tokens")
-        if self.cache is None or self.capacity < need:
+        if self.fast is not None and self.fast.compiled is not None:
+            # a compiled forward attends over the whole cache (static shapes): few capacities, few graphs, and
+            # each generation in the smallest that holds it (a long prompt earlier does not slow later steps)
+            cap = 1 << max(need - 1, 511).bit_length()
+            if self.cache is None or self.capacity != cap:
+                if self.cache is not None:
+                    self._caches[self.capacity] = self.cache
+                self.capacity = cap
+                self.cache = self._caches.pop(cap, None) or SlotCache.for_model(self.model, cap)
+        elif self.cache is None or self.capacity < need:
             self.capacity = max(need, 256)
-            if self.fast is not None and self.fast.compiled is not None:  # few capacities: few compiled graphs
-                self.capacity = 1 << max(self.capacity - 1, 511).bit_length()
             self.cache = SlotCache.for_model(self.model, self.capacity)
         L = len(ids) - 1
         state = DecodeState(tokens=ids, prompt_len=len(ids), length=L, hidden=None, max_new_tokens=max_new_tokens)

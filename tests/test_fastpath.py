@@ -122,6 +122,28 @@ def test_compiled_decoder_greedy_equals_plain_through_the_models_forward(autotun
         assert got == ref, name
 
 
+def test_a_long_prompt_does_not_leave_later_generations_on_a_larger_cache():
+    # The compiled forward attends over the whole cache, so a generation runs in the smallest power-of-two
+    # capacity (>= 512) that holds it, and a short prompt after a long one goes back to the 512-slot cache (and
+    # its graph) rather than paying for 1024 slots at every later step.
+    from tests.tiny import make_tiny_target
+    from torch._dynamo.utils import counters
+    tgt = make_tiny_target(vocab_size=40, layers=2, max_positions=1024)
+    use_fast_forward(tgt, "compile", autotune=False)
+    dec = SpeculativeDecoder(tgt)
+    short, long = [1, 5, 9, 4], [1] + [5 + i % 30 for i in range(600)]
+    ref = dec.generate(short, 8).tokens
+    first = dec.cache
+    assert dec.capacity == 512
+    got_long = dec.generate(long, 8).tokens
+    assert dec.capacity == 1024
+    graphs = counters["stats"]["unique_graphs"]
+    assert dec.generate(short, 8).tokens == ref
+    assert dec.capacity == 512 and dec.cache is first
+    assert dec.generate(long, 8).tokens == got_long
+    assert counters["stats"]["unique_graphs"] == graphs  # both capacities' graphs reused, nothing recompiled
+
+
 def test_unsupported_models_keep_their_own_forward():
     tgt = tiny(vocab=40, layers=2)
     tgt.model.config.model_type = "gpt2"
