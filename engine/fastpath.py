@@ -6,9 +6,9 @@ same pre-allocated `SlotCache`, the same result (``.last_hidden_state``, after t
 ``.logits`` from the LM head inside the same graph. What it changes is how the work is done:
 
   * the weights are fused (q/k/v in one matrix, gate/up in one) and, compiled, frozen into the graph:
-    inductor packs each weight once for its own small-M matrix kernels (the CPP GEMM template), which
-    multiply the 1 to 16 rows of decoding much faster than MKL's general kernels on these CPUs
-    (docs/results.md, "compiled decoding");
+    inductor packs each weight once for oneDNN (bf16), MKL (fp32) or its CPP GEMM template where autotuning
+    finds that faster, which multiply the 1 to 16 rows of decoding much faster than unpacked `aten::mm`
+    (docs/methods.md §17);
   * the rows of one call are padded up to a bucket (1, 4, 8, 16, 32) that a decoder reserved (its 1-row
     step and its largest step): one compiled graph per bucket, so plain decoding, a chain or a static tree
     compile at most two, and a step cut short near the end of a generation reuses the larger one. A padded
