@@ -76,7 +76,8 @@ def tree_value(acc: list[list[float]], paths: list[tuple[int, ...]]) -> float:
 
 
 @torch.no_grad()
-def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int = 9) -> dict[str, float]:
+def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int = 9,
+                      medians_out: dict | None = None) -> dict[str, float]:
     """Wall time of a verification forward over n drafted nodes (n + 1 rows, logits included) after a
     cached prefix, relative to plain decoding's 1-row forward, on this machine (median of ``repeats``,
     sizes interleaved). Measure with the layout decoding will use (`draftsmith.engine.cpu_layout`).
@@ -123,6 +124,8 @@ def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int 
         for n in ns:
             times[n].append(once(n))
     med = {n: sorted(v)[len(v) // 2] for n, v in times.items()}
+    if medians_out is not None:  # rows -> median seconds, for reports
+        medians_out.update(med)
     return {str(b): med[b + 1] / med[1] for b in sizes}
 
 

@@ -144,6 +144,30 @@ def test_a_long_prompt_does_not_leave_later_generations_on_a_larger_cache():
     assert counters["stats"]["unique_graphs"] == graphs  # both capacities' graphs reused, nothing recompiled
 
 
+def test_compiled_weights_are_frozen_into_the_graph():
+    # Freezing really applies (passed in torch.compile's options it silently does not): the compiled graph holds
+    # the weights as constants, so changing a parameter after compiling leaves its output unchanged, while the
+    # same forward run eagerly over the same parameters sees the change (the check can fail).
+    tgt = tiny(vocab=40, layers=2)
+    use_fast_forward(tgt, "compile", autotune=False)
+    fast = tgt.fast_body
+    fast.reserve(3)
+    x = torch.tensor([[5, 7, 9]])
+
+    def run():
+        c = SlotCache.for_model(tgt.model, 64)
+        c.set_write(0)
+        with torch.no_grad():
+            return fast(input_ids=x, cache=c).logits
+
+    before = run()
+    with torch.no_grad():
+        fast.core.gate_up[0].mul_(0.5)
+    assert torch.equal(run(), before)
+    fast.compiled = None  # the same function, eagerly, over the changed parameters
+    assert (run() - before).abs().max() > 1e-3
+
+
 def test_unsupported_models_keep_their_own_forward():
     tgt = tiny(vocab=40, layers=2)
     tgt.model.config.model_type = "gpt2"
