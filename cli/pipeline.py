@@ -327,8 +327,9 @@ def stage_report(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     return report
 
 
-def stage_trees(recipe: Recipe, target: Target, ckpt: Path) -> dict:
-    """Build static trees from acceptance measured on the calibration split (sequences held out of training)."""
+def stage_trees(recipe: Recipe, target: Target, ckpt: Path, cost_target: Target | None = None) -> dict:
+    """Build static trees from acceptance measured on the calibration split (sequences held out of training).
+    Step costs are measured on ``cost_target`` (default ``target``): the target as decoding runs it (its dtype)."""
 
     model, manifest = load_checkpoint(ckpt, target, device=next(target.model.parameters()).device)
     if not model.builds_trees:
@@ -340,15 +341,16 @@ def stage_trees(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     if not calib:
         raise EmptyDatasetError("train.calibration_every is 0: no held-out sequences to build trees from")
     acc = head_accuracy(model, cache, model.num_heads, ranks=10, sequences=calib)
-    apply_cpu_layout(target)  # step costs measured on the layout decoding uses (bench and eval apply it too)
-    use_fast_forward(target, recipe.eval.forward)  # ... and with the forward decoding uses
+    cost_target = cost_target or target
+    apply_cpu_layout(cost_target)  # step costs measured on the layout decoding uses (bench and eval apply it too)
+    use_fast_forward(cost_target, recipe.eval.forward)  # ... and with the forward decoding uses
     trees = build_trees(acc["rank_acc"], recipe.train.tree_budgets,
                         {"split": f"every {recipe.train.calibration_every}-th training sequence, " + (
                              "held out of training" if held_out else
                              "NOT held out: this checkpoint was trained on every sequence"),
                          "held_out": held_out, "sequences": len(calib), "positions": acc["positions"],
                          "conditional": model.conditional_accuracy},
-                        step_cost=measure_step_cost(target, recipe.train.tree_budgets))
+                        step_cost=measure_step_cost(cost_target, recipe.train.tree_budgets))
     save_trees(ckpt, trees)
     return trees
 

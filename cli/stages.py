@@ -64,15 +64,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"dtype auto: {choice.name} ({choice.reason})")
     loaded: dict[str, object] = {}
 
-    def target_for(st: str):
+    def target_for(st: str, keep: bool = False):
         """The target in the recipe's dtype, or in float32 for `FP32_STAGES`; loaded when a stage first needs
-        that dtype (the other one is let go first: one copy in memory at a time)."""
+        that dtype (the other one is let go first, one copy in memory at a time, unless ``keep``)."""
         want = "float32" if st in FP32_STAGES else choice.name
         if want not in loaded:
             if want != choice.name:
                 print(f"{st}: the target in float32 (training reads it so; the recipe's dtype {choice.name} is "
-                      f"for data, cache and bench)")
-            loaded.clear()
+                      f"for data, cache, the trees' step costs and bench)")
+            if not keep:
+                loaded.clear()
             loaded[want] = target_of(recipe, want)
         return loaded[want]
 
@@ -102,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
                   f"({timing['distributed_type']}, {timing['world_size']} process(es)); "
                   f"{100 * timing['outside_math_share']:.1f}% of wall time outside model math")
         elif st == "trees":
-            tr = pipeline.stage_trees(recipe, target, ckpt)
+            # step costs measured in the dtype decoding runs in (kept loaded: bench reuses its compiled graphs)
+            tr = pipeline.stage_trees(recipe, target, ckpt, cost_target=target_for("bench", keep=True))
             if "skipped" in tr:
                 print(f"trees: {tr['skipped']}")
             else:

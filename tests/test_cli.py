@@ -90,3 +90,21 @@ def test_teacher_forced_data_uses_the_conversations_as_they_are(tmp_path, tiny_d
          {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}]]
     meta = json.loads((tmp_path / "run" / "data" / "meta.json").read_text())
     assert meta["generation"]["skipped_no_assistant_turn"] == 1 and meta["generation"]["teacher_forced"] == 1
+
+
+def test_trees_measure_step_costs_in_the_decoding_dtype(tmp_path, tiny_dir, capsys, monkeypatch):
+    """Training reads the target in float32, but a bf16 recipe decodes in bf16: the trees' step costs (which pick
+    built:best) are measured on the bf16 target, and the bench decodes on that same object."""
+    import torch
+    from draftsmith.cli import pipeline
+    seen = []
+    real = pipeline.measure_step_cost
+    monkeypatch.setattr(pipeline, "measure_step_cost",
+                        lambda t, *a, **k: seen.append(next(t.model.parameters()).dtype) or real(t, *a, **k))
+    benched = []
+    real_bench = pipeline.stage_bench
+    monkeypatch.setattr(pipeline, "stage_bench", lambda r, t, *a, **k:
+                        benched.append(next(t.model.parameters()).dtype) or real_bench(r, t, *a, **k))
+    assert main(["run", str(_recipe_file(tmp_path, tiny_dir, dtype="bfloat16"))]) == 0
+    assert "train: the target in float32" in capsys.readouterr().out
+    assert seen == [torch.bfloat16] and benched == [torch.bfloat16]
