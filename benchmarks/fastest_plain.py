@@ -40,18 +40,18 @@ from draftsmith.eval.greedy_equality import first_divergence, top2_gap
 from draftsmith.eval.mtbench import mtbench_prompts
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.export.vllm_check import run_vllm, vllm_python
-from draftsmith.target import _cpuinfo_flags, load_target, resolve_dtype
+from draftsmith.target import cpuinfo_flags, load_target, resolve_dtype
 
 
 def cpu_name() -> str:
-    """The CPU's model name and the vector extensions that matter here (flags from `_cpuinfo_flags`)."""
+    """The CPU's model name and the vector extensions that matter here (flags from `cpuinfo_flags`)."""
     name = platform.processor()
     try:
         name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                      if ln.startswith("model name")), name)
     except OSError:
         pass
-    flags = _cpuinfo_flags()
+    flags = cpuinfo_flags()
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     extra = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
     return f"{name} ({isa}{', ' + ', '.join(extra) if extra else ''})"

@@ -221,7 +221,7 @@ def default_device(requested: str | None = None) -> torch.device:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _cpuinfo_flags() -> set[str]:
+def cpuinfo_flags() -> set[str]:
     """The CPU's feature flags (linux /proc/cpuinfo), empty where unreadable."""
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -266,7 +266,7 @@ def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device = "
             return DtypeChoice(torch.bfloat16, "bfloat16", "auto: the CUDA device supports bf16")
         return DtypeChoice(torch.float16, "float16", "auto: the CUDA device has no bf16, fp16 instead")
     if dev.type == "cpu":
-        flags = (cpu_flags or _cpuinfo_flags)()
+        flags = (cpu_flags or cpuinfo_flags)()
         native = sorted(flags & {"avx512_bf16", "amx_bf16"})
         if native:
             return DtypeChoice(torch.bfloat16, "bfloat16", f"auto: the CPU has native bf16 ({', '.join(native)})")

@@ -244,9 +244,9 @@ def test_resolve_dtype_names_and_auto_on_cpu():
 def test_auto_reads_proc_cpuinfo(monkeypatch):
     from draftsmith import target as target_mod
 
-    monkeypatch.setattr(target_mod, "_cpuinfo_flags", lambda: {"sse", "amx_bf16"})
+    monkeypatch.setattr(target_mod, "cpuinfo_flags", lambda: {"sse", "amx_bf16"})
     assert resolve_dtype("auto", "cpu").dtype == torch.bfloat16
-    monkeypatch.setattr(target_mod, "_cpuinfo_flags", lambda: set())
+    monkeypatch.setattr(target_mod, "cpuinfo_flags", lambda: set())
     assert resolve_dtype("auto", "cpu").dtype == torch.float32
 
 
