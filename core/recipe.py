@@ -71,6 +71,15 @@ class DataConfig(StrictModel):
                               "the generator keeps the states it computes and the data stage writes the training "
                               "cache from them (no second pass over the data); conversations whose re-tokenised "
                               "text differs from the generated tokens get the cache stage's forward, counted")
+    time_budget_s: Optional[float] = Field(
+        None, gt=0, description="wall-clock seconds for writing the training data (Magpie prompts + regenerated "
+        "answers; the held-out MT-Bench answers are not counted and always written in full): no new conversation "
+        "is started after it (those in flight finish), source counts (magpie count, max_conversations) become "
+        "upper bounds, and what was not reached is counted in data/meta.json. None = no limit")
+    magpie_budget_share: float = Field(
+        0.35, gt=0, lt=1, description="with time_budget_s: the share of it Magpie prompt writing may take (split "
+        "among magpie sources); no new draw is started after it, and the rest (with what Magpie left unused) "
+        "goes to regenerating answers")
 
 
 class CacheConfig(StrictModel):
