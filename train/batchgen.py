@@ -288,11 +288,16 @@ class BatchGenerator:
 
     def run(self, jobs: Iterable[Job], on_done: Callable[..., Iterable[Job] | None],
             want: Callable[[Job, list[int], bool], list[int] | None] | None = None,
-            on_step: Callable[[], None] | None = None) -> None:
+            on_step: Callable[[], None] | None = None,
+            admit: Callable[[Job], bool] | None = None) -> list[Job]:
         """Generate every job; ``on_done(job, tokens, finished)`` is called as each ends and may return
         follow-up jobs (e.g. the next turn of a conversation), which join the queue's front.
         ``on_step()``, if given, is called after every forward (a prefill group or a decode step), with
         ``stats`` up to date: a progress display moves with the tokens while no job has ended yet.
+
+        ``admit(job)``, if given, is asked as a queued job (a follow-up included) would take a free row:
+        False drops it unrun (e.g. a time budget that ran out; rows in flight go on to their end). Returns
+        the dropped jobs, in queue order.
 
         ``tokens`` stop at (and include) the first end-of-sequence token; ``finished`` is False when
         the job's ``max_new_tokens`` cut it.
@@ -310,6 +315,7 @@ class BatchGenerator:
         self._set_prefix([j.prompt for j in queue])
         rows: list[_Row] = []
         pending: list[int] = []
+        dropped: list[Job] = []
         states = self.keep_states
 
         def finish(i: int, finished: bool) -> None:
@@ -379,6 +385,9 @@ class BatchGenerator:
                 width = 0
                 while queue and len(rows) + len(group) < self.max_rows:
                     j = queue[0]
+                    if admit is not None and not admit(j):
+                        dropped.append(queue.popleft())
+                        continue
                     w = max(width, len(j.prompt))
                     if group and w * (len(group) + 1) > self.prefill_tokens:
                         break
@@ -414,6 +423,7 @@ class BatchGenerator:
                 advance(i, nxt[i])
             if on_step is not None:
                 on_step()
+        return dropped
 
     def _check(self, job: Job) -> None:
         if not job.prompt:
