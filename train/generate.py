@@ -14,6 +14,8 @@
 * ``FusedCache`` (``data.fused_cache``): the batched engine also keeps the final
   hidden states it computes, and the training cache is written from them as
   conversations are written (`draftsmith.train.cache.StreamingCacheWriter`).
+* ``Deadline`` (``data.time_budget_s``): a point on `clock` after which no new
+  Magpie draw or conversation is started; the work in flight finishes.
 """
 
 from __future__ import annotations
@@ -41,6 +43,47 @@ ENGINES = ("batched", "hf")
 KV_BUDGET_BYTES = int(os.environ.get("DRAFTSMITH_KV_BYTES", 4 << 30))
 
 log = logging.getLogger(__name__)
+
+# The clock time budgets are read on (tests replace it with a fake one).
+clock = time.monotonic
+
+
+class Deadline:
+    """A point on `clock` after which no new work is started (``data.time_budget_s``).
+
+    Once `passed` has said True it always does, so the work admitted before it is a prefix of the
+    admission order whatever the clock does afterwards.
+    """
+
+    def __init__(self, at: float):
+        self.at = float(at)
+        self._passed = False
+
+    @classmethod
+    def after(cls, seconds: float) -> "Deadline":
+        return cls(clock() + seconds)
+
+    def passed(self) -> bool:
+        if not self._passed and clock() >= self.at:
+            self._passed = True
+        return self._passed
+
+    def left(self) -> float:
+        return max(0.0, self.at - clock())
+
+    def __repr__(self) -> str:
+        return f"Deadline(at={self.at!r}, passed={self._passed})"
+
+
+NOT_REACHED = "not_reached_time_budget"  # the stats key of conversations a deadline left unstarted
+
+
+def budget_order(convs: list[Conversation], seed: int) -> list[Conversation]:
+    """The admission order under a time budget: a seeded shuffle, so the conversations a deadline
+    reaches are a uniform sample of every source (the unbudgeted length sort would reach the short
+    prompts only, e.g. Magpie's and not ShareGPT's). Each conversation's place is a hash of the seed
+    and its id: a resumed run keeps the order of what is left."""
+    return sorted(convs, key=lambda c: zlib.crc32(f"{seed}:order:{c.id}".encode()))
 
 
 def _token_ticker(bar, gen: BatchGenerator, extra=None):
@@ -210,7 +253,7 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
                max_turns: int, batch_size: int, max_seq_len: int, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, on_long_prompt: str = "error", engine: str = "batched",
                max_rows: int = 96, fused: FusedCache | None = None, attention: str = "auto",
-               shared_prefix: bool = True) -> Counter:
+               shared_prefix: bool = True, deadline: Deadline | None = None) -> Counter:
     """Rewrite every assistant turn with the target; resumable.
 
     Finished conversations are appended to ``out_path`` (JSONL); on restart
@@ -223,6 +266,12 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
     ``fused`` (batched engine only): the training cache is written as conversations are (`FusedCache`);
     on a resumed run the conversations already in ``out_path`` keep the shards they filled, and those
     after the last full shard are left to the cache stage's forward.
+
+    ``deadline`` (``data.time_budget_s``): no conversation is started once it has passed; those started
+    finish all their turns and are written as usual, the rest are counted (``not_reached_time_budget``).
+    Conversations are then admitted in `budget_order` (a seeded shuffle, a fair sample of the sources)
+    instead of by prompt length, so the rows are those of an unbudgeted run but the file's line order is
+    not. The hf engine checks the deadline between its batches.
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown generation engine {engine!r}; choose one of {ENGINES}")
@@ -238,10 +287,14 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
                                       shard_tokens=fused.shard_tokens, prior=[p for p in prior if p is not None])
     todo = [c for c in convs if c.id not in done]
     stats["resumed"] = len(convs) - len(todo)
-    # Similar lengths in one batch waste less padding (and attention span in the batched engine).
-    todo.sort(key=lambda c: len(c.user_turns[0]))
+    if deadline is None:
+        # Similar lengths in one batch waste less padding (and attention span in the batched engine).
+        todo.sort(key=lambda c: len(c.user_turns[0]))
+    else:
+        todo = budget_order(todo, seed)
+        stats[NOT_REACHED] = 0
     kw = dict(max_new_tokens=max_new_tokens, max_turns=max_turns, max_seq_len=max_seq_len,
-              temperature=temperature, top_p=top_p, seed=seed, on_long_prompt=on_long_prompt)
+              temperature=temperature, top_p=top_p, seed=seed, on_long_prompt=on_long_prompt, deadline=deadline)
     if engine == "hf":
         _regenerate_hf(target, todo, out_path, stats, batch_size=batch_size, **kw)
     else:
@@ -271,7 +324,7 @@ def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path
                         max_new_tokens: int, max_turns: int, max_seq_len: int, temperature: float, top_p: float,
                         seed: int, on_long_prompt: str, max_rows: int, fused: FusedCache | None = None,
                         writer: StreamingCacheWriter | None = None, attention: str = "auto",
-                        shared_prefix: bool = True) -> None:
+                        shared_prefix: bool = True, deadline: Deadline | None = None) -> None:
     tok = target.tokenizer
     budget = min(max_seq_len, target.context_length)
     replies: dict[int, list[str]] = {}
@@ -355,7 +408,14 @@ def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path
             write(job.key[0], captured)
             return None
 
-        gen.run(jobs, on_done, want=want if fused is not None else None, on_step=_token_ticker(bar, gen))
+        def admit(job: Job) -> bool:
+            """A conversation's first turn is not started past the deadline; a started one goes on."""
+            return job.key[1] > 0 or not deadline.passed()
+
+        dropped = gen.run(jobs, on_done, want=want if fused is not None else None, on_step=_token_ticker(bar, gen),
+                          admit=admit if deadline is not None else None)
+        if deadline is not None:
+            stats[NOT_REACHED] += len(dropped)
         f.flush()
         os.fsync(f.fileno())
     bar.close()
@@ -365,12 +425,15 @@ def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path
 
 def _regenerate_hf(target: Target, todo: list[Conversation], out_path: Path, stats: Counter, *, batch_size: int,
                    max_new_tokens: int, max_turns: int, max_seq_len: int, temperature: float, top_p: float,
-                   seed: int, on_long_prompt: str) -> None:
+                   seed: int, on_long_prompt: str, deadline: Deadline | None = None) -> None:
     tok = target.tokenizer
     budget = min(max_seq_len, target.context_length)
     bar = tqdm(total=len(todo), desc="self-distill (hf)", unit="conv", disable=not todo)
     with out_path.open("a") as f:
         for b in range(0, len(todo), batch_size):
+            if deadline is not None and deadline.passed():  # a batch started runs all its turns
+                stats[NOT_REACHED] += len(todo) - b
+                break
             batch = todo[b:b + batch_size]
             replies: list[list[str]] = [[] for _ in batch]
             finished: list[list[bool]] = [[] for _ in batch]
@@ -441,8 +504,8 @@ def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_
                        temperature: float = 1.0, top_p: float = 0.99, seed: int = 0,
                        exclude: set[str] = frozenset(), min_chars: int = 12, engine: str = "batched",
                        max_rows: int = 96, done: list[Conversation] | None = None, draws_done: int = 0,
-                       on_round=None, round_size: int = 512,
-                       openers: list[str] | None = None) -> tuple[list[Conversation], Counter]:
+                       on_round=None, round_size: int = 512, openers: list[str] | None = None,
+                       deadline: Deadline | None = None) -> tuple[list[Conversation], Counter]:
     """Magpie-style prompts written by the target from its user-turn prefix.
 
     With ``openers``, draw k's user turn starts with ``openers[k % len(openers)]`` and the target writes
@@ -452,6 +515,11 @@ def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_
     prompts do not depend on the batch size, and draws are made in rounds of at most ``round_size``:
     after each, ``on_round(new_prompts, draws_so_far)`` lets the caller save progress, and a restart
     passes back what was saved (``done``, ``draws_done``) to continue where it stopped.
+
+    ``deadline`` (a share of ``data.time_budget_s``): no draw is started once it has passed (the hf
+    engine: no batch); the draws in flight finish and are taken as usual, in draw order, so the prompts
+    returned are the first ones an unbudgeted call returns (``stats["stopped_time_budget"]`` = 1 when it
+    cut them short), and ``on_round`` is told only the draws made.
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown generation engine {engine!r}; choose one of {ENGINES}")
@@ -478,9 +546,15 @@ def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_
         out.append(Conversation(id=f"magpie:{seed}:{len(out)}", source="magpie", user_turns=[text]))
         bar.update(1)
 
+    def out_of_time() -> bool:
+        if deadline is not None and len(out) < count and deadline.passed():
+            stats["stopped_time_budget"] = 1
+            return True
+        return False
+
     if engine == "hf":
         attempt = 0
-        while len(out) < count and attempt < 8 * (count // batch_size + 1):
+        while len(out) < count and attempt < 8 * (count // batch_size + 1) and not out_of_time():
             draws = [attempt * batch_size + i for i in range(batch_size)]
             res = generate_batch(target, [start(d) for d in draws], max_new_tokens, temperature, top_p,
                                  seed=seed * 7919 + attempt)
@@ -510,14 +584,16 @@ def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_
             return f"{sum(v for k, v in stats.items() if k.startswith('rejected_'))} rejected"
 
         ticker = _token_ticker(bar, gen, rejected)
-        while len(out) < count and draws < limit:
+        while len(out) < count and draws < limit and not out_of_time():
             # ask for what is missing plus a margin for rejections
             n = min(round_size, int((count - len(out)) * 1.3) + 8)
             jobs = [Job(draws + k, start(draws + k), max_new_tokens, job_seed(seed, "magpie", draws + k))
                     for k in range(n)]
             before, nxt[0] = len(out), draws
-            gen.run(jobs, done_draw, on_step=ticker)
-            draws += n
+            # past the deadline the rest of the round is dropped: the draws made are a prefix (`Deadline`)
+            dropped = gen.run(jobs, done_draw, on_step=ticker,
+                              admit=(lambda j: not deadline.passed()) if deadline is not None else None)
+            draws += n - len(dropped)
             if on_round is not None:
                 on_round(out[before:], draws)
     bar.close()

@@ -33,7 +33,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from draftsmith.target import Target
-from draftsmith.train.generate import _messages, _resume, _row, _turn_prompt, generate_batch, job_seed, prompt_ids
+from draftsmith.train.generate import (NOT_REACHED, Deadline, _messages, _resume, _row, _turn_prompt,
+                                       budget_order, generate_batch, job_seed, prompt_ids)
 from draftsmith.train.sources import Conversation
 
 PROBES = ("Name three primary colors.", "Write a haiku about the sea.", "What is 12 times 7?")
@@ -119,8 +120,12 @@ def regenerate_remote(target: Target, convs: list[Conversation], out_path: Path,
                       concurrency: int = 8, api_key_env: str | None = None, check: str = "probe",
                       timeout_s: float = 600.0, max_new_tokens: int, max_turns: int, max_seq_len: int,
                       temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                      on_long_prompt: str = "error", retries: int = 2) -> Counter:
-    """`generate.regenerate` through a server: same rows, same resume, ``concurrency`` requests in flight."""
+                      on_long_prompt: str = "error", retries: int = 2, deadline: Deadline | None = None) -> Counter:
+    """`generate.regenerate` through a server: same rows, same resume, ``concurrency`` requests in flight.
+
+    ``deadline``: as `generate.regenerate`'s (`budget_order`, then no conversation's first request is sent
+    once it has passed; the conversations in flight finish all their turns).
+    """
     api_key = os.environ.get(api_key_env) if api_key_env else None
     if api_key_env and not api_key:
         raise ServerError(f"data.server.api_key_env names {api_key_env!r}, which is not set")
@@ -131,6 +136,9 @@ def regenerate_remote(target: Target, convs: list[Conversation], out_path: Path,
     done = _resume(out_path, stats)
     todo = [c for c in convs if c.id not in done]
     stats["resumed"] = len(convs) - len(todo)
+    if deadline is not None:
+        todo = budget_order(todo, seed)
+        stats[NOT_REACHED] = 0
     tok = target.tokenizer
     budget = min(max_seq_len, target.context_length)
     lock = threading.Lock()
@@ -138,6 +146,9 @@ def regenerate_remote(target: Target, convs: list[Conversation], out_path: Path,
 
     def one(c: Conversation):
         local: Counter = Counter()
+        if deadline is not None and deadline.passed():
+            local[NOT_REACHED] += 1
+            return c, [], [], local
         replies: list[str] = []
         finished: list[bool] = []
         for turn in range(min(max_turns, len(c.user_turns))):
