@@ -48,16 +48,22 @@ class EmptyDatasetError(ValueError):
     """A stage was given no usable data."""
 
 
-def collect_prompts(recipe: Recipe, target: Target, skips: sources.SkipLog,
-                    stats: Counter) -> list[sources.Conversation]:
+def collect_prompts(recipe: Recipe, target: Target, skips: sources.SkipLog, stats: Counter,
+                    magpie_deadline: generate.Deadline | None = None) -> list[sources.Conversation]:
+    """Every source's conversations, in the recipe's order. ``magpie_deadline`` (``data.time_budget_s``):
+    Magpie sources stop drawing by then, the time left split evenly among those not yet run."""
     holdout = sources.mtbench_holdout_keys()
     convs: list[sources.Conversation] = []
     seen: set[tuple[str, ...]] = set()
     for n, src in enumerate(recipe.data.sources):
         name = f"{src.type}{n}"
         if src.type == "magpie":
+            until = None
+            if magpie_deadline is not None:
+                ahead = sum(s.type == "magpie" for s in recipe.data.sources[n:])
+                until = generate.Deadline.after(magpie_deadline.left() / ahead)
             it = iter(_magpie(recipe, target, n, src.count or 100, holdout, stats,
-                              generate.resolve_openers(src.openers)))
+                              generate.resolve_openers(src.openers), deadline=until))
         else:
             if not src.path:
                 raise ValueError(f"data.sources[{n}] ({src.type}) needs a path")
@@ -80,9 +86,11 @@ def collect_prompts(recipe: Recipe, target: Target, skips: sources.SkipLog,
 
 
 def _magpie(recipe: Recipe, target: Target, n: int, count: int, holdout: set[str],
-            stats: Counter, openers: list[str] | None = None) -> list[sources.Conversation]:
+            stats: Counter, openers: list[str] | None = None,
+            deadline: generate.Deadline | None = None) -> list[sources.Conversation]:
     """Synthesised prompts, saved as they come (``data/magpie{n}.jsonl`` and its ``.state.json``), so a
-    restarted data stage continues the draws instead of redoing them."""
+    restarted data stage continues the draws instead of redoing them (with a time budget: within the
+    restarted stage's own budget)."""
     path = recipe.out / "data" / f"magpie{n}.jsonl"
     state = path.with_suffix(".state.json")
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
@@ -100,8 +108,11 @@ def _magpie(recipe: Recipe, target: Target, n: int, count: int, holdout: set[str
         target, count, batch_size=recipe.data.batch_size, max_new_tokens=recipe.data.magpie_max_new_tokens,
         seed=recipe.seed + n, exclude=holdout, engine=recipe.data.engine, max_rows=recipe.data.max_rows,
         done=done, draws_done=draws, on_round=save if recipe.data.engine == "batched" else None,
-        openers=openers)
+        openers=openers, deadline=deadline)
     stats.update({f"magpie_{k}": v for k, v in mstats.items()})
+    if mstats["stopped_time_budget"]:
+        print(f"magpie{n}: {len(got)} of {count} prompts written: its share of data.time_budget_s "
+              f"(data.magpie_budget_share) was spent")
     if recipe.data.engine != "batched":
         path.write_text("".join(json.dumps({"id": c.id, "prompt": c.user_turns[0]}) + "\n" for c in got))
     return got
@@ -115,13 +126,20 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
         return out
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    d = recipe.data
+    # data.time_budget_s bounds the training data's generation from here (the target is loaded): Magpie
+    # prompts by `magpie_budget_share` of it, answers by the whole; the held-out answers are not counted.
+    budget = d.time_budget_s
+    t_budget = generate.clock()
+    deadline = generate.Deadline(t_budget + budget) if budget else None
     skips, stats = sources.SkipLog(), Counter()
-    convs = collect_prompts(recipe, target, skips, stats)
+    convs = collect_prompts(recipe, target, skips, stats,
+                            generate.Deadline(t_budget + budget * d.magpie_budget_share) if budget else None)
+    t_prompts = generate.clock()
     print(skips.report())
     if not convs:
         raise EmptyDatasetError("no usable conversations in any data source "
                                 f"({skips.total} rows skipped); nothing to train on")
-    d = recipe.data
     kw = dict(max_new_tokens=d.max_new_tokens, max_turns=d.max_turns, batch_size=d.batch_size,
               max_seq_len=d.max_seq_len, temperature=d.temperature, top_p=d.top_p, seed=recipe.seed,
               on_long_prompt=d.on_long_prompt, engine=d.engine, max_rows=d.max_rows)
@@ -130,7 +148,7 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
         srv = d.server
         gstats = remote.regenerate_remote(
             target, convs, out / "train.jsonl", url=srv.url, model=srv.model, concurrency=srv.concurrency,
-            api_key_env=srv.api_key_env, check=srv.check, timeout_s=srv.timeout_s,
+            api_key_env=srv.api_key_env, check=srv.check, timeout_s=srv.timeout_s, deadline=deadline,
             **{k: v for k, v in kw.items() if k not in ("batch_size", "engine", "max_rows")})
     elif d.regenerate:
         fused, why = fused_cache_plan(recipe)
@@ -141,7 +159,7 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
             log.info("data.fused_cache: the training cache is written during generation (%s)", why)
         elif d.fused_cache:
             log.info("data.fused_cache: not fused, the cache stage runs its separate pass: %s", why)
-        gstats = generate.regenerate(target, convs, out / "train.jsonl", **kw)
+        gstats = generate.regenerate(target, convs, out / "train.jsonl", deadline=deadline, **kw)
         kw.pop("fused", None)
     else:
         gstats = write_as_is(convs, out / "train.jsonl", d.max_turns)
@@ -150,6 +168,11 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
     gen_s = time.time() - t_gen
     gstats["generation_seconds"] = round(gen_s, 1)
     gstats["response_tokens_per_s"] = round(gstats["response_tokens"] / max(gen_s, 1e-9), 1)
+    budget_meta = None
+    if budget:
+        budget_meta = time_budget_report(recipe, stats, gstats, len(convs), t_prompts - t_budget,
+                                         generate.clock() - t_budget)
+        print(budget_meta.pop("line"))
     hstats = Counter()
     if d.heldout_mtbench:
         qs = [sources.Conversation(id=f"mtbench:{q['question_id']}", source=f"mtbench:{q['category']}",
@@ -165,8 +188,36 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
     meta = {"skipped": skips.as_dict(), "sources": dict(stats), "generation": dict(gstats),
             "heldout_generation": dict(hstats), "seconds": round(time.time() - t0, 1),
             "target_fingerprint": target.fingerprint}
+    if budget_meta is not None:
+        meta["time_budget"] = budget_meta
     meta_path.write_text(json.dumps(meta, indent=2))
     return out
+
+
+def time_budget_report(recipe: Recipe, stats: Counter, gstats: Counter, conversations: int, prompt_s: float,
+                       used_s: float) -> dict:
+    """``data/meta.json``'s ``time_budget``: the budget, the seconds used (prompts, and prompts + answers)
+    and what it left out; ``line`` is the one line printed. Magpie ``kept``: its prompts in the training
+    set (after the held-out and duplicate filters)."""
+    d = recipe.data
+    magpie = [(n, s) for n, s in enumerate(d.sources) if s.type == "magpie"]
+    not_reached = gstats.get(generate.NOT_REACHED, 0)
+    rep = {"budget_s": d.time_budget_s, "magpie_budget_share": d.magpie_budget_share,
+           "seconds_used": round(used_s, 1), "prompt_seconds": round(prompt_s, 1),
+           "magpie_prompts": {"asked": sum(s.count or 100 for _, s in magpie),
+                              "kept": sum(stats.get(f"source_magpie{n}", 0) for n, _ in magpie),
+                              "stopped_by_budget": bool(stats.get("magpie_stopped_time_budget", 0))},
+           "conversations": conversations, "written": gstats.get("conversations", 0),
+           "resumed": gstats.get("resumed", 0), "not_reached": not_reached}
+    if not d.regenerate:
+        why = "the answers are the sources' own (data.regenerate: false)"
+    elif not_reached:
+        why = f"the budget ran out after {used_s:.0f} s; they are not in train.jsonl"
+    else:
+        why = f"all were reached in {used_s:.0f} s"
+    rep["line"] = (f"data.time_budget_s={d.time_budget_s:g}: {not_reached} of {conversations} conversations not "
+                   f"reached ({why})")
+    return rep
 
 
 def write_as_is(convs: list[sources.Conversation], out_path: Path, max_turns: int) -> Counter:
