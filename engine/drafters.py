@@ -50,7 +50,7 @@ then refuses a tree). A checkpoint's module that has
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -120,6 +120,14 @@ class _HeadState:
     past: tuple | None = None  # Hydra++: the prefix layer's keys and values (replaced, never mutated)
     hidden: torch.Tensor | None = None  # Hydra: the last head states computed (features for length policies)
     pending: list | None = None  # batched Hydra++: unread hidden states, one chunk per step (joined when read)
+    kv: Any = None  # compiled drafting (`fast_drafting`): the prefix layer's pre-allocated keys and values
+    fast: bool = False  # this generation drafts through the compiled functions
+
+    def __copy__(self) -> "_HeadState":
+        c = _HeadState(**{f.name: getattr(self, f.name) for f in fields(self)})
+        if self.kv is not None:  # a pre-allocated buffer is written in place: a copied state gets its own
+            c.kv = copy.copy(self.kv)
+        return c
 
 
 class HeadDrafter:
@@ -139,9 +147,23 @@ class HeadDrafter:
         self.needs_target_hidden = True  # the decoder prefills the target before the first draft
         self.reads_path = callable(getattr(heads, "draft_states", None))
         self.has_prefix = getattr(heads, "prefix", None) is not None
+        self._fast: Any = None  # the heads' compiled drafting (``heads.fast_drafting()``), built on first use
 
     def start(self, dec, state) -> _HeadState:
-        return _HeadState()
+        fb = getattr(dec, "fast", None)
+        make = getattr(self.heads, "fast_drafting", None)
+        if fb is None or fb.compiled is None or make is None:
+            return _HeadState()
+        # the decoder's target forward is compiled: so is drafting (heads that offer it, e.g. Hydra++)
+        if self._fast is None:
+            self._fast = make()
+        kv = self._fast.new_kv(dec.capacity) if self.has_prefix else None
+        return _HeadState(kv=kv, fast=True)
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent compiling this drafter's graphs (0 when it drafts eagerly)."""
+        return float(getattr(self._fast, "compile_s", 0.0))
 
     @torch.no_grad()
     def propose(self, dec, state, tree: DraftTree, start: int, end: int) -> torch.Tensor | None:
@@ -175,7 +197,11 @@ class HeadDrafter:
             if fresh is None or fresh.shape[0] < n:
                 raise RuntimeError(f"prefix layer needs hidden states of positions {ds.fed}..{L - 1}, "
                                    f"the decoder kept {0 if fresh is None else fresh.shape[0]}")
-            out, ds.past = self.heads.base_step(fresh[-n:].to(self._dtype()), ds.fed, ds.past)
+            rows = fresh[-n:].to(self._dtype())
+            if ds.kv is not None:
+                out = self._fast.prefix_step(ds.kv, rows, ds.fed)
+            else:
+                out, ds.past = self.heads.base_step(rows, ds.fed, ds.past)
             ds.base, ds.fed = out[-1:], L
         return ds.base
 
@@ -201,9 +227,12 @@ class HeadDrafter:
         rows: list[torch.Tensor] = [None] * (end - start)  # type: ignore[list-item]
         for d, nodes in by_depth.items():
             paths = torch.stack([tree.tok[torch.tensor(tree.path(i), device=dev)] for i in nodes])
-            states = self.heads.draft_states(base, paths)
+            if ds.fast:
+                states, logits = self._fast.depth_logits(base, paths)
+            else:
+                states = self.heads.draft_states(base, paths)
+                logits = self._project(states)
             ds.hidden = states
-            logits = self._project(states)
             for j, i in enumerate(nodes):
                 rows[i - start] = logits[j]
         return torch.stack(rows)

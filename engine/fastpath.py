@@ -44,7 +44,7 @@ from draftsmith.recipe import default_forward
 log = logging.getLogger(__name__)
 
 
-def _frozen_weights():
+def frozen_weights():
     """inductor's freezing, on for a compiled call: the weights become constants that inductor packs once for
     oneDNN/MKL (or its CPP GEMM template). Measured on a 2-core AVX-512 Xeon with AMX, 1 thread: a bf16 1-row
     step 44 ms unfrozen, 27 ms frozen and autotuned; 4 rows cost 1.70x a 1-row step in fp32 unfrozen, 1.31x
@@ -190,7 +190,7 @@ class FastBody(torch.nn.Module):
         self.hot: set[int] = set()  # the row buckets decoders asked for (`reserve`): the only ones compiled
         self._seen: set = set()
         if compile:
-            # freezing (`_frozen_weights`, set around the calls: passed in torch.compile's options it is silently not
+            # freezing (`frozen_weights`, set around the calls: passed in torch.compile's options it is silently not
             # applied in torch 2.13, the weights stay graph inputs and every GEMM a plain aten::mm): the weights
             # become constants, packed once for oneDNN/MKL or, autotuned, for the CPP GEMM template where it
             # wins; emulate_precision_casts: round where the eager code casts (the norms compute in float32, as
@@ -251,7 +251,7 @@ class FastBody(torch.nn.Module):
         if first:
             self._seen.add(key)
             t0 = time.perf_counter()
-        with _frozen_weights():
+        with frozen_weights():
             h, lg = self.compiled(input_ids, *self.core.rope(position_ids), m, slots, kv)
         if first:
             self.compile_s += time.perf_counter() - t0

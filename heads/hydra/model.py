@@ -27,6 +27,7 @@ from draftsmith.common.layers import RMSNorm, rotate_half
 from draftsmith.common.vocab import PrunedHead
 from draftsmith.engine.drafters import HeadDrafter
 from draftsmith.heads.common import ResBlock
+from draftsmith.heads.hydra.fast import FastHydra
 from draftsmith.heads.objective import HydraObjective
 from draftsmith.registry import KindBase, register
 from torch import nn
@@ -198,6 +199,10 @@ class HydraHeads(KindBase, nn.Module):
 
     def decoder_drafter(self, target, target_fingerprint: str | None = None, name: str = "hydra") -> HeadDrafter:
         return HeadDrafter(self, target_fingerprint=target_fingerprint, name=name)
+
+    def fast_drafting(self, compile: bool = True):
+        """Compiled drafting (heads/hydra/fast.py), used by decoders whose target forward is compiled."""
+        return FastHydra(self, compile=compile)
 
     # ------------------------------------------------------------------ base states
     def base_states(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,179 @@
+"""Hydra(++) drafting as static-shape functions compiled with inductor, for decoders whose target forward is compiled.
+
+Eager drafting with Hydra++ heads costs a decoding step about as much as a quarter of the target's own forward on
+a CPU (a 2-core Xeon with AMX, bf16, 1 thread: 6.7 ms of drafting per step of a 7-node tree against 27.8 ms for a
+1-row target step): some thirty small products and their Python around them, for one or a few rows each. Here the
+same math runs as two kinds of compiled graph, each with the heads' weights frozen into it (inductor packs them
+once, as for the target in `draftsmith.engine.fastpath`):
+
+  * the prefix layer's incremental step over a pre-allocated key/value buffer of the decoder's capacity (the
+    eager layer concatenates its cache at every step): the new rows padded up to a bucket (1, 4, 8, 16, 32),
+    attention over the whole buffer with the slots past the live length masked out, a padded row writing past
+    the live entries (overwritten by the next step's rows) and attending only to itself; the prompt's rows (more
+    than a bucket) run the same function eagerly;
+  * one head for the nodes of one depth: the path tokens' embeddings, the head's layers, and the draft LM head
+    (with a pruned vocabulary, its kept rows, scattered back into target-id space with the dtype's minimum
+    elsewhere, exactly as `PrunedHead.to_target`), rows padded to a bucket.
+
+The drafter's numbers only shape q; verification is exact whatever q is, so drafting compiled changes which
+tokens are drafted at most at near-ties, never the output's distribution (tests/test_hydra_fast.py checks the
+compiled logits against the eager ones and runs the enumeration and greedy-equality checks through this path).
+The weights are frozen when a graph is first compiled: heads whose weights change afterwards need a new
+`FastHydra` (a new decoder drafter), as a published checkpoint gets.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.engine.fastpath import BUCKETS, frozen_weights
+
+log = logging.getLogger(__name__)
+
+
+def _bucket(n: int) -> int | None:
+    return next((b for b in BUCKETS if n <= b), None)
+
+
+class _PrefixCore(nn.Module):
+    """The prefix layer's step over pre-allocated keys and values (the layer's own weights, unfused)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
+                keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """x [T, d] at positions ``pos`` [T]; mask [T, C] additive over the buffer's C slots; the T new keys and
+        values go to ``slots`` of ``keys``/``values`` [kv_heads, C, head_dim] -> out [T, d]."""
+        p = self.layer
+        T = x.shape[0]
+        h = p.norm1(x)
+        q = p._rope(p.q(h).view(T, p.nh, p.hd).transpose(0, 1), pos)
+        k = p._rope(p.k(h).view(T, p.nkv, p.hd).transpose(0, 1), pos)
+        v = p.v(h).view(T, p.nkv, p.hd).transpose(0, 1)
+        keys.index_copy_(1, slots, k)
+        values.index_copy_(1, slots, v)
+        a = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None, None],
+                                           enable_gqa=p.nkv != p.nh)[0]
+        x = x + p.o(a.transpose(0, 1).reshape(T, p.nh * p.hd))
+        h = p.norm2(x)
+        return x + p.down(F.silu(p.gate(h)) * p.up(h))
+
+
+class _DepthCore(nn.Module):
+    """Head i for the nodes of one depth: (base [1, d], paths [n, i]) -> (states [n, d], logits [n, V])."""
+
+    def __init__(self, heads: nn.Module):
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, base: torch.Tensor, paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        H = self.heads
+        n, i = paths.shape
+        states = H.heads[i - 1](base.expand(n, -1), H.embed(paths).to(base.dtype))
+        dh = H.draft_head
+        if dh is None:
+            return states, H.lm_head(states)
+        kept = dh(states)
+        full = kept.new_full((n, dh.vocab_size), torch.finfo(kept.dtype).min)
+        return states, full.index_copy(1, dh.kept_ids, kept)
+
+
+class PrefixKV:
+    """One generation's prefix-layer keys and values: [kv_heads, capacity, head_dim] each. A copied decode state
+    gets its own copy (``copy.copy`` of the drafter state forks it), so two branches never share a buffer."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys.shape[1])
+
+    def __copy__(self) -> "PrefixKV":
+        return PrefixKV(self.keys.clone(), self.values.clone())
+
+
+class FastHydra:
+    """Compiled drafting for `HydraHeads` (see the module docstring). ``compile=False`` runs the same functions
+    eagerly (the tests compare the two)."""
+
+    def __init__(self, heads: nn.Module, compile: bool = True):
+        if heads.training:
+            raise ValueError("FastHydra drafts with heads in eval mode (dropout off): call heads.eval() first")
+        self.heads = heads
+        self.prefix = _PrefixCore(heads.prefix) if heads.prefix is not None else None
+        self.depth = _DepthCore(heads)
+        opts = {"emulate_precision_casts": True}
+        # one graph per (bucket, head) and per prefix bucket, and every FastHydra shares the code objects: past
+        # dynamo's default limit of 8 graphs it would silently run the rest eagerly
+        import torch._dynamo
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self._prefix_c = (torch.compile(self.prefix, dynamic=False, options=opts)
+                          if compile and self.prefix is not None else None)
+        self._depth_c = torch.compile(self.depth, dynamic=False, options=opts) if compile else None
+        self.compile_s = 0.0
+        self._seen: set = set()
+
+    def _call(self, fn, key, *args):
+        first = key not in self._seen
+        t0 = time.perf_counter()
+        with frozen_weights():
+            out = fn(*args)
+        if first:
+            self._seen.add(key)
+            self.compile_s += time.perf_counter() - t0
+            log.info("compiled Hydra drafting %s in %.1f s", key, time.perf_counter() - t0)
+        return out
+
+    def new_kv(self, capacity: int) -> PrefixKV:
+        p = self.heads.prefix
+        w = p.k.weight
+        shape = (p.nkv, capacity, p.hd)
+        return PrefixKV(torch.zeros(shape, dtype=w.dtype, device=w.device),
+                        torch.zeros(shape, dtype=w.dtype, device=w.device))
+
+    @torch.no_grad()
+    def prefix_step(self, kv: PrefixKV, rows: torch.Tensor, start: int) -> torch.Tensor:
+        """Base states [n, d] of ``rows`` (hidden states at positions start..start+n-1), their keys and values
+        written into ``kv``."""
+        n, dev = rows.shape[0], rows.device
+        C = kv.capacity
+        if start + n > C:
+            raise ValueError(f"prefix layer: positions up to {start + n} do not fit its {C}-slot buffer")
+        b = _bucket(n)
+        if self._prefix_c is None or b is None or start + b > C:
+            pos = torch.arange(start, start + n, device=dev)
+            allowed = torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(start)
+            mask = torch.full((n, C), torch.finfo(rows.dtype).min, dtype=rows.dtype, device=dev)
+            mask[:, :start + n].masked_fill_(allowed, 0)
+            return self.prefix(rows, pos, mask, pos, kv.keys, kv.values)
+        pad = b - n
+        x = torch.cat([rows, rows[-1:].expand(pad, -1)]) if pad else rows
+        slots = torch.arange(start, start + b, device=dev)
+        pos = torch.cat([slots[:n], slots[n - 1:n].expand(pad)]) if pad else slots
+        mask = torch.full((b, C), torch.finfo(rows.dtype).min, dtype=rows.dtype, device=dev)
+        mask[:n, :start + n].masked_fill_(torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(start), 0)
+        if pad:
+            mask[torch.arange(n, b, device=dev), slots[n:]] = 0  # a padded row sees only itself
+        out = self._call(self._prefix_c, ("prefix", b, C, str(dev)), x, pos, mask, slots, kv.keys, kv.values)
+        return out[:n]
+
+    @torch.no_grad()
+    def depth_logits(self, base: torch.Tensor, paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head ``paths.shape[1]``'s states [n, d] and draft logits [n, V] (target-id space) for ``paths`` [n, i]."""
+        paths = paths[:, : self.heads.num_heads]
+        n = paths.shape[0]
+        b = _bucket(n)
+        if self._depth_c is None or b is None:
+            return self.depth(base, paths)
+        p = torch.cat([paths, paths[-1:].expand(b - n, -1)]) if b > n else paths
+        st, lg = self._call(self._depth_c, ("depth", b, paths.shape[1], str(paths.device)), base, p)
+        return (st[:n], lg[:n]) if b > n else (st, lg)
+
