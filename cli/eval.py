@@ -191,7 +191,8 @@ def eval_main(argv: list[str] | None = None) -> dict:
         print(table(runs[label]), flush=True)
     config = {k: v for k, v in vars(a).items()}
     config["cpu_layout"] = layout
-    config["forward"] = dict(forward, compile_s=round(getattr(target.fast_body, "compile_s", 0.0), 1))
+    config["forward"] = dict(forward, compile_s=round(getattr(target.fast_body, "compile_s", 0.0), 1),
+                             drafter_compile_s={d.name: round(getattr(d, "compile_s", 0.0), 1) for d, _ in drafters})
     config["target"] = {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint,
                         "dtype": dtype_name(target.dtype),
                         "dtype_reason": resolve_dtype(dtype, target.model.device).reason}

@@ -426,7 +426,8 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     figures = run_bench(methods, mtbench_prompts(target.tokenizer, e.prompts, spread=True), e.max_new_tokens,
                         log=None)
     figures["table"] = table(figures)
-    figures["forward"] = dict(forward, compile_s=round(getattr(target.fast_body, "compile_s", 0.0), 1))
+    figures["forward"] = dict(forward, compile_s=round(getattr(target.fast_body, "compile_s", 0.0), 1),
+                              drafter_compile_s=round(getattr(drafter, "compile_s", 0.0), 1))
     figures["command"], figures["environment"] = command_line(), environment()
     (recipe.out / "bench.json").write_text(json.dumps(figures, indent=2))
     return figures

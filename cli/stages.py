@@ -134,7 +134,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"best: {best}, {drafted[best]['tokens_per_s']:.2f} tok/s = "
                       f"{drafted[best]['tokens_per_s'] / plain['tokens_per_s']:.2f}x our plain decoding "
                       f"({plain['tokens_per_s']:.2f} tok/s, {fw.get('forward', 'eager')} forward"
-                      + (f", compiled in {fw['compile_s']:.0f} s" if fw.get("compile_s") else "") + ")"
+                      + (f", compiled in {fw['compile_s']:.0f} s" if fw.get("compile_s") else "")
+                      + (f"; drafting compiled in {fw['drafter_compile_s']:.0f} s" if fw.get("drafter_compile_s")
+                         else "") + ")"
                       + (f", {drafted[best]['tokens_per_s'] / hf['tokens_per_s']:.2f}x HF generate" if hf else ""))
         times[st] = round(time.time() - t0, 1)
     print(f"stage seconds: {times}; total {time.time() - t_all:.1f} s; outputs in {recipe.out}")
