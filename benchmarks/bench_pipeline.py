@@ -32,10 +32,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import add_common_args, parser, setup, write_json
+from benchmarks.fastest_plain import cpu_name as _cpu_name
 from draftsmith.checkpoint import environment
 
 
-def _data_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeats: int) -> dict:
+def _data_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeats: int,
+               names: tuple[str, ...] = ("hf", "masked", "batched")) -> dict:
     """regenerate() with each engine on the same conversations, alternating; best of each kept.
 
     Three engines: ``hf`` (the reference path, Hugging Face ``generate`` on padded batches), ``masked``
@@ -47,6 +49,7 @@ def _data_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeats
     from draftsmith.train.generate import regenerate
     res: dict = {"conversations": len(convs), "max_new_tokens": new_tokens, "hf_batch": hf_batch, "rows": rows}
     engines = {"hf": ("hf", "auto", True), "masked": ("batched", "masked", False), "batched": ("batched", "auto", True)}
+    engines = {k: v for k, v in engines.items() if k in names}
     best = {k: 0.0 for k in engines}
     outs = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,13 +66,38 @@ def _data_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeats
                 res[f"{name}_seconds"] = round(dt, 1)
                 outs[name] = {json.loads(x)["id"]: json.loads(x)["messages"] for x in path.read_text().splitlines()}
                 print(f"  {name}: {best[name]:.1f} response tok/s", flush=True)
-    same = sum(outs["hf"].get(k) == v for k, v in outs["batched"].items())
-    same_masked = sum(outs["hf"].get(k) == v for k, v in outs["masked"].items())
-    res.update({"hf_tokens_per_s": best["hf"], "masked_tokens_per_s": best["masked"],
-                "batched_tokens_per_s": best["batched"], "ratio": best["batched"] / best["hf"],
-                "ratio_masked": best["masked"] / best["hf"], "engine_gain": best["batched"] / best["masked"],
-                "identical_responses": same, "identical_responses_masked": same_masked,
-                "responses": len(outs["batched"]), "goal": ">= 2.5 (4)"})
+    res["outputs"] = outs
+    res.update({f"{k}_tokens_per_s": v for k, v in best.items()})
+    res["responses"] = len(next(iter(outs.values())))
+    if "hf" in outs and "batched" in outs:
+        res.update({"ratio": best["batched"] / best["hf"], "goal": ">= 2.5 (4)",
+                    "identical_responses": sum(outs["hf"].get(k) == v for k, v in outs["batched"].items())})
+    if "hf" in outs and "masked" in outs:
+        res.update({"ratio_masked": best["masked"] / best["hf"],
+                    "identical_responses_masked": sum(outs["hf"].get(k) == v for k, v in outs["masked"].items())})
+    if "masked" in outs and "batched" in outs:
+        res["engine_gain"] = best["batched"] / best["masked"]
+    return res
+
+
+def _vllm_data(target, convs, new_tokens: int, ours: dict | None, out: Path, threads: int, dtype: str) -> dict:
+    """vLLM on CPU over the same conversations' prompts (one batched ``generate``, greedy, same budget): response
+    tokens/s, and how many responses equal our batched engine's (text of the assistant turn)."""
+    from draftsmith.export.vllm_check import run_vllm, vllm_python
+    from draftsmith.train.generate import prompt_ids
+    py = vllm_python(None)
+    if py is None:
+        return {"skipped": "no .venv-vllm (bash scripts/vllm_env.sh builds it)"}
+    tok = target.tokenizer
+    ids = [prompt_ids(tok, [{"role": "user", "content": c.user_turns[0]}]) for c in convs]
+    r = run_vllm(py, str(target.path), ids, new_tokens, out, threads=threads,
+                 extra={"dtype": dtype, "batched": True})
+    texts = {c.id: tok.decode(t, skip_special_tokens=True).strip() for c, t in zip(convs, r["tokens"])}
+    res = {"response_tokens": r["generated"], "seconds": round(r["wall_s"], 1),
+           "tokens_per_s": r["generated"] / r["wall_s"]}
+    if ours:
+        mine = {k: (m[-1]["content"] if m and m[-1]["role"] == "assistant" else None) for k, m in ours.items()}
+        res["identical_to_ours"] = sum(mine.get(k) is not None and mine[k].strip() == v for k, v in texts.items())
     return res
 
 
@@ -186,8 +214,17 @@ def main(argv=None) -> dict:
                     "generation + separate cache pass vs fused generation+cache vs HF generate + separate cache pass")
     ap.add_argument("--shard-tokens", type=int, default=200_000, help="--fused-cache: tokens per cache shard")
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats of each pair; best of each kept")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                    help="the target's dtype for every engine (auto: bf16 where the CPU computes it natively)")
+    ap.add_argument("--vllm", action="store_true", help="--only-data: also vLLM on CPU (.venv-vllm, "
+                    "scripts/vllm_env.sh), every conversation's prompt in one batched generate, same budget")
+    ap.add_argument("--engines", default="hf,masked,batched",
+                    help="data path: the engines to run, of hf, masked, batched (default: all three)")
     args = ap.parse_args(argv)
-    target = setup(args, out_file=True).target
+    bench = setup(args, out_file=True, load=False)
+    from draftsmith.target import load_target, resolve_dtype
+    choice = resolve_dtype(args.dtype, "cpu")
+    target = bench.target = load_target(args.target, dtype=choice.dtype)
 
     from draftsmith.recipe import parse_recipe
     from draftsmith.train.cache import build_cache
@@ -243,8 +280,30 @@ def main(argv=None) -> dict:
         if args.out:
             write_json(args.out, res)
         return res
+    names = tuple(x for x in args.engines.split(",") if x)
     d = res["data_path"] = _data_path(target, pool[: args.data_prompts], args.data_new_tokens, args.hf_batch,
-                                      args.rows, args.repeats)
+                                      args.rows, args.repeats, names)
+    res["cpu"], res["dtype"] = _cpu_name(), choice.name
+    outs = d.pop("outputs")
+    if args.vllm:
+        v = d["vllm"] = _vllm_data(target, pool[: args.data_prompts], args.data_new_tokens, outs.get("batched"),
+                                   Path(args.out or "runs/bench_pipeline").with_suffix(".vllm.json"),
+                                   torch.get_num_threads(), choice.name)
+        if "tokens_per_s" in v:
+            for k in names:
+                d[f"{k}_over_vllm"] = d[f"{k}_tokens_per_s"] / v["tokens_per_s"]
+            print(f"vLLM batched: {v['tokens_per_s']:.1f} response tok/s ({v['response_tokens']} tokens, "
+                  f"{v['seconds']} s); identical to our batched engine: {v.get('identical_to_ours', '-')}/"
+                  f"{len(outs.get('batched', {}))}; " + ", ".join(f"{k} {d[f'{k}_over_vllm']:.2f}x vLLM"
+                                                                   for k in names), flush=True)
+        else:
+            print(f"vLLM: {v['skipped']}")
+    print(f"CPU: {res['cpu']}; {choice.name}; " + ", ".join(f"{k} {d[f'{k}_tokens_per_s']:.1f} response tok/s"
+                                                           for k in names), flush=True)
+    if not set(("hf", "masked", "batched")) <= set(names):
+        if args.out:
+            write_json(args.out, res)
+        return res
     print(f"data path:  continuous batching {d['batched_tokens_per_s']:.1f} response tok/s ({d['rows']} rows) vs "
           f"HF generate batches of {d['hf_batch']} {d['hf_tokens_per_s']:.1f} tok/s -> {d['ratio']:.2f}x "
           f"(goal >= 2.5x, 4x); {d['identical_responses']}/{d['responses']} responses identical; "
