@@ -31,7 +31,7 @@ from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.eval.head_accuracy import head_accuracy
 from draftsmith.eval.mtbench import mtbench_prompts
 from draftsmith.engine.sampling import SamplingParams
-from draftsmith.engine.tree_build import build_trees, measure_step_cost, parse_tree, save_trees
+from draftsmith.engine.tree_build import build_trees, measure_draft_cost, measure_step_cost, parse_tree, save_trees
 from draftsmith.common.chunks import calibration_split
 from draftsmith.recipe import Recipe
 from draftsmith.target import Target
@@ -395,13 +395,22 @@ def stage_trees(recipe: Recipe, target: Target, ckpt: Path, cost_target: Target 
     cost_target = cost_target or target
     apply_cpu_layout(cost_target)  # step costs measured on the layout decoding uses (bench and eval apply it too)
     use_fast_forward(cost_target, recipe.eval.forward)  # ... and with the forward decoding uses
+    med: dict = {}
+    step_cost = measure_step_cost(cost_target, recipe.train.tree_budgets, medians_out=med)
+    # drafting's own cost per step (fixed + per tree level), decoded as bench will decode, relative to a 1-row step
+    drafter = drafter_from_checkpoint(ckpt, cost_target)
+    apply_cpu_layout(cost_target, drafter)
+    dc = measure_draft_cost(cost_target, drafter, int(model.num_heads))
+    draft_cost = {k: v / med[1] for k, v in dc.items()}
     trees = build_trees(acc["rank_acc"], recipe.train.tree_budgets,
                         {"split": f"every {recipe.train.calibration_every}-th training sequence, " + (
                              "held out of training" if held_out else
                              "NOT held out: this checkpoint was trained on every sequence"),
                          "held_out": held_out, "sequences": len(calib), "positions": acc["positions"],
                          "conditional": model.conditional_accuracy},
-                        step_cost=measure_step_cost(cost_target, recipe.train.tree_budgets))
+                        step_cost=step_cost, draft_cost=draft_cost)
+    trees["plain_step_ms"] = round(med[1] * 1e3, 2)
+    trees["draft_cost_ms"] = {k: round(v * 1e3, 2) for k, v in dc.items()}
     save_trees(ckpt, trees)
     return trees
 

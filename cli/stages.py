@@ -113,9 +113,16 @@ def run(args: argparse.Namespace) -> int:
                     f"{b} nodes -> expected tau {t['expected_tau']:.2f}" for b, t in tr["trees"].items()) +
                     f" (chain K={len(tr['rank_acc'])}: {tr['chain_expected_tau'][str(len(tr['rank_acc']))]:.2f})")
             if "best" in tr:
-                print("measured step cost on this machine (verification vs a 1-row forward): " + ", ".join(
-                    f"{b} nodes x{t['step_cost']:.2f} -> {t['relative_speed']:.2f}x plain" for b, t in
-                    tr["trees"].items()) + f"; best: built:{tr['best']} (--tree built:best)")
+                dc = tr.get("draft_cost_ms")
+                print("measured step cost on this machine (verification" + (" + drafting" if dc else "") +
+                      " vs a 1-row forward" + (f" of {tr['plain_step_ms']:.1f} ms; drafting {dc['fixed']:.1f} ms "
+                                               f"per step + {dc['per_depth']:.1f} ms per tree level" if dc else "")
+                      + "): " + ", ".join(f"{b} nodes (depth {max(map(len, t['paths']))}) x{t['step_cost']:.2f} -> "
+                                          f"{t['relative_speed']:.2f}x plain" for b, t in tr["trees"].items())
+                      + f"; best: built:{tr['best']} (--tree built:best)")
+                if tr.get("pays") is False:
+                    print("trees: no tree is expected to beat plain decoding on this machine with this drafter "
+                          "(expected tau per step cost < 1); the bench stage measures it")
         elif st == "report":
             pipeline.stage_report(recipe, target, ckpt)
             print((recipe.out / "report.md").read_text())

@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 
 from draftsmith.engine.cache_kw import cache_arg
+from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.drafters import project
 from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.trees import DynamicTree, StaticTree
 
 TREES = "trees.json"
@@ -129,25 +131,70 @@ def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int 
     return {str(b): med[b + 1] / med[1] for b in sizes}
 
 
+@torch.no_grad()
+def measure_draft_cost(target, drafter, depth: int, *, prompt_len: int = 64, new_tokens: int = 40,
+                       seed: int = 0) -> dict[str, float]:
+    """What drafting costs per step, in seconds: ``fixed`` (once per step, e.g. Hydra++'s prefix layer) and
+    ``per_depth`` (one drafter call per level of the tree), from the median draft time per step of two greedy
+    chains decoded on a random prompt: one token (fixed + 1 call) and ``depth`` tokens (fixed + depth calls).
+    Measured in decoding as it runs (the target's forward between drafts, with the forward and dtype decoding
+    uses), so a drafter whose weights the target's forward evicts from the caches is charged for reading them
+    again."""
+    dev = next(target.model.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, target.vocab_size, (prompt_len,), generator=g).tolist()
+    med = {}
+    for k in sorted({1, max(1, depth)}):
+        dec = SpeculativeDecoder(target, drafter, policy=FixedLength(k))
+        dec.generate(prompt, 8)  # compiles what this chain uses
+        times = [s.draft_s for s in dec.generate(prompt, new_tokens).steps if s.drafted == k]
+        med[k] = sorted(times)[len(times) // 2] if times else 0.0
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    per = (med[depth] - med[1]) / (depth - 1) if depth > 1 else med[1]
+    per = max(per, 0.0)
+    return {"fixed": max(med[1] - per, 0.0), "per_depth": per}
+
+
+def tree_depth(paths) -> int:
+    return max((len(p) for p in paths), default=0)
+
+
 def build_trees(rank_acc: list[list[float]], budgets: list[int], source: dict,
-                step_cost: dict[str, float] | None = None) -> dict:
+                step_cost: dict[str, float] | None = None, draft_cost: dict[str, float] | None = None) -> dict:
     """Trees for each budget, with the figures they were built from.
 
     With ``step_cost`` (budget -> verification time relative to a 1-row forward, `measure_step_cost`)
     each tree also gets ``relative_speed`` = expected tau / step cost, the tokens/s it should give over
-    plain decoding (draft time left out), and ``best`` names the budget with the highest.
+    plain decoding, and ``best`` names the budget with the highest. With ``draft_cost`` too (``fixed`` and
+    ``per_depth``, relative to the same 1-row forward: `measure_draft_cost` divided by it) the step cost of a
+    tree is its verification plus its drafting (fixed + one call per level), and each budget's tree is the
+    best of the greedy trees limited to depth 1, 2, ... (a deeper tree drafts more calls per step); where
+    no tree's expected speed reaches plain decoding's (1.0), ``pays`` is false.
     """
     out = {"rank_acc": rank_acc, "source": source, "trees": {}}
+    if draft_cost:
+        out["draft_cost"] = dict(draft_cost)
     for b in budgets:
         paths, ev = grow_tree(rank_acc, b)
-        out["trees"][str(b)] = {"paths": [list(p) for p in paths], "expected_tau": ev}
+        tree = {"paths": [list(p) for p in paths], "expected_tau": ev}
         if step_cost and str(b) in step_cost:
-            out["trees"][str(b)]["step_cost"] = step_cost[str(b)]
-            out["trees"][str(b)]["relative_speed"] = ev / step_cost[str(b)]
+            verify = step_cost[str(b)]
+            tree.update(step_cost=verify, relative_speed=ev / verify)
+            if draft_cost:
+                def cost(ps):
+                    return verify + draft_cost["fixed"] + draft_cost["per_depth"] * tree_depth(ps)
+                cands = [grow_tree(rank_acc[:d], b) for d in range(1, len(rank_acc) + 1)]
+                paths, ev = max(cands, key=lambda c: c[1] / cost(c[0]))
+                tree = {"paths": [list(p) for p in paths], "expected_tau": ev, "step_cost": cost(paths),
+                        "verify_cost": verify, "relative_speed": ev / cost(paths)}
+        out["trees"][str(b)] = tree
     out["chain_expected_tau"] = {str(k): chain_value(rank_acc, k) for k in range(1, len(rank_acc) + 1)}
     ranked = [b for b in out["trees"] if "relative_speed" in out["trees"][b]]
     if ranked:
         out["best"] = max(ranked, key=lambda b: out["trees"][b]["relative_speed"])
+        if draft_cost:
+            out["pays"] = out["trees"][out["best"]]["relative_speed"] > 1.0
     return out
 
 

@@ -84,3 +84,36 @@ def test_best_tree_is_chosen_by_measured_step_cost(tmp_path):
     cost = measure_step_cost(t, [1, 4], prefix=16, repeats=2)
     assert set(cost) == {"1", "4"} and all(v > 0 for v in cost.values())
     json.dumps(cost)
+
+
+def test_drafting_cost_per_level_picks_shallower_trees():
+    from draftsmith.engine.tree_build import tree_depth
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.45, 0.1, 0.05]]
+    verify = {"6": 1.1}
+    free = build_trees(acc, [6], {}, step_cost=verify, draft_cost={"fixed": 0.0, "per_depth": 0.0})
+    assert free["trees"]["6"]["expected_tau"] == pytest.approx(grow_tree(acc, 6)[1])  # costless: the greedy tree
+    assert tree_depth(free["trees"]["6"]["paths"]) == 3 and free["pays"]
+    # one drafter call per level as dear as a fifth of a target step: a depth-1 star wins
+    dear = build_trees(acc, [6], {}, step_cost=verify, draft_cost={"fixed": 0.1, "per_depth": 0.2})
+    t = dear["trees"]["6"]
+    assert tree_depth(t["paths"]) < 3 and t["expected_tau"] < free["trees"]["6"]["expected_tau"]
+    assert t["step_cost"] == pytest.approx(1.1 + 0.1 + 0.2 * tree_depth(t["paths"]))
+    assert t["relative_speed"] == pytest.approx(t["expected_tau"] / t["step_cost"]) and t["verify_cost"] == 1.1
+    # depth-limited alternatives are all worse than what was picked
+    for d in (1, 2, 3):
+        p, ev = grow_tree(acc[:d], 6)
+        assert ev / (1.1 + 0.1 + 0.2 * tree_depth(p)) <= t["relative_speed"] + 1e-12
+    # a drafter too slow for any tree to pay: said so
+    slow = build_trees(acc, [6], {}, step_cost=verify, draft_cost={"fixed": 1.0, "per_depth": 1.0})
+    assert slow["pays"] is False
+
+
+def test_measure_draft_cost_on_a_head_drafter():
+    from draftsmith.engine.drafters import HeadDrafter
+    from draftsmith.engine.tree_build import measure_draft_cost
+    from tests.test_decoder import tiny
+    from tests.test_hydra import random_hydra
+    t = tiny(vocab=20, seed=2, std=0.5)
+    dc = measure_draft_cost(t, HeadDrafter(random_hydra(t, num_heads=3), t.fingerprint), 3, prompt_len=8,
+                            new_tokens=12)
+    assert set(dc) == {"fixed", "per_depth"} and all(v >= 0 for v in dc.values()) and dc["per_depth"] > 0
