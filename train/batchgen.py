@@ -107,7 +107,9 @@ def pick_tokens(logits: torch.Tensor, rows: list[_Row], temperature: float, top_
     sorting 96 x 49152 probabilities every step cost more than the step's matrix products.
     """
     if temperature <= 0:
-        return logits.argmax(-1).tolist()
+        # max(dim)'s indices: the first maximum, as argmax's, at a fraction of its cost on CPU (96 x 49152 bf16
+        # logits, 2 threads of an AMX Xeon: 1.7 vs 7.6 ms a step)
+        return logits.max(-1).indices.tolist()
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     u = torch.tensor([float(torch.rand((), generator=r.gen, dtype=torch.float64)) for r in rows],
                      dtype=torch.float64, device=probs.device)
