@@ -271,7 +271,7 @@ class SpeculativeDecoder:
         ctx = GrowContext(
             propose=propose,
             sampling=self.sampling, ranked=self.sampling.greedy or self.acceptance == "typical",
-            rng=rng, eos=self.eos, depth_cap=cap,
+            rng=rng, eos=self.eos, depth_cap=cap, any_range=bool(getattr(self.drafter, "any_range", False)),
             features=(lambda: getattr(ds, "hidden", None)) if ds is not None else None)
         if self.tree is None:
             grow_chain(tree, ctx, self.policy)

@@ -148,6 +148,7 @@ class HeadDrafter:
         self.reads_path = callable(getattr(heads, "draft_states", None))
         self.has_prefix = getattr(heads, "prefix", None) is not None
         self._fast: Any = None  # the heads' compiled drafting (``heads.fast_drafting()``), built on first use
+        self.any_range = True  # a node's children depend on its path only: any node range can be proposed
 
     def start(self, dec, state) -> _HeadState:
         fb = getattr(dec, "fast", None)

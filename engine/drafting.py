@@ -43,6 +43,9 @@ class GrowContext:
     eos: frozenset[int]
     depth_cap: int  # deepest node allowed this step
     features: Callable[[], object] | None = None  # drafter features for length policies
+    # the drafter proposes for any node range independently (heads: no per-node state), so a static tree's level
+    # asks only for the range spanning the nodes that get children, not for every node of the level above
+    any_range: bool = False
 
     def q(self, logits: torch.Tensor) -> torch.Tensor:
         s = self.sampling
@@ -95,8 +98,11 @@ def grow_static(tree: DraftTree, ctx: GrowContext, shape: StaticTree) -> None:
         parents = [(i, pp) for i, pp in parents if i == 0 or tree._host[i] is None or tree._host[i] not in ctx.eos]
         if not parents:
             return
-        lo = min(i for i, d in enumerate(tree.depth) if d == depth - 1)
-        hi = max(i for i, d in enumerate(tree.depth) if d == depth - 1)
+        if ctx.any_range:
+            lo, hi = parents[0][0], parents[-1][0]
+        else:
+            lo = min(i for i, d in enumerate(tree.depth) if d == depth - 1)
+            hi = max(i for i, d in enumerate(tree.depth) if d == depth - 1)
         lg = ctx.propose(tree, lo, hi + 1)
         if lg is None:
             return

@@ -33,7 +33,7 @@ def _heads(tgt, vocab_keep=None, **kw):
 def test_depth_logits_equal_the_eager_heads(compiled, keep):
     tgt = tiny(vocab=20, seed=3, std=0.5)
     m = _heads(tgt, vocab_keep=keep, num_heads=3)
-    fast = m.fast_drafting(compile=compiled)
+    fast = m.fast_drafting(compile=compiled, int8=False)
     d = HeadDrafter(m, tgt.fingerprint)
     base = torch.randn(1, tgt.hidden_size)
     for n, i in ((1, 1), (3, 2), (5, 3), (2, 3)):  # 3 and 5 rows are padded to the 4- and 8-row buckets
@@ -56,7 +56,7 @@ def test_prefix_steps_equal_the_eager_layer(compiled):
     # equal the eager layer's incremental ones.
     tgt = tiny(vocab=20, seed=4, std=0.5)
     m = _heads(tgt, num_heads=2, prefix=True)
-    fast = m.fast_drafting(compile=compiled)
+    fast = m.fast_drafting(compile=compiled, int8=False)
     kv = fast.new_kv(16)
     h = torch.randn(15, tgt.hidden_size)
     past, start = None, 0
@@ -74,13 +74,13 @@ def test_compiled_drafting_freezes_the_heads_weights():
     # unchanged, while the same function run eagerly sees the change (the check can fail).
     tgt = tiny(vocab=20, seed=5, std=0.5)
     m = _heads(tgt, num_heads=2)
-    fast = m.fast_drafting()
+    fast = m.fast_drafting(int8=False)
     base, paths = torch.randn(1, tgt.hidden_size), torch.tensor([[3]])
     before = fast.depth_logits(base, paths)[1]
     with torch.no_grad():
         m.heads[0].inp.weight.mul_(3.0)
     assert torch.equal(fast.depth_logits(base, paths)[1], before)
-    assert (m.fast_drafting(compile=False).depth_logits(base, paths)[1] - before).abs().max() > 1e-3
+    assert (m.fast_drafting(compile=False, int8=False).depth_logits(base, paths)[1] - before).abs().max() > 1e-3
 
 
 def test_a_copied_decode_state_gets_its_own_prefix_buffer():
@@ -126,3 +126,46 @@ def test_compiled_hydra_pp_trees_are_exact(tree):
     assert dr._fast is not None
     assert abs(sum(got.values()) - 1.0) < 1e-12
     assert total_variation(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-fn", "compiled"])
+def test_int8_drafting_stays_close_to_the_heads(compiled):
+    # Weight-only int8 (the default on CPU): the same functions over quantised weights, within a few percent of
+    # the logits' spread, and the same top candidate on most rows; the prefix layer's base states likewise.
+    tgt = tiny(vocab=50, seed=7, std=0.5)
+    m = _heads(tgt, vocab_keep=24, num_heads=2, prefix=True)
+    q = m.fast_drafting(compile=compiled)
+    assert q.int8 and not m.fast_drafting(compile=False, int8=False).int8
+    ref = m.fast_drafting(compile=False, int8=False)
+    base, paths = torch.randn(1, tgt.hidden_size), torch.randint(0, 50, (6, 2))
+    lq, lr = q.depth_logits(base, paths)[1], ref.depth_logits(base, paths)[1]
+    kept = m.draft_head.kept_ids
+    spread = lr[:, kept].std()
+    assert (lq[:, kept] - lr[:, kept]).abs().max() < 0.1 * spread
+    assert (lq.argmax(-1) == lr.argmax(-1)).float().mean() >= 0.8
+    out = torch.ones(50, dtype=torch.bool)
+    out[kept] = False
+    assert torch.all(lq[:, out] == torch.finfo(lq.dtype).min)
+    h = torch.randn(5, tgt.hidden_size)
+    bq, br = q.prefix_step(q.new_kv(16), h, 0), ref.prefix_step(ref.new_kv(16), h, 0)
+    assert (bq - br).abs().max() < 0.05 * br.abs().max()
+
+
+def test_int8_drafting_is_exact_and_greedy_equal():
+    # Losslessness does not depend on the draft's numbers: exact enumeration through int8 drafting on a float32
+    # target (TV within float32 rounding of the reference), and greedy equality with plain decoding.
+    samp = SamplingParams(0.8)
+    tgt = tiny(vocab=6, seed=0, std=0.5, layers=2, dtype=torch.float32)
+    use_fast_forward(tgt, "compile", autotune=False)
+    prompt = [1, 3, 4, 3]
+    ref = target_distribution(tgt, prompt, 3, samp.temperature, samp.top_k, samp.top_p)
+    dr = HeadDrafter(random_hydra(tgt, num_heads=2, prefix=True), tgt.fingerprint, name="hydra")
+    got = exact_distribution(SpeculativeDecoder(tgt, dr, sampling=samp, tree=[(0,), (1,), (0, 0)]), prompt, 3)
+    assert dr._fast is not None and dr._fast.int8
+    assert total_variation(got, ref) < 1e-5
+    t = tiny(vocab=10, seed=9, std=0.5)
+    use_fast_forward(t, "compile", autotune=False)
+    plain = SpeculativeDecoder(t).generate([1, 3, 4, 2, 5], 40).tokens
+    dr = HeadDrafter(random_hydra(t, prefix=True), t.fingerprint, name="hydra")
+    res = SpeculativeDecoder(t, dr, tree=_STATIC).generate([1, 3, 4, 2, 5], 40)
+    assert dr._fast.int8 and res.tokens == plain and res.tau > 1.1

@@ -24,10 +24,12 @@ The weights are frozen when a graph is first compiled: heads whose weights chang
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
@@ -38,6 +40,51 @@ log = logging.getLogger(__name__)
 
 def _bucket(n: int) -> int | None:
     return next((b for b in BUCKETS if n <= b), None)
+
+
+@torch.library.custom_op("draftsmith::int8_mm", mutates_args=())
+def int8_mm(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (wq [N, K] int8 * scale [N]).T: ATen's weight-only int8 kernel, as an opaque op (inductor's own
+    lowering of it rejects some inputs, e.g. a concatenation computed in the same graph)."""
+    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), wq, scale)
+
+
+@int8_mm.register_fake
+def _(x, wq, scale):
+    return x.new_empty((x.shape[0], wq.shape[0]))
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with its weight in int8, one scale per output row (weight-only quantisation): the product
+    is ``torch.ops.aten._weight_int8pack_mm`` on CPU, half the bytes of a bf16 weight to read. For drafting
+    only, where the numbers shape q and nothing else (verification is exact for any q)."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        w = lin.weight.detach().float()
+        scale = w.abs().amax(1).clamp(min=1e-12) / 127.0
+        self.register_buffer("wq", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(lin.weight.dtype))
+        b = getattr(lin, "bias", None)
+        self.register_buffer("bias", None if b is None else b.detach().clone())
+        self.out_features, self.in_features = w.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int8_mm(x.reshape(-1, self.in_features), self.wq, self.scale)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def _quantised(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with every ``nn.Linear`` inside it (itself included) an `Int8Linear`."""
+    if isinstance(module, nn.Linear):
+        return Int8Linear(module)
+    m = copy.deepcopy(module)
+    for name, child in list(m.named_modules()):
+        for attr, sub in list(child.named_children()):
+            if isinstance(sub, nn.Linear):
+                setattr(child, attr, Int8Linear(sub))
+    return m
 
 
 class _PrefixCore(nn.Module):
@@ -67,22 +114,28 @@ class _PrefixCore(nn.Module):
 
 
 class _DepthCore(nn.Module):
-    """Head i for the nodes of one depth: (base [1, d], paths [n, i]) -> (states [n, d], logits [n, V])."""
+    """Head i for the nodes of one depth: (base [1, d], paths [n, i]) -> (states [n, d], logits [n, V]).
+    ``int8``: the heads' and the draft LM head's weights quantised (`Int8Linear`), the embeddings shared."""
 
-    def __init__(self, heads: nn.Module):
+    def __init__(self, heads: nn.Module, int8: bool = False):
         super().__init__()
-        self.heads = heads
+        self.embed = heads.embed
+        self.heads = _quantised(heads.heads) if int8 else heads.heads
+        dh = heads.draft_head
+        self.out = _quantised(dh if dh is not None else heads.lm_head) if int8 else (dh if dh is not None
+                                                                                      else heads.lm_head)
+        self.vocab_size = int(dh.vocab_size) if dh is not None else None
+        if dh is not None:
+            self.register_buffer("kept_ids", dh.kept_ids.clone())
 
     def forward(self, base: torch.Tensor, paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        H = self.heads
         n, i = paths.shape
-        states = H.heads[i - 1](base.expand(n, -1), H.embed(paths).to(base.dtype))
-        dh = H.draft_head
-        if dh is None:
-            return states, H.lm_head(states)
-        kept = dh(states)
-        full = kept.new_full((n, dh.vocab_size), torch.finfo(kept.dtype).min)
-        return states, full.index_copy(1, dh.kept_ids, kept)
+        states = self.heads[i - 1](base.expand(n, -1), self.embed(paths).to(base.dtype))
+        kept = self.out(states)
+        if self.vocab_size is None:
+            return states, kept
+        full = kept.new_full((n, self.vocab_size), torch.finfo(kept.dtype).min)
+        return states, full.index_copy(1, self.kept_ids, kept)
 
 
 class PrefixKV:
@@ -104,16 +157,19 @@ class FastHydra:
     """Compiled drafting for `HydraHeads` (see the module docstring). ``compile=False`` runs the same functions
     eagerly (the tests compare the two)."""
 
-    def __init__(self, heads: nn.Module, compile: bool = True):
+    def __init__(self, heads: nn.Module, compile: bool = True, int8: bool | None = None):
         if heads.training:
             raise ValueError("FastHydra drafts with heads in eval mode (dropout off): call heads.eval() first")
-        self.heads = heads
-        self.prefix = _PrefixCore(heads.prefix) if heads.prefix is not None else None
-        self.depth = _DepthCore(heads)
+        p = next(heads.parameters())
+        if int8 is None:  # default: int8 weights where the CPU kernel exists for the heads' dtype
+            int8 = p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        self.heads, self.int8 = heads, bool(int8)
+        pre = heads.prefix
+        self.prefix = _PrefixCore(_quantised(pre) if int8 else pre) if pre is not None else None
+        self.depth = _DepthCore(heads, int8=self.int8)
         opts = {"emulate_precision_casts": True}
         # one graph per (bucket, head) and per prefix bucket, and every FastHydra shares the code objects: past
         # dynamo's default limit of 8 graphs it would silently run the rest eagerly
-        import torch._dynamo
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._prefix_c = (torch.compile(self.prefix, dynamic=False, options=opts)
                           if compile and self.prefix is not None else None)
@@ -134,7 +190,7 @@ class FastHydra:
 
     def new_kv(self, capacity: int) -> PrefixKV:
         p = self.heads.prefix
-        w = p.k.weight
+        w = p.norm1.weight
         shape = (p.nkv, capacity, p.hd)
         return PrefixKV(torch.zeros(shape, dtype=w.dtype, device=w.device),
                         torch.zeros(shape, dtype=w.dtype, device=w.device))

@@ -200,9 +200,10 @@ class HydraHeads(KindBase, nn.Module):
     def decoder_drafter(self, target, target_fingerprint: str | None = None, name: str = "hydra") -> HeadDrafter:
         return HeadDrafter(self, target_fingerprint=target_fingerprint, name=name)
 
-    def fast_drafting(self, compile: bool = True):
-        """Compiled drafting (heads/hydra/fast.py), used by decoders whose target forward is compiled."""
-        return FastHydra(self, compile=compile)
+    def fast_drafting(self, compile: bool = True, int8: bool | None = None):
+        """Compiled drafting (heads/hydra/fast.py), used by decoders whose target forward is compiled; ``int8``:
+        weight-only int8 heads (default: on CPU in fp32/bf16/fp16)."""
+        return FastHydra(self, compile=compile, int8=int8)
 
     # ------------------------------------------------------------------ base states
     def base_states(self, hidden: torch.Tensor) -> torch.Tensor:
