@@ -63,7 +63,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         w = lin.weight.detach().float()
         scale = w.abs().amax(1).clamp(min=1e-12) / 127.0
-        self.register_buffer("wq", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("wq", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous())
         self.register_buffer("scale", scale.to(lin.weight.dtype))
         b = getattr(lin, "bias", None)
         self.register_buffer("bias", None if b is None else b.detach().clone())
