@@ -1,0 +1,107 @@
+"""What drafting costs per step with each drafting path, measured side by side in one interleaved run.
+
+    python -m benchmarks.draft_cost --checkpoint runs/quickstart/final [--tree built:best] [--prompts 8]
+        [--max-new-tokens 64] [--threads 2] [--dtype bfloat16] [--out FILE]
+
+The same Hydra checkpoint decodes MT-Bench first turns on the compiled target forward (engine/fastpath.py)
+with its drafting done three ways: the eager heads (with the CPU decoding layout), compiled with the heads'
+own weights, and compiled with int8 weights (heads/hydra/fast.py, the default on CPU); plus plain decoding.
+Printed per method: draft and verification ms per step, tau, tok/s and the ratio to plain decoding; the
+methods run in turn on every prompt (a seeded shuffle), after a warm-up that compiles what each one uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import types
+from pathlib import Path
+
+import torch
+
+from benchmarks.fastest_plain import cpu_name
+from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environment
+from draftsmith.engine.cpu_layout import apply_cpu_layout
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.drafters import HeadDrafter
+from draftsmith.engine.fastpath import use_fast_forward
+from draftsmith.engine.sampling import SamplingParams
+from draftsmith.engine.tree_build import parse_tree
+from draftsmith.eval.mtbench import mtbench_prompts
+from draftsmith.target import load_target, resolve_dtype
+
+
+def _drafter(ckpt: str, target, mode: str) -> HeadDrafter:
+    d = drafter_from_checkpoint(ckpt, target)
+    if not callable(getattr(d.heads, "fast_drafting", None)):
+        raise ValueError(f"{ckpt}: its drafter has no compiled drafting (Hydra heads have)")
+    apply_cpu_layout(target, d)
+    if mode == "compiled, own weights":
+        d.heads.fast_drafting = types.MethodType(lambda self: type(self).fast_drafting(self, int8=False), d.heads)
+    elif mode == "eager heads":
+        d.heads.fast_drafting = None  # the decoder then drafts with the heads themselves
+    d.name = mode
+    return d
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--tree", default="built:best")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "auto"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    choice = resolve_dtype(a.dtype, "cpu")
+    target = load_target("smollm2-135m-instruct", dtype=choice.dtype)
+    use_fast_forward(target, "compile")
+    tree = parse_tree(a.tree, a.checkpoint)
+    greedy = SamplingParams(0.0, 0, 1.0)
+    decs = {m: SpeculativeDecoder(target, _drafter(a.checkpoint, target, m), tree=tree, sampling=greedy)
+            for m in ("eager heads", "compiled, own weights", "compiled, int8 weights")}
+    decs["plain"] = SpeculativeDecoder(target, sampling=greedy)
+    prompts = mtbench_prompts(target.tokenizer, a.prompts + 1, spread=True)
+    for dec in decs.values():  # warm-up: every graph each method uses
+        for _ in range(2):
+            dec.generate(prompts[0].ids, 16)
+    acc = {m: {"tokens": 0, "wall_s": 0.0, "steps": 0, "draft_s": 0.0, "verify_s": 0.0} for m in decs}
+    for k, p in enumerate(prompts[1:]):
+        order = list(decs)
+        random.Random(a.seed * 7919 + k).shuffle(order)
+        for m in order:
+            r = decs[m].generate(p.ids, a.max_new_tokens)
+            s = acc[m]
+            s["tokens"] += len(r.tokens)
+            s["wall_s"] += r.wall_s
+            s["steps"] += len(r.steps)
+            s["draft_s"] += sum(x.draft_s for x in r.steps)
+            s["verify_s"] += sum(x.verify_s for x in r.steps)
+    plain = acc["plain"]["tokens"] / acc["plain"]["wall_s"]
+    report = {"cpu": cpu_name(), "threads": a.threads, "dtype": choice.name, "checkpoint": a.checkpoint,
+              "tree": a.tree, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "methods": {},
+              "compile_s": {m: round(getattr(d.drafter, "compile_s", 0.0), 1) for m, d in decs.items()
+                            if d.drafter is not None},
+              "command": command_line(), "environment": environment()}
+    print(f"CPU: {report['cpu']}; {a.threads} threads; {choice.name}; tree {a.tree}; {a.prompts} prompts x "
+          f"{a.max_new_tokens}")
+    print("| drafting | draft ms/step | verify ms/step | tau | tok/s | vs plain |\n|---|---|---|---|---|---|")
+    for m, s in acc.items():
+        tps = s["tokens"] / s["wall_s"]
+        row = {"draft_ms": 1e3 * s["draft_s"] / s["steps"], "verify_ms": 1e3 * s["verify_s"] / s["steps"],
+               "tau": s["tokens"] / s["steps"], "tok_s": tps, "x_plain": tps / plain}
+        report["methods"][m] = {k: round(v, 3) for k, v in row.items()}
+        print(f"| {m} | {row['draft_ms']:.2f} | {row['verify_ms']:.2f} | {row['tau']:.3f} | {tps:.2f} | "
+              f"{row['x_plain']:.3f}x |")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
