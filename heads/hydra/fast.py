@@ -15,9 +15,14 @@ once, as for the target in `draftsmith.engine.fastpath`):
     (with a pruned vocabulary, its kept rows, scattered back into target-id space with the dtype's minimum
     elsewhere, exactly as `PrunedHead.to_target`), rows padded to a bucket.
 
-The drafter's numbers only shape q; verification is exact whatever q is, so drafting compiled changes which
-tokens are drafted at most at near-ties, never the output's distribution (tests/test_hydra_fast.py checks the
-compiled logits against the eager ones and runs the enumeration and greedy-equality checks through this path).
+On CPU the heads' linear layers (the prefix layer's, the heads' and the draft LM head) default to weight-only
+int8 (`Int8Linear`): after the target's forward has streamed its weights, the drafter's come from DRAM again,
+and reading half the bytes is what makes drafting cheaper (docs/results.md §16.5).
+
+The drafter's numbers only shape q; verification is exact whatever q is, so compiled or int8 drafting changes
+which tokens are drafted, never the output's distribution (tests/test_hydra_fast.py checks the compiled logits
+against the eager ones, int8 against the heads' own weights, and runs the enumeration and greedy-equality checks
+through both).
 The weights are frozen when a graph is first compiled: heads whose weights change afterwards need a new
 `FastHydra` (a new decoder drafter), as a published checkpoint gets.
 """
