@@ -13,13 +13,12 @@ methods run in turn on every prompt (a seeded shuffle), after a warm-up that com
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import types
-from pathlib import Path
 
 import torch
 
+from benchmarks.common import write_json
 from benchmarks.fastest_plain import cpu_name
 from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environment
 from draftsmith.engine.cpu_layout import apply_cpu_layout
@@ -98,8 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {m} | {row['draft_ms']:.2f} | {row['verify_ms']:.2f} | {row['tau']:.3f} | {tps:.2f} | "
               f"{row['x_plain']:.3f}x |")
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(report, indent=1))
+        write_json(a.out, report, indent=1)
     return report
 
 

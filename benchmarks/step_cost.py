@@ -14,7 +14,6 @@ printed with each line.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -24,6 +23,7 @@ from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.engine.tree_build import measure_step_cost
 from draftsmith.target import load_target
+from benchmarks.common import write_json
 from benchmarks.fastest_plain import cpu_name
 
 
@@ -62,8 +62,7 @@ def main(argv=None) -> dict:
             rows = ", ".join(f"{k} rows x{v}" for k, v in line["x_one_row"].items())
             print(f"{dt:9s} {fwd:8s} 1 row {line['one_row_ms']:.1f} ms; {rows}; compile {compile_s} s", flush=True)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(a.out, report, indent=1)
     return report
 
 

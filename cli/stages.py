@@ -40,6 +40,18 @@ def add_parser(subparsers, name: str, summary: str) -> None:
     sp.set_defaults(func=run, stages=STAGES if name == "run" else (name,))
 
 
+def _step_cost_line(tr: dict) -> str:
+    """The trees stage's line on measured step costs (verification, and drafting where it was measured)."""
+    dc = tr.get("draft_cost_ms")
+    what = "verification + drafting" if dc else "verification"
+    base = (f" of {tr['plain_step_ms']:.1f} ms; drafting {dc['fixed']:.1f} ms per step + {dc['per_depth']:.1f} ms "
+            "per tree level") if dc else ""
+    trees = ", ".join(f"{b} nodes (depth {max(map(len, t['paths']))}) x{t['step_cost']:.2f} -> "
+                      f"{t['relative_speed']:.2f}x plain" for b, t in tr["trees"].items())
+    return (f"measured step cost on this machine ({what} vs a 1-row forward{base}): {trees}; "
+            f"best: built:{tr['best']} (--tree built:best)")
+
+
 def run(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) != 0:  # under a launcher only rank 0 talks
         sys.stdout = open(os.devnull, "w")
@@ -113,13 +125,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{b} nodes -> expected tau {t['expected_tau']:.2f}" for b, t in tr["trees"].items()) +
                     f" (chain K={len(tr['rank_acc'])}: {tr['chain_expected_tau'][str(len(tr['rank_acc']))]:.2f})")
             if "best" in tr:
-                dc = tr.get("draft_cost_ms")
-                print("measured step cost on this machine (verification" + (" + drafting" if dc else "") +
-                      " vs a 1-row forward" + (f" of {tr['plain_step_ms']:.1f} ms; drafting {dc['fixed']:.1f} ms "
-                                               f"per step + {dc['per_depth']:.1f} ms per tree level" if dc else "")
-                      + "): " + ", ".join(f"{b} nodes (depth {max(map(len, t['paths']))}) x{t['step_cost']:.2f} -> "
-                                          f"{t['relative_speed']:.2f}x plain" for b, t in tr["trees"].items())
-                      + f"; best: built:{tr['best']} (--tree built:best)")
+                print(_step_cost_line(tr))
                 if tr.get("pays") is False:
                     print("trees: no tree is expected to beat plain decoding on this machine with this drafter "
                           "(expected tau per step cost < 1); the bench stage measures it")

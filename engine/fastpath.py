@@ -82,7 +82,8 @@ class FastOutput:
     logits: torch.Tensor | None
 
 
-def _bucket(q: int) -> int | None:
+def bucket(q: int) -> int | None:
+    """The smallest row bucket holding ``q`` rows (None past the largest)."""
     for b in BUCKETS:
         if q <= b:
             return b
@@ -205,7 +206,7 @@ class FastBody(torch.nn.Module):
         A call pads its rows up to the smallest reserved bucket that holds them; one that no reserved bucket
         holds (a long prompt's prefill) runs eagerly. So a decoder compiles its 1-row graph and the graph of its
         largest step, and nothing for the odd sizes a step takes near the end of a generation."""
-        b = _bucket(rows)
+        b = bucket(rows)
         if b is not None:
             self.hot.add(b)
 

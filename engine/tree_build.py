@@ -140,7 +140,6 @@ def measure_draft_cost(target, drafter, depth: int, *, prompt_len: int = 64, new
     Measured in decoding as it runs (the target's forward between drafts, with the forward and dtype decoding
     uses), so a drafter whose weights the target's forward evicts from the caches is charged for reading them
     again."""
-    dev = next(target.model.parameters()).device
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, target.vocab_size, (prompt_len,), generator=g).tolist()
     med = {}
@@ -149,10 +148,7 @@ def measure_draft_cost(target, drafter, depth: int, *, prompt_len: int = 64, new
         dec.generate(prompt, 8)  # compiles what this chain uses
         times = [s.draft_s for s in dec.generate(prompt, new_tokens).steps if s.drafted == k]
         med[k] = sorted(times)[len(times) // 2] if times else 0.0
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    per = (med[depth] - med[1]) / (depth - 1) if depth > 1 else med[1]
-    per = max(per, 0.0)
+    per = max((med[depth] - med[1]) / (depth - 1), 0.0) if depth > 1 else med[1]
     return {"fixed": max(med[1] - per, 0.0), "per_depth": per}
 
 

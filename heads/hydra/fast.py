@@ -38,13 +38,9 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.engine.fastpath import BUCKETS, frozen_weights
+from draftsmith.engine.fastpath import bucket, frozen_weights
 
 log = logging.getLogger(__name__)
-
-
-def _bucket(n: int) -> int | None:
-    return next((b for b in BUCKETS if n <= b), None)
 
 
 @torch.library.custom_op("draftsmith::int8_mm", mutates_args=())
@@ -208,13 +204,10 @@ class FastHydra:
         C = kv.capacity
         if start + n > C:
             raise ValueError(f"prefix layer: positions up to {start + n} do not fit its {C}-slot buffer")
-        b = _bucket(n)
-        if self._prefix_c is None or b is None or start + b > C:
-            pos = torch.arange(start, start + n, device=dev)
-            allowed = torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(start)
-            mask = torch.full((n, C), torch.finfo(rows.dtype).min, dtype=rows.dtype, device=dev)
-            mask[:, :start + n].masked_fill_(allowed, 0)
-            return self.prefix(rows, pos, mask, pos, kv.keys, kv.values)
+        b = bucket(n)
+        eager = self._prefix_c is None or b is None or start + b > C
+        if eager:  # the prompt's rows, or a step that would run past the buffer: no padding, run uncompiled
+            b = n
         pad = b - n
         x = torch.cat([rows, rows[-1:].expand(pad, -1)]) if pad else rows
         slots = torch.arange(start, start + b, device=dev)
@@ -223,6 +216,8 @@ class FastHydra:
         mask[:n, :start + n].masked_fill_(torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(start), 0)
         if pad:
             mask[torch.arange(n, b, device=dev), slots[n:]] = 0  # a padded row sees only itself
+        if eager:
+            return self.prefix(x, pos, mask, slots, kv.keys, kv.values)
         out = self._call(self._prefix_c, ("prefix", b, C, str(dev)), x, pos, mask, slots, kv.keys, kv.values)
         return out[:n]
 
@@ -231,7 +226,7 @@ class FastHydra:
         """Head ``paths.shape[1]``'s states [n, d] and draft logits [n, V] (target-id space) for ``paths`` [n, i]."""
         paths = paths[:, : self.heads.num_heads]
         n = paths.shape[0]
-        b = _bucket(n)
+        b = bucket(n)
         if self._depth_c is None or b is None:
             return self.depth(base, paths)
         p = torch.cat([paths, paths[-1:].expand(b - n, -1)]) if b > n else paths
