@@ -37,5 +37,6 @@ def packages() -> tuple[list[str], dict[str, str]]:
 PACKAGES, PACKAGE_DIR = packages()
 setup(packages=PACKAGES, package_dir=PACKAGE_DIR,
       package_data={"draftsmith.recipes": ["*.yaml"], "draftsmith.recipes.launch": ["*.yaml", "*.json"],
-                    "draftsmith.recipes.trees": ["*.json"], "draftsmith.sim": ["profiles/*.yaml"]},
+                    "draftsmith.recipes.trees": ["*.json"], "draftsmith.sim": ["profiles/*.yaml"],
+                    "draftsmith.engine": ["csrc/*.cpp"]},
       include_package_data=False)

@@ -37,29 +37,46 @@ from draftsmith.checkpoint import environment
 
 
 def _data_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeats: int,
-               names: tuple[str, ...] = ("hf", "masked", "batched")) -> dict:
+               names: tuple[str, ...] = ("hf", "masked", "batched"), forward: str = "compile") -> dict:
     """regenerate() with each engine on the same conversations, alternating; best of each kept.
 
-    Three engines: ``hf`` (the reference path, Hugging Face ``generate`` on padded batches), ``masked``
-    (continuous batching as it was before per-row attention and shared-prefix prefill: each decode step
-    one masked attention call over the longest live row's span, every prompt prefilled whole) and
-    ``batched`` (the engine as the data stage runs it: per-row attention where rows' lengths differ,
-    ``attention="auto"``, and the prompts' common prefix computed once).
+    Engines: ``hf`` (the reference path, Hugging Face ``generate`` on padded batches), ``masked``
+    (continuous batching through the model's own forward as it was before per-row attention and
+    shared-prefix prefill: each decode step one masked attention call over the longest live row's span,
+    every prompt prefilled whole), ``eager`` (the model's own forward with per-row attention where rows'
+    lengths differ, ``attention="auto"``, and the prompts' common prefix computed once) and ``batched``
+    (the engine as the data stage runs it: ``eager``'s prefills and, for decode steps, ``forward``: by
+    default the compiled step of `draftsmith.engine.fast_batch`, compiled before the timing starts by a
+    warm-up run on 4 conversations, whose seconds are reported as ``batched_compile_s``).
     """
+    from draftsmith.engine.fast_batch import batch_body
+    from draftsmith.engine.native import native_available, native_status
     from draftsmith.train.generate import regenerate
-    res: dict = {"conversations": len(convs), "max_new_tokens": new_tokens, "hf_batch": hf_batch, "rows": rows}
-    engines = {"hf": ("hf", "auto", True), "masked": ("batched", "masked", False), "batched": ("batched", "auto", True)}
+    res: dict = {"conversations": len(convs), "max_new_tokens": new_tokens, "hf_batch": hf_batch, "rows": rows,
+                 "forward": forward}
+    engines = {"hf": ("hf", "auto", True, "eager"), "masked": ("batched", "masked", False, "eager"),
+               "eager": ("batched", "auto", True, "eager"), "batched": ("batched", "auto", True, forward)}
     engines = {k: v for k, v in engines.items() if k in names}
     best = {k: 0.0 for k in engines}
     outs = {}
     with tempfile.TemporaryDirectory() as tmp:
+        if "batched" in engines and forward != "eager":
+            native_available()
+            res["native"] = native_status()
+            t0 = time.perf_counter()
+            regenerate(target, convs[:4], Path(tmp) / "warmup.jsonl", max_new_tokens=8, max_turns=1, batch_size=4,
+                       max_seq_len=4096, on_long_prompt="skip", engine="batched", max_rows=rows, forward=forward)
+            body = batch_body(target.model, forward)
+            res["batched_compile_s"] = round(body.compile_s if body is not None else 0.0, 1)
+            print(f"  batched: decode step {forward}, warm-up {time.perf_counter() - t0:.1f} s (compiling "
+                  f"{res['batched_compile_s']} s); native attention: {res['native']}", flush=True)
         for r in range(repeats):
-            for name, (engine, attention, share) in engines.items():
+            for name, (engine, attention, share, fwd) in engines.items():
                 path = Path(tmp) / f"{name}{r}.jsonl"
                 t0 = time.perf_counter()
                 st = regenerate(target, convs, path, max_new_tokens=new_tokens, max_turns=1, batch_size=hf_batch,
                                 max_seq_len=4096, on_long_prompt="skip", engine=engine, max_rows=rows,
-                                attention=attention, shared_prefix=share)
+                                attention=attention, shared_prefix=share, forward=fwd)
                 dt = time.perf_counter() - t0
                 best[name] = max(best[name], st["response_tokens"] / dt)
                 res[f"{name}_response_tokens"] = st["response_tokens"]
@@ -77,6 +94,9 @@ def _data_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeats
                     "identical_responses_masked": sum(outs["hf"].get(k) == v for k, v in outs["masked"].items())})
     if "masked" in outs and "batched" in outs:
         res["engine_gain"] = best["batched"] / best["masked"]
+    if "eager" in outs and "batched" in outs:
+        res["batched_over_eager"] = best["batched"] / best["eager"]
+        res["identical_responses_eager"] = sum(outs["eager"].get(k) == v for k, v in outs["batched"].items())
     return res
 
 
@@ -219,7 +239,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--vllm", action="store_true", help="--only-data: also vLLM on CPU (.venv-vllm, "
                     "scripts/vllm_env.sh), every conversation's prompt in one batched generate, same budget")
     ap.add_argument("--engines", default="hf,masked,batched",
-                    help="data path: the engines to run, of hf, masked, batched (default: all three)")
+                    help="data path: the engines to run, of hf, masked, eager, batched (default: hf,masked,batched)")
+    ap.add_argument("--forward", default="compile", choices=["eager", "fast", "compile"],
+                    help="data path: the batched engine's decode step (the data stage's data.forward)")
     args = ap.parse_args(argv)
     bench = setup(args, out_file=True, load=False)
     from draftsmith.target import load_target, resolve_dtype
@@ -282,7 +304,7 @@ def main(argv=None) -> dict:
         return res
     names = tuple(x for x in args.engines.split(",") if x)
     d = res["data_path"] = _data_path(target, pool[: args.data_prompts], args.data_new_tokens, args.hf_batch,
-                                      args.rows, args.repeats, names)
+                                      args.rows, args.repeats, names, args.forward)
     res["cpu"], res["dtype"] = _cpu_name(), choice.name
     outs = d.pop("outputs")
     if args.vllm:

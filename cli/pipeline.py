@@ -108,7 +108,7 @@ def _magpie(recipe: Recipe, target: Target, n: int, count: int, holdout: set[str
         target, count, batch_size=recipe.data.batch_size, max_new_tokens=recipe.data.magpie_max_new_tokens,
         seed=recipe.seed + n, exclude=holdout, engine=recipe.data.engine, max_rows=recipe.data.max_rows,
         done=done, draws_done=draws, on_round=save if recipe.data.engine == "batched" else None,
-        openers=openers, deadline=deadline)
+        openers=openers, deadline=deadline, forward=recipe.data.forward)
     stats.update({f"magpie_{k}": v for k, v in mstats.items()})
     if mstats["stopped_time_budget"]:
         print(f"magpie{n}: {len(got)} of {count} prompts written: its share of data.time_budget_s "
@@ -142,14 +142,14 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
                                 f"({skips.total} rows skipped); nothing to train on")
     kw = dict(max_new_tokens=d.max_new_tokens, max_turns=d.max_turns, batch_size=d.batch_size,
               max_seq_len=d.max_seq_len, temperature=d.temperature, top_p=d.top_p, seed=recipe.seed,
-              on_long_prompt=d.on_long_prompt, engine=d.engine, max_rows=d.max_rows)
+              on_long_prompt=d.on_long_prompt, engine=d.engine, max_rows=d.max_rows, forward=d.forward)
     t_gen = time.time()
     if d.regenerate and d.server is not None:
         srv = d.server
         gstats = remote.regenerate_remote(
             target, convs, out / "train.jsonl", url=srv.url, model=srv.model, concurrency=srv.concurrency,
             api_key_env=srv.api_key_env, check=srv.check, timeout_s=srv.timeout_s, deadline=deadline,
-            **{k: v for k, v in kw.items() if k not in ("batch_size", "engine", "max_rows")})
+            **{k: v for k, v in kw.items() if k not in ("batch_size", "engine", "max_rows", "forward")})
     elif d.regenerate:
         fused, why = fused_cache_plan(recipe)
         if fused:

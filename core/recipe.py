@@ -61,6 +61,11 @@ class DataConfig(StrictModel):
                                              "pre-allocated cache (fast); hf: Hugging Face generate (reference)")
     max_rows: int = Field(96, ge=1, description="engine batched: sequences in flight at once (fewer if the KV "
                                                 "cache would exceed DRAFTSMITH_KV_BYTES, default 4 GiB)")
+    forward: Literal["eager", "fast", "compile"] = Field(
+        default_factory=lambda: default_forward(), description="engine batched: the decode step, compile = one "
+        "fused step over the cache with native ragged attention, compiled once (about half a minute) for every "
+        "batch size, fast = the same step eager, eager = the model's own forward (default: $DRAFTSMITH_FORWARD, "
+        "else compile)")
     max_seq_len: int = Field(2048, ge=16, description="longest training conversation in tokens")
     on_long_prompt: Literal["error", "truncate", "skip"] = Field("error", description="prompt + response longer "
                                                                                       "than the context")

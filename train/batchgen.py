@@ -48,6 +48,7 @@ from typing import Callable, Iterable
 import torch
 
 from draftsmith.engine.cache_kw import cache_arg
+from draftsmith.engine.fast_batch import batch_body
 from draftsmith.train.batchgen_cache import RaggedCache, row_attention
 
 ATTENTION_MODES = ("auto", "rows", "masked")
@@ -149,21 +150,28 @@ class BatchGenerator:
       shared_prefix: the token prefix every queued prompt starts with (the chat template's system prompt and
         user header, ~25 tokens for SmolLM2; all of a Magpie prompt but its opener) is computed once and
         its cache entries copied into each admitted row, whose prefill then runs its own tokens only.
-      attention: decode-step attention on CPU, ``"auto"`` (per row when the longest live row's span exceeds
-        the rows' mean length by ``row_attention_gap`` slots, see `row_attention`), ``"rows"`` or
-        ``"masked"``; elsewhere always one masked call.
+      attention: decode-step attention through the model's own forward on CPU, ``"auto"`` (per row when the
+        longest live row's span exceeds the rows' mean length by ``row_attention_gap`` slots, see
+        `row_attention`), ``"rows"`` or ``"masked"``; elsewhere always one masked call.
+      forward: the decode step: ``"compile"`` (`draftsmith.engine.fast_batch`: fused, frozen weights, the native
+        ragged attention, compiled once), ``"fast"`` (the same function eager) or ``"eager"`` (the model's own
+        forward, with ``attention``). A model the fast step does not support uses its own forward. Prefills
+        always run through the model's own forward.
     """
 
     def __init__(self, model: torch.nn.Module, eos_ids: Iterable[int], *, max_rows: int = 96, capacity: int = 1024,
                  temperature: float = 0.0, top_p: float = 1.0, prefill_tokens: int = 4096,
                  keep_states: bool = False, state_dtype: torch.dtype = torch.float16, max_feed: int = 32,
-                 attention: str = "auto", row_attention_gap: int = 150, shared_prefix: bool = True):
+                 attention: str = "auto", row_attention_gap: int = 150, shared_prefix: bool = True,
+                 forward: str = "eager"):
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         if attention not in ATTENTION_MODES:
             raise ValueError(f"unknown decode attention {attention!r}; choose one of {ATTENTION_MODES}")
         self.attention, self.row_attention_gap = attention, int(row_attention_gap)
         self.model, self.body, self.head = model, model.get_decoder(), model.get_output_embeddings()
+        self.fast = batch_body(model, forward)
+        self.forward = forward if self.fast is not None else "eager"
         self.eos = frozenset(int(e) for e in eos_ids)
         self.max_rows, self.capacity = int(max_rows), int(capacity)
         self.temperature, self.top_p = float(temperature), float(top_p)
@@ -272,21 +280,26 @@ class BatchGenerator:
         lengths = [r.length for r in rows]
         lens = torch.tensor(lengths, device=self.device)
         span = max(lengths) + 1
-        allowed = torch.arange(span, device=self.device)[None] <= lens[:, None]
-        mask = torch.zeros((n, 1, 1, span), dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed[:, None, None], torch.finfo(self.dtype).min)
         cache.set_decode(lens, span)
-        ids = torch.tensor(pending, device=self.device)[:, None]
-        per_row = self.row_attention(lengths, span)
-        with row_attention(self.model, lengths) if per_row else nullcontext():
-            h = self.body(input_ids=ids, position_ids=lens[:, None], attention_mask=mask,
-                          **cache_arg(self.body, cache), use_cache=True).last_hidden_state[:, 0]
-        self.stats["row_attention_steps"] += int(per_row)
+        if self.fast is not None:
+            kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+            h, logits = self.fast.step(torch.tensor(pending, device=self.device), lens, kv)
+        else:
+            allowed = torch.arange(span, device=self.device)[None] <= lens[:, None]
+            mask = torch.zeros((n, 1, 1, span), dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~allowed[:, None, None], torch.finfo(self.dtype).min)
+            ids = torch.tensor(pending, device=self.device)[:, None]
+            per_row = self.row_attention(lengths, span)
+            with row_attention(self.model, lengths) if per_row else nullcontext():
+                h = self.body(input_ids=ids, position_ids=lens[:, None], attention_mask=mask,
+                              **cache_arg(self.body, cache), use_cache=True).last_hidden_state[:, 0]
+            self.stats["row_attention_steps"] += int(per_row)
+            logits = self._logits(h)
         if self.states is not None:
             self.states[torch.arange(n, device=self.device), lens] = h.to(self.state_dtype)
         self.stats["forwards"] += 1
         self.stats["row_steps"] += n
-        return pick_tokens(self._logits(h), rows, self.temperature, self.top_p)
+        return pick_tokens(logits, rows, self.temperature, self.top_p)
 
     def run(self, jobs: Iterable[Job], on_done: Callable[..., Iterable[Job] | None],
             want: Callable[[Job, list[int], bool], list[int] | None] | None = None,

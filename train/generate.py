@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.common.chat import render_example
+from draftsmith.recipe import default_forward
 from draftsmith.target import Target
 from draftsmith.train.batchgen import BatchGenerator, Captured, Job, suggested_rows
 from draftsmith.train.cache import StreamingCacheWriter
@@ -253,7 +254,7 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
                max_turns: int, batch_size: int, max_seq_len: int, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, on_long_prompt: str = "error", engine: str = "batched",
                max_rows: int = 96, fused: FusedCache | None = None, attention: str = "auto",
-               shared_prefix: bool = True, deadline: Deadline | None = None) -> Counter:
+               shared_prefix: bool = True, deadline: Deadline | None = None, forward: str | None = None) -> Counter:
     """Rewrite every assistant turn with the target; resumable.
 
     Finished conversations are appended to ``out_path`` (JSONL); on restart
@@ -272,6 +273,9 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
     Conversations are then admitted in `budget_order` (a seeded shuffle, a fair sample of the sources)
     instead of by prompt length, so the rows are those of an unbudgeted run but the file's line order is
     not. The hf engine checks the deadline between its batches.
+
+    ``forward`` (batched engine): its decode step, ``compile``, ``fast`` or ``eager`` (`BatchGenerator`); None:
+    `draftsmith.recipe.default_forward`.
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown generation engine {engine!r}; choose one of {ENGINES}")
@@ -299,7 +303,7 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
         _regenerate_hf(target, todo, out_path, stats, batch_size=batch_size, **kw)
     else:
         _regenerate_batched(target, todo, out_path, stats, max_rows=max_rows, fused=fused, writer=writer,
-                            attention=attention, shared_prefix=shared_prefix, **kw)
+                            attention=attention, shared_prefix=shared_prefix, forward=forward, **kw)
     if writer is not None:
         stats.update({f"fused_{k}": v for k, v in writer.close().items()})
     return stats
@@ -324,7 +328,8 @@ def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path
                         max_new_tokens: int, max_turns: int, max_seq_len: int, temperature: float, top_p: float,
                         seed: int, on_long_prompt: str, max_rows: int, fused: FusedCache | None = None,
                         writer: StreamingCacheWriter | None = None, attention: str = "auto",
-                        shared_prefix: bool = True, deadline: Deadline | None = None) -> None:
+                        shared_prefix: bool = True, deadline: Deadline | None = None,
+                        forward: str | None = None) -> None:
     tok = target.tokenizer
     budget = min(max_seq_len, target.context_length)
     replies: dict[int, list[str]] = {}
@@ -347,6 +352,7 @@ def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path
                          temperature=temperature, top_p=top_p, keep_states=fused is not None,
                          state_dtype=getattr(torch, fused.dtype) if fused else torch.float16,
                          max_feed=fused.max_feed if fused else 0, attention=attention,
+                         forward=forward or default_forward(),
                          shared_prefix=shared_prefix)
     bar = tqdm(total=len(jobs), desc="self-distill", unit="conv")
     last_sync = [time.time()]
@@ -505,7 +511,8 @@ def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_
                        exclude: set[str] = frozenset(), min_chars: int = 12, engine: str = "batched",
                        max_rows: int = 96, done: list[Conversation] | None = None, draws_done: int = 0,
                        on_round=None, round_size: int = 512, openers: list[str] | None = None,
-                       deadline: Deadline | None = None) -> tuple[list[Conversation], Counter]:
+                       deadline: Deadline | None = None, forward: str | None = None
+                       ) -> tuple[list[Conversation], Counter]:
     """Magpie-style prompts written by the target from its user-turn prefix.
 
     With ``openers``, draw k's user turn starts with ``openers[k % len(openers)]`` and the target writes
@@ -520,6 +527,8 @@ def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_
     engine: no batch); the draws in flight finish and are taken as usual, in draw order, so the prompts
     returned are the first ones an unbudgeted call returns (``stats["stopped_time_budget"]`` = 1 when it
     cut them short), and ``on_round`` is told only the draws made.
+
+    ``forward``: the batched engine's decode step, as in `regenerate`.
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown generation engine {engine!r}; choose one of {ENGINES}")
@@ -565,7 +574,7 @@ def synthesize_prompts(target: Target, count: int, *, batch_size: int = 32, max_
     else:
         gen = BatchGenerator(target.model, target.eos_token_ids, max_rows=max_rows,
                              capacity=len(prefix) + max(map(len, opener_ids)) + max_new_tokens,
-                             temperature=temperature, top_p=top_p)
+                             temperature=temperature, top_p=top_p, forward=forward or default_forward())
         draws = draws_done
         limit = draws_done + 8 * (count - len(out)) + 64  # a target that cannot write prompts stops somewhere
         got: dict[int, tuple[list[int], bool]] = {}  # a round's results not taken yet

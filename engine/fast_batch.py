@@ -1,0 +1,153 @@
+"""A continuous-batching decode step for Llama-family targets: one token per row, each row at its own length,
+compiled once for every batch size.
+
+The data engine (`draftsmith.train.batchgen.BatchGenerator`) keeps one pre-allocated cache row per sequence in
+flight. Its decode step through the model's own forward pays, per step, Hugging Face's Python work for 30
+layers, unfused and unpacked weights, a 4D mask and padded (or per-row) attention. `FastBatchBody` is the same
+step as one function over the same cache tensors, `draftsmith.engine.fastpath`'s way:
+
+  * the weights fused (q/k/v in one matrix, gate/up in one) and, compiled, frozen into the graph so that
+    inductor packs them once for oneDNN/MKL;
+  * each row's new key and value written at its own slot inside the graph; attention by
+    `draftsmith.engine.native.ragged_decode_attention` (an opaque custom op: the native kernel reads each
+    row's own entries only), so the graph depends on no row's length;
+  * the batch size, the cache's rows and its capacity marked dynamic: one compiled graph serves the full batch,
+    the draining tail of a run and a generator of another size (a 1-row step runs as 2 rows, since a size of
+    1 is one that compilers specialise on; a 1-row cache runs eagerly);
+  * the LM head inside the graph.
+
+Rotary cos/sin come from the model's own rotary module, computed eagerly (as in `fastpath`). The result
+differs from the model's forward only in the order of floating-point accumulation (tests/test_fast_batch.py
+compares the two, and runs the data engine's greedy-equality tests through both).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.engine.fastpath import MODES, _Core, frozen_weights, unsupported
+from draftsmith.engine.native import ragged_decode_attention
+
+log = logging.getLogger(__name__)
+
+
+class _BatchCore(_Core):
+    """`fastpath`'s fused weights, computing one token for each of b rows."""
+
+    def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                kv: list[torch.Tensor], logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [b]: each row's token; cos, sin [b, 1, head_dim] at each row's position; slots [b]: where row r's
+        key and value go in cache row r (its length so far), and the last slot it attends to; kv: the cache's
+        key and value buffers [rows >= b, kv_heads, capacity, head_dim], layer by layer."""
+        b = ids.shape[0]
+        h = self.embed(ids)
+        nh, nk, d = self.n_heads, self.n_kv, self.head_dim
+        half = d // 2
+        rows = torch.arange(b, device=ids.device)
+        scale = d ** -0.5
+        for i in range(len(self.qkv)):
+            x = self._rms(h, self.ln1[i])
+            qkv = F.linear(x, self.qkv[i], None if self.qkv_b is None else self.qkv_b[i])
+            qs, ks, vs = qkv.split([nh * d, nk * d, nk * d], dim=-1)
+            qs, ks, vs = qs.view(b, nh, d), ks.view(b, nk, d), vs.view(b, nk, d)
+            qs = qs * cos + torch.cat([-qs[..., half:], qs[..., :half]], dim=-1) * sin
+            ks = ks * cos + torch.cat([-ks[..., half:], ks[..., :half]], dim=-1) * sin
+            kc, vc = kv[2 * i], kv[2 * i + 1]
+            kc[rows, :, slots] = ks
+            vc[rows, :, slots] = vs
+            att = ragged_decode_attention(qs, kc, vc, slots, scale)
+            h = h + F.linear(att.reshape(b, nh * d), self.o[i])
+            x = self._rms(h, self.ln2[i])
+            gu = F.linear(x, self.gate_up[i])
+            h = h + F.linear(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], self.down[i])
+        h = self._rms(h, self.norm_w)
+        return h, F.linear(h, self.head_w) if logits else None
+
+
+class FastBatchBody:
+    """The decode step of `BatchGenerator` as one function (see the module docstring).
+
+    Args:
+      model: a Llama-family causal LM (`fastpath.unsupported` is None for it); its weights are copied fused.
+      compile: compile with inductor, weights frozen, batch and cache sizes dynamic; False runs the same
+        function eagerly.
+    """
+
+    def __init__(self, model, compile: bool = True):
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"the fast batched decode step does not support this model: {why}")
+        self.core = _BatchCore(model)
+        self.compiled = None
+        self.compile_s = 0.0  # seconds spent in calls that compiled
+        self.compiles = 0
+        if compile:
+            import torch._dynamo
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self.compiled = torch.compile(self.core, dynamic=False, options={"emulate_precision_casts": True})
+
+    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.core.rotary(self.core.norm_w, pos[None])
+        return cos[0][:, None], sin[0][:, None]
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, slots: torch.Tensor, kv: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step: row r (of ids' b) is fed ids[r] at position slots[r] (written there in cache row r,
+        attending to [0, slots[r]]). Returns the final states [b, hidden] (after the final norm) and logits.
+        Cache rows past b must be free (a 1-row step may use row 1 as padding)."""
+        b = ids.shape[0]
+        if b == 1 and self.compiled is not None and kv[0].shape[0] > 1:
+            # a graph traced at 1 row would be a second compile (1 is specialised): run 2 rows, the second a
+            # free cache row (rows are live at [0, n)) written at slot 0, which its next prefill overwrites
+            h, lg = self.step(torch.cat([ids, ids]), torch.cat([slots, slots.new_zeros(1)]), kv)
+            return h[:1], lg[:1]
+        cos, sin = self.rope(slots)
+        if self.compiled is None or b == 1:
+            return self.core(ids, cos, sin, slots, kv)
+        for t in (ids, slots, cos, sin):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        for t in kv:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+        t0 = time.perf_counter()
+        before = _frames_compiled()
+        with frozen_weights():
+            out = self.compiled(ids, cos, sin, slots, kv)
+        if _frames_compiled() != before:
+            dt = time.perf_counter() - t0
+            self.compile_s += dt
+            self.compiles += 1
+            log.info("compiled the batched decode step (%d rows, %d-slot cache) in %.1f s", ids.shape[0],
+                     kv[0].shape[2], dt)
+        return out
+
+
+def _frames_compiled() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+_bodies: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, FastBatchBody]]" = weakref.WeakKeyDictionary()
+
+
+def batch_body(model, mode: str = "compile") -> FastBatchBody | None:
+    """The `FastBatchBody` every `BatchGenerator` on ``model`` shares for ``mode`` ("compile" or "fast"), built on
+    first use (its compiled graph then serves every later generator: Magpie prompts, answers, held-out
+    answers); None for "eager" or a model it does not support (logged: the model's own forward is used)."""
+    if mode not in MODES:
+        raise ValueError(f"decoding forward must be one of {MODES}, got {mode!r}")
+    if mode == "eager":
+        return None
+    why = unsupported(model)
+    if why is not None:
+        log.warning("the fast batched decode step does not support this model (%s): using its own forward", why)
+        return None
+    per = _bodies.setdefault(model, {})
+    if mode not in per:
+        per[mode] = FastBatchBody(model, compile=mode == "compile")
+    return per[mode]

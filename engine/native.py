@@ -1,0 +1,121 @@
+"""Native CPU kernels, built on first use, and the custom ops that call them.
+
+``ragged_decode_attention(q, k, v, last, scale)``: one query token per row, row i attending to its own cache
+slots [0, last[i]] (``q`` [rows, heads, head_dim]; ``k``, ``v`` [cache rows >= rows, kv_heads, capacity,
+head_dim], slots contiguous). It is what a continuous-batching decode step needs: rows of different lengths in
+one pre-allocated cache. Three ways to compute it, the first that applies:
+
+  * on CPU in float32 or bfloat16, the C++ kernel of ``csrc/ragged_attention.cpp``: it reads each row's own
+    entries once for every query head that shares them, float32 accumulation. It is built with
+    `torch.utils.cpp_extension` for the CPU's vector capability (``torch.backends.cpu.get_cpu_capability()``:
+    AVX512, AVX2 or scalar) into the torch extensions folder, a few seconds once per machine kind;
+  * elsewhere (a GPU, another dtype, no compiler, ``DRAFTSMITH_NATIVE=0``): one masked SDPA call over the longest
+    row's span.
+
+Measured on a 2-core Xeon with AMX (bf16, 96 rows of 40-300 slots, 9 query / 3 key-value heads of 64): the
+kernel 0.64 ms a layer, masked SDPA 1.74 ms, one SDPA call per row 4.7 ms.
+
+The op is a ``torch.library`` custom op, opaque to ``torch.compile``: a compiled decode step calls it as one
+node and never specialises on the rows' lengths.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).parent / "csrc" / "ragged_attention.cpp"
+_lock = threading.Lock()
+_state: dict = {}  # "ok": bool once tried; "why": the reason it is not used; "capability"
+
+# vector capability -> (preprocessor defines as at::vec reads them, compiler flags)
+_FLAGS = {
+    "AVX512": (["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+               ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"]),
+    "AVX2": (["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"], ["-mavx2", "-mfma"]),
+}
+
+
+def _capability() -> str:
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap.startswith("AVX512"):
+        return "AVX512"
+    return "AVX2" if cap == "AVX2" else "DEFAULT"
+
+
+def native_available() -> bool:
+    """Build (once per process; the compiled library is cached on disk) and load the native kernels. False,
+    with the reason in `native_status`, when they cannot be used: ``DRAFTSMITH_NATIVE=0``, no C++ compiler, or
+    a build error (logged once)."""
+    if "ok" in _state:
+        return _state["ok"]
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        cap = _capability()
+        _state["capability"] = cap
+        if os.environ.get("DRAFTSMITH_NATIVE", "1") == "0":
+            _state.update(ok=False, why="DRAFTSMITH_NATIVE=0")
+            return False
+        try:
+            from torch.utils.cpp_extension import load
+            defines, flags = _FLAGS.get(cap, ([], []))
+            load(name=f"draftsmith_native_{cap.lower()}", sources=[str(_SRC)],
+                 extra_cflags=["-O3", "-fopenmp", *defines, *flags], extra_ldflags=["-fopenmp"],
+                 is_python_module=False, verbose=False)
+            torch.ops.draftsmith_native.ragged_decode_attention  # noqa: B018 (raises if the op is not registered)
+            _state.update(ok=True, why=None)
+        except Exception as e:  # no compiler, a failed build: the SDPA fallback computes the same
+            _state.update(ok=False, why=f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}")
+            log.warning("native CPU kernels unavailable (%s); decode attention falls back to masked SDPA",
+                        _state["why"])
+        return _state["ok"]
+
+
+def native_status() -> dict:
+    """What the last `native_available` found: ``{"native": bool, "capability": ..., "why": ...}``."""
+    return {"native": bool(_state.get("ok")), "capability": _state.get("capability"), "why": _state.get("why")}
+
+
+def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """The reference computation: one SDPA call over slots [0, max(last)], each row's later slots masked."""
+    b = q.shape[0]
+    span = int(last.max()) + 1
+    allowed = torch.arange(span, device=q.device)[None] <= last.to(q.device)[:, None]
+    mask = torch.zeros((b, 1, 1, span), dtype=q.dtype, device=q.device)
+    mask.masked_fill_(~allowed[:, None, None], torch.finfo(q.dtype).min)
+    out = F.scaled_dot_product_attention(q[:, :, None], k[:b, :, :span], v[:b, :, :span], attn_mask=mask,
+                                         scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out[:, :, 0]
+
+
+def uses_native(q: torch.Tensor) -> bool:
+    """Whether `ragged_decode_attention` runs the native kernel for a query like ``q``: a CPU tensor in float32
+    or bfloat16 whose head size is a multiple of the vector width, up to 16 vectors."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    width = 16 if _capability() == "AVX512" else 8
+    d = q.shape[-1]
+    return d % width == 0 and d // width <= 16 and native_available()
+
+
+@torch.library.custom_op("draftsmith::ragged_decode_attention", mutates_args=())
+def ragged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Row i's one query attends to its own slots [0, last[i]]; see the module docstring."""
+    if uses_native(q) and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and v.stride() == k.stride():
+        return torch.ops.draftsmith_native.ragged_decode_attention(q, k, v, last, scale)
+    return masked_decode_attention(q, k, v, last, scale)
+
+
+@ragged_decode_attention.register_fake
+def _(q, k, v, last, scale):
+    return torch.empty_like(q)

@@ -1,0 +1,146 @@
+"""The data engine's fused decode step (`draftsmith.engine.fast_batch`): same tokens and states as the model's own
+forward, eager and compiled, for any batch size, with the native ragged attention inside."""
+
+import logging
+
+import pytest
+import torch
+
+from draftsmith.engine.fast_batch import FastBatchBody, batch_body
+from draftsmith.engine.native import uses_native
+from draftsmith.train import generate
+from draftsmith.train.batchgen import BatchGenerator, Job
+from draftsmith.train.sources import Conversation
+from tests.tiny import make_tiny_model, make_tiny_target
+
+
+@pytest.fixture(scope="module")
+def wide():
+    # head size 16 (a whole AVX-512 vector): the native kernel runs, not the masked fallback; grouped-query
+    # attention (4 query heads over 2 key/value heads); a large init spreads logits so greedy has no near-ties
+    return make_tiny_target(init_std=0.5, seed=11, hidden_size=64, heads=4, kv_heads=2)
+
+
+def _reference(model, prompt, max_new, eos):
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new):
+            t = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(t)
+            ids.append(t)
+            if t in eos:
+                return out, True
+    return out, False
+
+
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 90, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def test_the_tiny_model_runs_the_native_kernel(wide):
+    assert uses_native(torch.zeros(1, 4, 16))
+
+
+@pytest.mark.parametrize("forward", ["fast", "compile"])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_greedy_rows_equal_one_at_a_time(wide, rows, forward):
+    model = wide.model
+    eos = {2, 7, 11}  # rows end at very different steps: refills, compaction, and a batch that shrinks to 1 row
+    prompts = _prompts(9, seed=1)
+    budgets = [1, 5, 12, 20, 3, 17, 8, 25, 2]
+    got = {}
+    gen = BatchGenerator(model, eos, max_rows=rows, capacity=64, forward=forward)
+    assert gen.forward == forward and gen.fast is batch_body(model, forward)
+    gen.run([Job(i, p, b) for i, (p, b) in enumerate(zip(prompts, budgets))],
+            lambda j, toks, fin: got.__setitem__(j.key, (toks, fin)))
+    for i, (p, b) in enumerate(zip(prompts, budgets)):
+        assert got[i] == _reference(model, p, b, eos), f"job {i}"
+    assert gen.stats["row_attention_steps"] == 0  # the model's own forward never ran a decode step
+
+
+@pytest.mark.parametrize("forward", ["fast", "compile"])
+def test_kept_states_equal_the_models_own_forward(wide, forward):
+    """The fused cache's states come from this step: they equal the model's forward's (fp32 tolerance) at
+    every position, prompts of very different lengths in flight together."""
+    model = wide.model
+    prompts = [p * 3 for p in _prompts(6, seed=4)]
+    caps = {}
+    for fwd in ("eager", forward):
+        gen = BatchGenerator(model, set(), max_rows=6, capacity=160, keep_states=True, state_dtype=torch.float32,
+                             attention="masked", forward=fwd)
+        got = {}
+        gen.run([Job(i, p, 12) for i, p in enumerate(prompts)],
+                lambda j, toks, fin, cap: got.__setitem__(j.key, (toks, cap)),
+                want=lambda j, toks, fin: j.prompt + toks)
+        caps[fwd] = got
+    for i in range(len(prompts)):
+        assert caps[forward][i][0] == caps["eager"][i][0]
+        torch.testing.assert_close(caps[forward][i][1].states, caps["eager"][i][1].states, atol=1e-5, rtol=1e-5)
+
+
+def test_one_compiled_graph_serves_every_batch_size(wide):
+    body = batch_body(wide.model, "compile")
+    gen = BatchGenerator(wide.model, {2, 7}, max_rows=7, capacity=48, forward="compile")
+    gen.run([Job(i, p, 9) for i, p in enumerate(_prompts(12, seed=9))], lambda *a: None)
+    before = body.compiles
+    for rows, cap in ((5, 48), (2, 48), (7, 96), (1, 48)):  # other batch sizes, another capacity, a 1-row cache
+        BatchGenerator(wide.model, {2, 7}, max_rows=rows, capacity=cap, forward="compile").run(
+            [Job(i, p, 9) for i, p in enumerate(_prompts(5, seed=rows))], lambda *a: None)
+    assert body.compiles == before, f"recompiled {body.compiles - before} times"
+    assert body.compile_s > 0
+
+
+def test_sampling_draws_the_same_tokens_as_the_models_own_forward(wide):
+    """Each row samples from its own seeded generator: with the same logits (to fp32 rounding, no draw near a
+    CDF boundary at this init) the fused step draws what the model's forward draws."""
+    outs = {}
+    for fwd in ("eager", "fast"):
+        got = {}
+        BatchGenerator(wide.model, {2}, max_rows=4, capacity=64, temperature=0.8, top_p=0.95, forward=fwd).run(
+            [Job(i, p, 10, seed=100 + i) for i, p in enumerate(_prompts(7, seed=3))],
+            lambda j, toks, fin: got.__setitem__(j.key, toks))
+        outs[fwd] = got
+    assert outs["fast"] == outs["eager"]
+
+
+def test_regenerate_passes_the_forward_through(wide, tmp_path):
+    convs = [Conversation(f"c{i}", "t", [f"question {i} " * (i + 1)]) for i in range(6)]
+    lines = {}
+    for fwd in ("eager", "fast"):
+        out = tmp_path / f"{fwd}.jsonl"
+        st = generate.regenerate(wide, convs, out, max_new_tokens=10, max_turns=1, batch_size=4, max_seq_len=256,
+                                 max_rows=4, forward=fwd)
+        assert st["response_tokens"] > 0
+        lines[fwd] = out.read_text()
+    assert lines["fast"] == lines["eager"]
+
+
+def test_eager_or_an_unsupported_model_keeps_the_models_forward(caplog):
+    m = make_tiny_model(hidden_size=64, heads=4, kv_heads=2, seed=2)
+    assert batch_body(m, "eager") is None
+    m.config.hidden_act = "gelu"
+    with caplog.at_level(logging.WARNING):
+        assert batch_body(m, "compile") is None
+    assert "hidden_act 'gelu'" in caplog.text
+    assert BatchGenerator(m, {2}, forward="compile").forward == "eager"
+    with pytest.raises(ValueError, match="decoding forward must be one of"):
+        batch_body(m, "turbo")
+    with pytest.raises(ValueError, match="does not support this model"):
+        FastBatchBody(m)
+
+
+@pytest.mark.real
+def test_real_target_fast_step_writes_what_the_models_forward_writes(real_target, tmp_path):
+    """SmolLM2 in float32, 8 MT-Bench first turns x 48 tokens, greedy: the fused step (eager: the compiled graph
+    is the same function, checked above on the tiny model) gives the same responses as the model's forward."""
+    from draftsmith.train.sources import mtbench_questions
+    convs = [Conversation(f"mt{q['question_id']}", "mtbench", [q["turns"][0]]) for q in mtbench_questions()[:8]]
+    lines = {}
+    for fwd in ("eager", "fast"):
+        out = tmp_path / f"{fwd}.jsonl"
+        generate.regenerate(real_target, convs, out, max_new_tokens=48, max_turns=1, batch_size=8, max_seq_len=1024,
+                            max_rows=8, forward=fwd)
+        lines[fwd] = sorted(out.read_text().splitlines())
+    assert lines["fast"] == lines["eager"]
