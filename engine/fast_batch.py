@@ -28,16 +28,19 @@ import time
 import weakref
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 from draftsmith.engine.fastpath import MODES, _Core, frozen_weights, unsupported
-from draftsmith.engine.native import ragged_decode_attention
+from draftsmith.engine.native import native_op, ragged_decode_attention
 
 log = logging.getLogger(__name__)
 
 
 class _BatchCore(_Core):
     """`fastpath`'s fused weights, computing one token for each of b rows."""
+
+    attend = staticmethod(ragged_decode_attention)  # `FastBatchBody` swaps in the native kernel where it applies
 
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                 kv: list[torch.Tensor], logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -60,7 +63,7 @@ class _BatchCore(_Core):
             kc, vc = kv[2 * i], kv[2 * i + 1]
             kc[rows, :, slots] = ks
             vc[rows, :, slots] = vs
-            att = ragged_decode_attention(qs, kc, vc, slots, scale)
+            att = self.attend(qs, kc, vc, slots, scale)
             h = h + F.linear(att.reshape(b, nh * d), self.o[i])
             x = self._rms(h, self.ln2[i])
             gu = F.linear(x, self.gate_up[i])
@@ -83,11 +86,16 @@ class FastBatchBody:
         if why is not None:
             raise ValueError(f"the fast batched decode step does not support this model: {why}")
         self.core = _BatchCore(model)
+        p = self.core.norm_w
+        op = native_op(torch.empty(1, self.core.n_heads, self.core.head_dim, dtype=p.dtype, device=p.device),
+                       torch.empty(1, self.core.n_kv, 1, self.core.head_dim, dtype=p.dtype, device=p.device))
+        if op is not None:
+            self.core.attend = op
+        self.native = op is not None
         self.compiled = None
         self.compile_s = 0.0  # seconds spent in calls that compiled
         self.compiles = 0
         if compile:
-            import torch._dynamo
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.compiled = torch.compile(self.core, dynamic=False, options={"emulate_precision_casts": True})
 
@@ -128,8 +136,7 @@ class FastBatchBody:
 
 
 def _frames_compiled() -> int:
-    from torch._dynamo.utils import counters
-    return int(counters["stats"]["unique_graphs"])
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 _bodies: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, FastBatchBody]]" = weakref.WeakKeyDictionary()

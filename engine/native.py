@@ -21,6 +21,7 @@ node and never specialises on the rows' lengths.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -43,6 +44,7 @@ _FLAGS = {
 }
 
 
+@functools.cache
 def _capability() -> str:
     cap = torch.backends.cpu.get_cpu_capability()
     if cap.startswith("AVX512"):
@@ -70,7 +72,8 @@ def native_available() -> bool:
             load(name=f"draftsmith_native_{cap.lower()}", sources=[str(_SRC)],
                  extra_cflags=["-O3", "-fopenmp", *defines, *flags], extra_ldflags=["-fopenmp"],
                  is_python_module=False, verbose=False)
-            torch.ops.draftsmith_native.ragged_decode_attention  # noqa: B018 (raises if the op is not registered)
+            torch.library.register_fake("draftsmith_native::ragged_decode_attention")(
+                lambda q, k, v, last, scale: torch.empty_like(q))  # a compiled graph may call the kernel itself
             _state.update(ok=True, why=None)
         except Exception as e:  # no compiler, a failed build: the SDPA fallback computes the same
             _state.update(ok=False, why=f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}")
@@ -82,6 +85,15 @@ def native_available() -> bool:
 def native_status() -> dict:
     """What the last `native_available` found: ``{"native": bool, "capability": ..., "why": ...}``."""
     return {"native": bool(_state.get("ok")), "capability": _state.get("capability"), "why": _state.get("why")}
+
+
+def native_op(q: torch.Tensor, k: torch.Tensor):
+    """The native kernel itself for queries like ``q`` over a cache like ``k`` (None where it does not apply):
+    a compiled step whose inputs always qualify calls it directly, without the custom op's Python checks
+    (~0.15 ms a call, 30 calls a step)."""
+    if uses_native(q) and k.device.type == "cpu" and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]:
+        return torch.ops.draftsmith_native.ragged_decode_attention
+    return None
 
 
 def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor,
