@@ -160,6 +160,8 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
         elif d.fused_cache:
             log.info("data.fused_cache: not fused, the cache stage runs its separate pass: %s", why)
         gstats = generate.regenerate(target, convs, out / "train.jsonl", deadline=deadline, **kw)
+        if budget:
+            convs, gstats = more_rounds(recipe, target, convs, gstats, stats, deadline, out / "train.jsonl", kw)
         kw.pop("fused", None)
     else:
         gstats = write_as_is(convs, out / "train.jsonl", d.max_turns)
@@ -192,6 +194,45 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
         meta["time_budget"] = budget_meta
     meta_path.write_text(json.dumps(meta, indent=2))
     return out
+
+
+MIN_ROUND_S = 30.0  # a further data round needs this much of data.time_budget_s left (each round ends with a drain)
+
+
+def more_rounds(recipe: Recipe, target: Target, convs: list, gstats: Counter, stats: Counter,
+                deadline: "generate.Deadline", out_path: Path, kw: dict) -> tuple[list, Counter]:
+    """Use what the time budget has left once every written prompt is answered: another round of Magpie
+    prompts (``magpie_budget_share`` of the time left; the draws go on from the saved state) and their
+    answers (appended: `generate.regenerate` resumes past the rows already written, and a fused cache goes on
+    filling its last shard), while at least `MIN_ROUND_S` is left and the last round's Magpie draws were cut
+    by the budget (not by their count). Returns every conversation and the rounds' generation counts summed."""
+    d = recipe.data
+    rounds = 1
+    while deadline.left() >= MIN_ROUND_S and not gstats.get(generate.NOT_REACHED):
+        cut = stats.get("magpie_stopped_time_budget", 0)
+        if not cut:
+            break
+        more = Counter()
+        nxt = collect_prompts(recipe, target, sources.SkipLog(), more,
+                              generate.Deadline.after(deadline.left() * d.magpie_budget_share))
+        for k, v in more.items():  # Magpie's draws of this round add up; a source's kept count is its total now
+            if k.startswith("magpie_"):
+                stats[k] += v
+            elif k.startswith("source_"):
+                stats[k] = v
+        stats["magpie_stopped_time_budget"] = more.get("magpie_stopped_time_budget", 0)
+        if len(nxt) <= len(convs):
+            break
+        g = generate.regenerate(target, nxt, out_path, deadline=deadline, **kw)
+        rounds += 1
+        for k, v in g.items():
+            if k == generate.NOT_REACHED:
+                gstats[k] = v
+            elif k != "resumed":
+                gstats[k] += v
+        convs = nxt
+    gstats["data_rounds"] = rounds
+    return convs, gstats
 
 
 def time_budget_report(recipe: Recipe, stats: Counter, gstats: Counter, conversations: int, prompt_s: float,

@@ -14,7 +14,9 @@ step as one function over the same cache tensors, `draftsmith.engine.fastpath`'s
   * the batch size, the cache's rows and its capacity marked dynamic: one compiled graph serves the full batch,
     the draining tail of a run and a generator of another size (a 1-row step runs as 2 rows, since a size of
     1 is one that compilers specialise on; a 1-row cache runs eagerly);
-  * the LM head inside the graph.
+  * the LM head inside the graph;
+  * prefills too run fused, eagerly: the admitted prompts as one flat run of tokens (no padding), each token
+    written at its own row and slot, attention by one SDPA call per prompt (`ragged_prefill_attention`).
 
 Rotary cos/sin come from the model's own rotary module, computed eagerly (as in `fastpath`). The result
 differs from the model's forward only in the order of floating-point accumulation (tests/test_fast_batch.py
@@ -32,7 +34,7 @@ import torch._dynamo
 import torch.nn.functional as F
 
 from draftsmith.engine.fastpath import MODES, _Core, frozen_weights, unsupported
-from draftsmith.engine.native import native_op, ragged_decode_attention
+from draftsmith.engine.native import native_op, ragged_decode_attention, ragged_prefill_attention
 
 log = logging.getLogger(__name__)
 
@@ -47,29 +49,48 @@ class _BatchCore(_Core):
         """ids [b]: each row's token; cos, sin [b, 1, head_dim] at each row's position; slots [b]: where row r's
         key and value go in cache row r (its length so far), and the last slot it attends to; kv: the cache's
         key and value buffers [rows >= b, kv_heads, capacity, head_dim], layer by layer."""
-        b = ids.shape[0]
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        h = self.layers(ids, cos, sin, rows, slots, kv, lambda q, k, v: self.attend(q, k, v, slots, self.scale))
+        return h, F.linear(h, self.head_w) if logits else None
+
+    def prefill(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
+                slots: torch.Tensor, kv: list[torch.Tensor], group: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts as one flat run of T tokens (no padding): token t is ids[t] at position slots[t] of cache row
+        rows[t]; ``group`` = (cache row, start in the run, first slot) of each prompt (`ragged_prefill_attention`).
+        Returns the final states [T, hidden] and the logits of the tokens at ``last`` (each prompt's last)."""
+        g_rows, starts, offs = group
+        h = self.layers(ids, cos, sin, rows, slots, kv,
+                        lambda q, k, v: ragged_prefill_attention(q, k, v, g_rows, starts, offs, self.scale))
+        return h, F.linear(h[last], self.head_w)
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    def layers(self, ids, cos, sin, rows, slots, kv, attend) -> torch.Tensor:
+        """Every layer over the tokens ``ids`` [T] (token t at slot slots[t] of cache row rows[t]: its key and value
+        are written there before ``attend(q, k_cache, v_cache)`` runs), then the final norm."""
+        t = ids.shape[0]
         h = self.embed(ids)
         nh, nk, d = self.n_heads, self.n_kv, self.head_dim
         half = d // 2
-        rows = torch.arange(b, device=ids.device)
-        scale = d ** -0.5
         for i in range(len(self.qkv)):
             x = self._rms(h, self.ln1[i])
             qkv = F.linear(x, self.qkv[i], None if self.qkv_b is None else self.qkv_b[i])
             qs, ks, vs = qkv.split([nh * d, nk * d, nk * d], dim=-1)
-            qs, ks, vs = qs.view(b, nh, d), ks.view(b, nk, d), vs.view(b, nk, d)
+            qs, ks, vs = qs.view(t, nh, d), ks.view(t, nk, d), vs.view(t, nk, d)
             qs = qs * cos + torch.cat([-qs[..., half:], qs[..., :half]], dim=-1) * sin
             ks = ks * cos + torch.cat([-ks[..., half:], ks[..., :half]], dim=-1) * sin
             kc, vc = kv[2 * i], kv[2 * i + 1]
             kc[rows, :, slots] = ks
             vc[rows, :, slots] = vs
-            att = self.attend(qs, kc, vc, slots, scale)
-            h = h + F.linear(att.reshape(b, nh * d), self.o[i])
+            att = attend(qs, kc, vc)
+            h = h + F.linear(att.reshape(t, nh * d), self.o[i])
             x = self._rms(h, self.ln2[i])
             gu = F.linear(x, self.gate_up[i])
             h = h + F.linear(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], self.down[i])
-        h = self._rms(h, self.norm_w)
-        return h, F.linear(h, self.head_w) if logits else None
+        return self._rms(h, self.norm_w)
 
 
 class FastBatchBody:
@@ -133,6 +154,26 @@ class FastBatchBody:
             log.info("compiled the batched decode step (%d rows, %d-slot cache) in %.1f s", ids.shape[0],
                      kv[0].shape[2], dt)
         return out
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], rows: list[int], offset: int, kv: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Prefill ``prompts[g][offset:]`` into cache row ``rows[g]`` from slot ``offset`` (slots before it already
+        hold a shared prefix), all prompts in one flat forward, eagerly (its large products gain little from
+        compiling, and a second graph would cost a compile). Returns the final states [T, hidden] of the run, the
+        logits of each prompt's last token [g, vocab], and where each prompt starts in the run (plus T)."""
+        dev = kv[0].device
+        starts = [0]
+        for p in prompts:
+            starts.append(starts[-1] + len(p) - offset)
+        ids = torch.tensor([t for p in prompts for t in p[offset:]], device=dev)
+        tok_rows = torch.tensor([r for r, p in zip(rows, prompts) for _ in range(len(p) - offset)], device=dev)
+        slots = torch.tensor([offset + j for p in prompts for j in range(len(p) - offset)], device=dev)
+        cos, sin = self.rope(slots)
+        st = torch.tensor(starts, device=dev)
+        group = (torch.tensor(rows, device=dev), st, torch.full((len(prompts),), offset, device=dev))
+        h, logits = self.core.prefill(ids, cos, sin, tok_rows, slots, kv, group, st[1:] - 1)
+        return h, logits, starts
 
 
 def _frames_compiled() -> int:

@@ -131,3 +131,32 @@ def ragged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
 @ragged_decode_attention.register_fake
 def _(q, k, v, last, scale):
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("draftsmith::ragged_prefill_attention", mutates_args=())
+def ragged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                             starts: torch.Tensor, offsets: torch.Tensor, scale: float) -> torch.Tensor:
+    """Prompts prefilled together as one flat run of tokens: prompt g's tokens are ``q[starts[g]:starts[g + 1]]``
+    ([T, heads, head_dim] in all), at positions ``offsets[g]``, ``offsets[g] + 1``, ... of cache row ``rows[g]``,
+    whose keys and values (the prompt's own, and a shared prefix before ``offsets[g]``) are already written;
+    token j of prompt g attends causally to slots [0, offsets[g] + j]. One SDPA call per prompt (its flash
+    kernel suits many queries; the decode kernel reads keys once per query)."""
+    out = torch.empty_like(q)
+    gqa = k.shape[1] != q.shape[1]
+    for r, s, e, off in zip(rows.tolist(), starts[:-1].tolist(), starts[1:].tolist(), offsets.tolist()):
+        w = e - s
+        qi = q[s:e].transpose(0, 1)[None]
+        ki, vi = k[r:r + 1, :, :off + w], v[r:r + 1, :, :off + w]
+        if off == 0:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            pos = torch.arange(off, off + w, device=q.device)
+            allowed = torch.arange(off + w, device=q.device)[None] <= pos[:, None]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+@ragged_prefill_attention.register_fake
+def _(q, k, v, rows, starts, offsets, scale):
+    return torch.empty_like(q)

@@ -287,8 +287,9 @@ def _with_prefix(prompts, prefix):
     return [prefix + p for p in prompts]
 
 
+@pytest.mark.parametrize("forward", ["eager", "fast"])
 @pytest.mark.parametrize("rows", [2, 16])
-def test_shared_prefix_prefill_gives_the_same_tokens_and_states(peaky, rows):
+def test_shared_prefix_prefill_gives_the_same_tokens_and_states(peaky, rows, forward):
     """Prompts that start with one system prompt: the prefix is computed once and copied into each row;
     tokens equal one-at-a-time greedy decoding, kept states equal a run without sharing (fp32 tolerance)."""
     model = peaky.model
@@ -298,7 +299,7 @@ def test_shared_prefix_prefill_gives_the_same_tokens_and_states(peaky, rows):
     got = {}
     for share in (True, False):
         gen = BatchGenerator(model, eos, max_rows=rows, capacity=80, keep_states=True, state_dtype=torch.float32,
-                             shared_prefix=share)
+                             shared_prefix=share, forward=forward)
         res = {}
         gen.run([Job(i, p, 10) for i, p in enumerate(prompts)],
                 lambda j, toks, fin, cap: res.__setitem__(j.key, (toks, fin, cap)),

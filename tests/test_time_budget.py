@@ -261,3 +261,30 @@ def test_an_interrupted_budgeted_stage_resumes_within_its_own_budget(peaky, tmp_
     lines = (r.out / "data" / "train.jsonl").read_text().splitlines()
     assert len(lines) == len(want) and _rows(r.out / "data" / "train.jsonl") == want
     assert _meta(r)["time_budget"]["resumed"] == 5
+
+
+def test_time_left_after_the_answers_goes_to_more_rounds_of_prompts_and_answers(peaky, tmp_path, clock, monkeypatch):
+    """Answers faster than prompt writing leave budget unused after one round: the stage writes more Magpie
+    prompts (the draws go on in order) and answers them, until less than a round's worth is left."""
+    rich = _recipe(tmp_path, "rich", budget=1e9, n=2, magpie=60)
+    pipeline.stage_data(rich, peaky)
+    clock["now"] = 0.0
+    r = _recipe(tmp_path, "rounds", budget=300.0, magpie_budget_share=0.3, n=2, magpie=60)
+    pipeline.stage_data(r, peaky)
+    meta = _meta(r)
+    tb, gen = meta["time_budget"], meta["generation"]
+    assert gen["data_rounds"] >= 2
+    assert tb["magpie_prompts"]["stopped_by_budget"]
+    prompts = (r.out / "data" / "magpie1.jsonl").read_text().splitlines()
+    assert prompts == (rich.out / "data" / "magpie1.jsonl").read_text().splitlines()[:len(prompts)]
+    assert tb["magpie_prompts"]["kept"] == len(prompts)
+    rows = [json.loads(x)["id"] for x in (r.out / "data" / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == len(set(rows)) == gen["conversations"] == tb["written"] == 2 + len(prompts)
+    assert tb["not_reached"] == 0 and 300.0 - pipeline.MIN_ROUND_S <= tb["seconds_used"] <= 300.0 + 16
+    # one round only: the same budget with rounds switched off (the minimum above the budget) writes fewer
+    clock["now"] = 0.0
+    one = _recipe(tmp_path, "one", budget=300.0, magpie_budget_share=0.3, n=2, magpie=60)
+    monkeypatch.setattr(pipeline, "MIN_ROUND_S", 1e9)
+    pipeline.stage_data(one, peaky)
+    assert _meta(one)["generation"]["data_rounds"] == 1
+    assert _meta(one)["time_budget"]["written"] < tb["written"]

@@ -239,6 +239,8 @@ class BatchGenerator:
     def _prefill(self, rows: list[_Row], row0: int) -> list[int]:
         cache = self._ensure_cache()
         off = self._offset(rows)
+        if self.fast is not None:
+            return self._prefill_flat(rows, row0, off)
         k, width = len(rows), max(len(r.job.prompt) for r in rows) - off
         ids = torch.zeros((k, width), dtype=torch.long)
         for i, r in enumerate(rows):
@@ -261,6 +263,23 @@ class BatchGenerator:
         self.stats["prefix_tokens_reused"] += off * k
         return pick_tokens(self._logits(h[torch.arange(k, device=self.device), last]), rows,
                            self.temperature, self.top_p)
+
+    def _prefill_flat(self, rows: list[_Row], row0: int, off: int) -> list[int]:
+        """The fused step's prefill: the group's prompts as one flat run of tokens, no padding."""
+        cache = self.cache
+        k = len(rows)
+        cache.set_prefill(row0, k, self._prefix_kv, off)  # copies the shared prefix into the rows
+        kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        h, logits, starts = self.fast.prefill([r.job.prompt for r in rows], list(range(row0, row0 + k)), off, kv)
+        if self.states is not None:
+            for i, r in enumerate(rows):
+                if off:
+                    self.states[row0 + i, :off] = self._prefix_states[:off].to(self.state_dtype)
+                self.states[row0 + i, off:len(r.job.prompt)] = h[starts[i]:starts[i + 1]].to(self.state_dtype)
+        self.stats["prefill_forwards"] += 1
+        self.stats["prompt_tokens"] += sum(len(r.job.prompt) for r in rows)
+        self.stats["prefix_tokens_reused"] += off * k
+        return pick_tokens(logits, rows, self.temperature, self.top_p)
 
     def row_attention(self, lengths: list[int], span: int) -> bool:
         """Attend row by row in this decode step? ``attention="rows"``: always; ``"masked"``: never;
