@@ -251,20 +251,31 @@ def test_magpie_resumes_from_saved_rounds(peaky):
     assert [c.id for c in resumed] == [c.id for c in full]
 
 
-@pytest.mark.parametrize("head", [2, 8], ids=["wide-nucleus-full-sort", "nucleus-in-head"])
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_sampler_draws_the_nucleus_distribution(head, top_p):
-    from scipy.stats import chisquare
-
-    p = torch.tensor([0.05, 0.3, 0.02, 0.25, 0.2, 0.1, 0.08])
-    order = p.argsort(descending=True)
+def _nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The most probable tokens, in order, until their mass reaches top_p; then every token tied with the last."""
     keep = torch.zeros_like(p, dtype=torch.bool)
     cum = 0.0
-    for i in order.tolist():  # the smallest most-probable prefix whose mass reaches top_p
+    for i in p.argsort(descending=True).tolist():
         keep[i] = True
         cum += float(p[i])
         if cum >= top_p - 1e-9:
-            break
+            return keep | (p == p[i])
+    return keep
+
+
+@pytest.mark.parametrize("p,top_p", [
+    ([0.05, 0.3, 0.02, 0.25, 0.2, 0.1, 0.08], 1.0),
+    ([0.05, 0.3, 0.02, 0.25, 0.2, 0.1, 0.08], 0.8),
+    ([0.05, 0.3, 0.02, 0.25, 0.2, 0.1, 0.08], 0.3),  # a nucleus of one token
+    ([0.4, 0.2, 0.2, 0.2], 0.5),  # the boundary token has two ties: all three kept
+    ([0.001] * 1000 + [0.0005] * 2000, 0.9),  # a wide nucleus over several blocks, ties at the boundary
+])
+def test_sampler_draws_the_nucleus_distribution(p, top_p):
+    from scipy.stats import chisquare
+
+    p = torch.tensor(p, dtype=torch.float64)
+    p = p / p.sum()
+    keep = _nucleus(p, top_p)
     want = torch.where(keep, p, torch.zeros_like(p))
     want = want / want.sum()
 
@@ -272,15 +283,37 @@ def test_sampler_draws_the_nucleus_distribution(head, top_p):
         gen = torch.Generator().manual_seed(11)
 
     rows = [R() for _ in range(50)]
-    logits = torch.log(p)[None].expand(50, -1)
-    counts = torch.zeros(7)
+    logits = torch.log(p).float()[None].expand(50, -1)
+    counts = torch.zeros(len(p))
     for _ in range(80):
-        for t in pick_tokens(logits, rows, 1.0, top_p, head=head):
+        for t in pick_tokens(logits, rows, 1.0, top_p):
             counts[t] += 1
     assert counts[~keep].sum() == 0  # never outside the nucleus
+    if keep.sum() == 1:
+        return
+    if len(p) > 100:  # compare masses of the two probability levels (cells of 1-2 expected counts are no test)
+        hi = p == p.max()
+        obs = [counts[keep & hi].sum(), counts[keep & ~hi].sum()]
+        exp = [want[keep & hi].sum() * counts.sum(), want[keep & ~hi].sum() * counts.sum()]
+        assert chisquare(obs, exp).pvalue > 1e-3, (obs, exp)
+        return
     n = counts.sum()
     stat = chisquare(counts[keep].numpy(), (want[keep] * n).numpy())
     assert stat.pvalue > 1e-3, (counts, want)
+
+
+def test_the_inverse_cdf_reaches_every_token_at_its_boundaries():
+    """Uniforms just past the CDF's steps land on the token whose interval they open (blocks of 4 over 10
+    tokens; "just past": 1e-6, above the float32 rounding of a block's mass)."""
+    from draftsmith.train.batchgen import _inverse_cdf
+    p = torch.tensor([[0.1, 0.0, 0.2, 0.05, 0.05, 0.3, 0.0, 0.1, 0.1, 0.1]])
+    cdf = p[0].double().cumsum(0)
+    for tok in range(10):
+        if p[0, tok] == 0:
+            continue
+        lo = 0.0 if tok == 0 else float(cdf[tok - 1])
+        for u in (lo + 1e-6, (lo + float(cdf[tok])) / 2):
+            assert int(_inverse_cdf(p, torch.tensor([u], dtype=torch.float64), block=4)[0]) == tok, (tok, u)
 
 
 def _with_prefix(prompts, prefix):
@@ -345,3 +378,18 @@ def test_another_threads_forward_during_a_row_attention_step_is_plain_sdpa(peaky
     finally:
         model.config._attn_implementation = before
     torch.testing.assert_close(got["x"].detach(), want, atol=1e-6, rtol=1e-6)
+
+
+def test_admitting_rows_in_groups_keeps_the_tokens_and_saves_prefills(peaky):
+    """Rows that end one at a time are refilled once `admit_rows` are free: fewer prefill forwards, same tokens."""
+    eos = {2, 7, 11}
+    jobs = [Job(i, p, b) for i, (p, b) in enumerate(zip(_prompts(30, seed=6), [3, 9, 14, 5, 20, 2] * 5))]
+    out, prefills = {}, {}
+    for admit in (1, 4):
+        got = {}
+        gen = BatchGenerator(peaky.model, eos, max_rows=8, capacity=64, admit_rows=admit)
+        gen.run(list(jobs), lambda j, toks, fin: got.__setitem__(j.key, (toks, fin)))
+        out[admit], prefills[admit] = got, gen.stats["prefill_forwards"]
+    assert out[4] == out[1] and len(out[4]) == 30
+    assert prefills[4] < prefills[1]
+    assert BatchGenerator(peaky.model, eos, max_rows=96).admit_rows == 8
