@@ -215,10 +215,10 @@ def more_rounds(recipe: Recipe, target: Target, convs: list, gstats: Counter, st
         more = Counter()
         nxt = collect_prompts(recipe, target, sources.SkipLog(), more,
                               generate.Deadline.after(deadline.left() * d.magpie_budget_share))
-        for k, v in more.items():  # Magpie's draws of this round add up; a source's kept count is its total now
-            if k.startswith("magpie_"):
+        for k, v in more.items():  # rejected draws of this round add up; accepted and kept counts are totals
+            if k.startswith("magpie_rejected"):
                 stats[k] += v
-            elif k.startswith("source_"):
+            elif k.startswith("source_") or k == "magpie_accepted":
                 stats[k] = v
         stats["magpie_stopped_time_budget"] = more.get("magpie_stopped_time_budget", 0)
         if len(nxt) <= len(convs):

@@ -277,7 +277,7 @@ def test_time_left_after_the_answers_goes_to_more_rounds_of_prompts_and_answers(
     assert tb["magpie_prompts"]["stopped_by_budget"]
     prompts = (r.out / "data" / "magpie1.jsonl").read_text().splitlines()
     assert prompts == (rich.out / "data" / "magpie1.jsonl").read_text().splitlines()[:len(prompts)]
-    assert tb["magpie_prompts"]["kept"] == len(prompts)
+    assert tb["magpie_prompts"]["kept"] == len(prompts) == meta["sources"]["magpie_accepted"]
     rows = [json.loads(x)["id"] for x in (r.out / "data" / "train.jsonl").read_text().splitlines()]
     assert len(rows) == len(set(rows)) == gen["conversations"] == tb["written"] == 2 + len(prompts)
     assert tb["not_reached"] == 0 and 300.0 - pipeline.MIN_ROUND_S <= tb["seconds_used"] <= 300.0 + 16
