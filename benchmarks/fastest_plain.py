@@ -119,9 +119,13 @@ def main(argv: list[str] | None = None) -> dict:
     target.fast_body = fast
     methods["plain (ours, compiled)"] = SpeculativeDecoder(target)
     for path, d in drafters:
+        # the run's name (runs/NAME/final): two checkpoints of one kind must not share a label (a dict key)
+        run_name = path.parent.name if path.name == "final" else path.name
         for spec in a.tree or ["chain"]:
-            methods[f"{d.name or path.name} {spec} (ours, compiled)"] = SpeculativeDecoder(
-                target, d, tree=parse_tree(spec, path))
+            label = f"{d.name or 'drafter'} {run_name} {spec} (ours, compiled)"
+            if label in methods:
+                raise SystemExit(f"two checkpoints would both be labelled {label!r}: give them distinct run names")
+            methods[label] = SpeculativeDecoder(target, d, tree=parse_tree(spec, path))
     target.fast_body = None
     if not a.no_eager:
         methods["plain (ours, eager)"] = SpeculativeDecoder(target)
