@@ -17,6 +17,9 @@ kernel 0.64 ms a layer, masked SDPA 1.74 ms, one SDPA call per row 4.7 ms.
 
 The op is a ``torch.library`` custom op, opaque to ``torch.compile``: a compiled decode step calls it as one
 node and never specialises on the rows' lengths.
+
+``ragged_prefill_attention``: the prefill counterpart, prompts as one flat run of tokens (no padding), each
+attending causally within its own cache row after a shared prefix; one SDPA call per prompt.
 """
 
 from __future__ import annotations
