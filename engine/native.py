@@ -12,8 +12,9 @@ one pre-allocated cache. Three ways to compute it, the first that applies:
   * elsewhere (a GPU, another dtype, no compiler, ``DRAFTSMITH_NATIVE=0``): one masked SDPA call over the longest
     row's span.
 
-Measured on a 2-core Xeon with AMX (bf16, 96 rows of 40-300 slots, 9 query / 3 key-value heads of 64): the
-kernel 0.64 ms a layer, masked SDPA 1.74 ms, one SDPA call per row 4.7 ms.
+Measured on a 2-core Xeon with AMX (bf16, 9 query / 3 key-value heads of 64, one layer's cache warm): 96 rows
+of 40-300 slots, the kernel 0.64 ms, masked SDPA 1.74 ms; 96 rows of 100-700 slots, masked SDPA 3.8 ms, one SDPA
+call per row 4.7 ms.
 
 The op is a ``torch.library`` custom op, opaque to ``torch.compile``: a compiled decode step calls it as one
 node and never specialises on the rows' lengths.
