@@ -208,10 +208,8 @@ def more_rounds(recipe: Recipe, target: Target, convs: list, gstats: Counter, st
     by the budget (not by their count). Returns every conversation and the rounds' generation counts summed."""
     d = recipe.data
     rounds = 1
-    while deadline.left() >= MIN_ROUND_S and not gstats.get(generate.NOT_REACHED):
-        cut = stats.get("magpie_stopped_time_budget", 0)
-        if not cut:
-            break
+    while (deadline.left() >= MIN_ROUND_S and stats.get("magpie_stopped_time_budget")
+           and not gstats.get(generate.NOT_REACHED)):
         more = Counter()
         nxt = collect_prompts(recipe, target, sources.SkipLog(), more,
                               generate.Deadline.after(deadline.left() * d.magpie_budget_share))

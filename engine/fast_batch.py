@@ -34,7 +34,7 @@ import torch._dynamo
 import torch.nn.functional as F
 
 from draftsmith.engine.fastpath import MODES, _Core, frozen_weights, unsupported
-from draftsmith.engine.native import native_op, ragged_decode_attention, ragged_prefill_attention
+from draftsmith.engine.native import native_for, ragged_decode_attention, ragged_prefill_attention
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +74,14 @@ class _BatchCore(_Core):
         t = ids.shape[0]
         h = self.embed(ids)
         nh, nk, d = self.n_heads, self.n_kv, self.head_dim
-        half = d // 2
         for i in range(len(self.qkv)):
-            x = self._rms(h, self.ln1[i])
-            qkv = F.linear(x, self.qkv[i], None if self.qkv_b is None else self.qkv_b[i])
-            qs, ks, vs = qkv.split([nh * d, nk * d, nk * d], dim=-1)
-            qs, ks, vs = qs.view(t, nh, d), ks.view(t, nk, d), vs.view(t, nk, d)
-            qs = qs * cos + torch.cat([-qs[..., half:], qs[..., :half]], dim=-1) * sin
-            ks = ks * cos + torch.cat([-ks[..., half:], ks[..., :half]], dim=-1) * sin
+            qs, ks, vs = self.qkv_in(i, h)
+            qs = self.rotate(qs.view(t, nh, d), cos, sin)
+            ks = self.rotate(ks.view(t, nk, d), cos, sin)
             kc, vc = kv[2 * i], kv[2 * i + 1]
             kc[rows, :, slots] = ks
-            vc[rows, :, slots] = vs
-            att = attend(qs, kc, vc)
-            h = h + F.linear(att.reshape(t, nh * d), self.o[i])
-            x = self._rms(h, self.ln2[i])
-            gu = F.linear(x, self.gate_up[i])
-            h = h + F.linear(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], self.down[i])
+            vc[rows, :, slots] = vs.view(t, nk, d)
+            h = self.layer_out(i, h, attend(qs, kc, vc).reshape(t, nh * d))
         return self._rms(h, self.norm_w)
 
 
@@ -108,8 +100,7 @@ class FastBatchBody:
             raise ValueError(f"the fast batched decode step does not support this model: {why}")
         self.core = _BatchCore(model)
         p = self.core.norm_w
-        op = native_op(torch.empty(1, self.core.n_heads, self.core.head_dim, dtype=p.dtype, device=p.device),
-                       torch.empty(1, self.core.n_kv, 1, self.core.head_dim, dtype=p.dtype, device=p.device))
+        op = native_for(p.dtype, p.device, self.core.head_dim)  # the data engine's caches have contiguous slots
         if op is not None:
             self.core.attend = op
         self.native = op is not None

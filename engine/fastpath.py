@@ -139,6 +139,26 @@ class _Core(torch.nn.Module):
         cos, sin = self.rotary(self.norm_w, pos)
         return cos[:, None], sin[:, None]
 
+    def qkv_in(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's attention inputs for the states ``h`` [..., hidden]: q, k, v, flat per token (heads x dim)."""
+        nh, nk, d = self.n_heads, self.n_kv, self.head_dim
+        x = self._rms(h, self.ln1[i])
+        qkv = F.linear(x, self.qkv[i], None if self.qkv_b is None else self.qkv_b[i])
+        return qkv.split([nh * d, nk * d, nk * d], dim=-1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the last dimension (the model's rotate-half convention)."""
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    def layer_out(self, i: int, h: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """Layer i's residual stream after its attention output ``att`` (flat per token) and its MLP."""
+        h = h + F.linear(att, self.o[i])
+        x = self._rms(h, self.ln2[i])
+        gu = F.linear(x, self.gate_up[i])
+        return h + F.linear(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], self.down[i])
+
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 slots: torch.Tensor, kv: list[torch.Tensor],
                 logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -148,25 +168,17 @@ class _Core(torch.nn.Module):
         e = mask.shape[-1]
         h = self.embed(ids)
         nh, nk, d = self.n_heads, self.n_kv, self.head_dim
-        half = d // 2
         for i in range(len(self.qkv)):
-            x = self._rms(h, self.ln1[i])
-            qkv = F.linear(x, self.qkv[i], None if self.qkv_b is None else self.qkv_b[i])
-            qs, ks, vs = qkv.split([nh * d, nk * d, nk * d], dim=-1)
-            qs = qs.view(1, q, nh, d).transpose(1, 2)
-            ks = ks.view(1, q, nk, d).transpose(1, 2)
+            qs, ks, vs = self.qkv_in(i, h)
+            qs = self.rotate(qs.view(1, q, nh, d).transpose(1, 2), cos, sin)
+            ks = self.rotate(ks.view(1, q, nk, d).transpose(1, 2), cos, sin)
             vs = vs.view(1, q, nk, d).transpose(1, 2)
-            qs = qs * cos + torch.cat([-qs[..., half:], qs[..., :half]], dim=-1) * sin
-            ks = ks * cos + torch.cat([-ks[..., half:], ks[..., :half]], dim=-1) * sin
             kc, vc = kv[2 * i], kv[2 * i + 1]
             kc.index_copy_(2, slots, ks)
             vc.index_copy_(2, slots, vs)
             att = F.scaled_dot_product_attention(qs, kc[:, :, :e], vc[:, :, :e], attn_mask=mask,
                                                  enable_gqa=nk != nh)
-            h = h + F.linear(att.transpose(1, 2).reshape(1, q, nh * d), self.o[i])
-            x = self._rms(h, self.ln2[i])
-            gu = F.linear(x, self.gate_up[i])
-            h = h + F.linear(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], self.down[i])
+            h = self.layer_out(i, h, att.transpose(1, 2).reshape(1, q, nh * d))
         h = self._rms(h, self.norm_w)
         return h, F.linear(h, self.head_w) if logits else None
 

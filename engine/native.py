@@ -91,15 +91,6 @@ def native_status() -> dict:
     return {"native": bool(_state.get("ok")), "capability": _state.get("capability"), "why": _state.get("why")}
 
 
-def native_op(q: torch.Tensor, k: torch.Tensor):
-    """The native kernel itself for queries like ``q`` over a cache like ``k`` (None where it does not apply):
-    a compiled step whose inputs always qualify calls it directly, without the custom op's Python checks
-    (~0.15 ms a call, 30 calls a step)."""
-    if uses_native(q) and k.device.type == "cpu" and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]:
-        return torch.ops.draftsmith_native.ragged_decode_attention
-    return None
-
-
 def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor,
                             scale: float) -> torch.Tensor:
     """The reference computation: one SDPA call over slots [0, max(last)], each row's later slots masked."""
@@ -113,22 +104,31 @@ def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     return out[:, :, 0]
 
 
-def uses_native(q: torch.Tensor) -> bool:
-    """Whether `ragged_decode_attention` runs the native kernel for a query like ``q``: a CPU tensor in float32
-    or bfloat16 whose head size is a multiple of the vector width, up to 16 vectors."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
-        return False
+def native_for(dtype: torch.dtype, device: torch.device | str, head_dim: int):
+    """The native kernel for queries of this dtype, device and head size (None where it does not apply): a CPU
+    tensor in float32 or bfloat16 whose head size is a multiple of the vector width, up to 16 vectors. A
+    compiled step whose inputs always qualify calls it directly, without the custom op's Python checks (~0.15 ms
+    a call, 30 calls a step); its cache must have contiguous slots."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
     width = 16 if _capability() == "AVX512" else 8
-    d = q.shape[-1]
-    return d % width == 0 and d // width <= 16 and native_available()
+    if head_dim % width or head_dim // width > 16 or not native_available():
+        return None
+    return torch.ops.draftsmith_native.ragged_decode_attention
+
+
+def uses_native(q: torch.Tensor) -> bool:
+    """Whether `ragged_decode_attention` runs the native kernel for a query like ``q`` (`native_for`)."""
+    return native_for(q.dtype, q.device, q.shape[-1]) is not None
 
 
 @torch.library.custom_op("draftsmith::ragged_decode_attention", mutates_args=())
 def ragged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor,
                             scale: float) -> torch.Tensor:
     """Row i's one query attends to its own slots [0, last[i]]; see the module docstring."""
-    if uses_native(q) and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and v.stride() == k.stride():
-        return torch.ops.draftsmith_native.ragged_decode_attention(q, k, v, last, scale)
+    op = native_for(q.dtype, q.device, q.shape[-1])
+    if op is not None and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and v.stride() == k.stride():
+        return op(q, k, v, last, scale)
     return masked_decode_attention(q, k, v, last, scale)
 
 

@@ -6,36 +6,17 @@ import pytest
 import torch
 
 from draftsmith.train import generate
-from draftsmith.train.batchgen import BatchGenerator, Job, pick_tokens
+from draftsmith.train.batch_sampling import inverse_cdf, pick_tokens
+from draftsmith.train.batchgen import BatchGenerator, Job
 from draftsmith.train.batchgen_cache import RaggedCache
 from draftsmith.train.sources import Conversation
-from tests.tiny import make_tiny_target
-
-
-def _reference(model, prompt, max_new, eos):
-    """Greedy one token at a time, no cache, no batch: the ground truth."""
-    ids = list(prompt)
-    out = []
-    with torch.no_grad():
-        for _ in range(max_new):
-            t = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
-            out.append(t)
-            ids.append(t)
-            if t in eos:
-                return out, True
-    return out, False
+from tests.tiny import greedy_reference as _reference, make_tiny_target, random_prompts as _prompts
 
 
 @pytest.fixture(scope="module")
 def peaky():
     # a larger init spreads the logits, so fp32 accumulation order cannot create ties
     return make_tiny_target(init_std=0.5, seed=3)
-
-
-def _prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 90, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
 
 
 @pytest.mark.parametrize("attention", ["masked", "rows"])
@@ -305,7 +286,6 @@ def test_sampler_draws_the_nucleus_distribution(p, top_p):
 def test_the_inverse_cdf_reaches_every_token_at_its_boundaries():
     """Uniforms just past the CDF's steps land on the token whose interval they open (blocks of 4 over 10
     tokens; "just past": 1e-6, above the float32 rounding of a block's mass)."""
-    from draftsmith.train.batchgen import _inverse_cdf
     p = torch.tensor([[0.1, 0.0, 0.2, 0.05, 0.05, 0.3, 0.0, 0.1, 0.1, 0.1]])
     cdf = p[0].double().cumsum(0)
     for tok in range(10):
@@ -313,7 +293,7 @@ def test_the_inverse_cdf_reaches_every_token_at_its_boundaries():
             continue
         lo = 0.0 if tok == 0 else float(cdf[tok - 1])
         for u in (lo + 1e-6, (lo + float(cdf[tok])) / 2):
-            assert int(_inverse_cdf(p, torch.tensor([u], dtype=torch.float64), block=4)[0]) == tok, (tok, u)
+            assert int(inverse_cdf(p, torch.tensor([u], dtype=torch.float64), block=4)[0]) == tok, (tok, u)
 
 
 def _with_prefix(prompts, prefix):

@@ -11,7 +11,8 @@ from draftsmith.engine.native import uses_native
 from draftsmith.train import generate
 from draftsmith.train.batchgen import BatchGenerator, Job
 from draftsmith.train.sources import Conversation
-from tests.tiny import make_tiny_model, make_tiny_target
+from tests.tiny import greedy_reference as _reference, make_tiny_model, make_tiny_target
+from tests.tiny import random_prompts as _prompts
 
 
 @pytest.fixture(scope="module")
@@ -19,24 +20,6 @@ def wide():
     # head size 16 (a whole AVX-512 vector): the native kernel runs, not the masked fallback; grouped-query
     # attention (4 query heads over 2 key/value heads); a large init spreads logits so greedy has no near-ties
     return make_tiny_target(init_std=0.5, seed=11, hidden_size=64, heads=4, kv_heads=2)
-
-
-def _reference(model, prompt, max_new, eos):
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(max_new):
-            t = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
-            out.append(t)
-            ids.append(t)
-            if t in eos:
-                return out, True
-    return out, False
-
-
-def _prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 90, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
 
 
 def test_the_tiny_model_runs_the_native_kernel(wide):

@@ -62,3 +62,25 @@ def make_tiny_target(vocab_size: int = 96, seed: int = 0, init_std: float = 0.02
         model.save_pretrained(path)
         tok.save_pretrained(path)
     return Target(model=model, tokenizer=tok, name=f"tiny-{seed}", path=path, fingerprint=fingerprint(model, tok))
+
+
+def greedy_reference(model, prompt, max_new, eos) -> tuple[list[int], bool]:
+    """Greedy one token at a time, no cache, no batch: the ground truth. Returns (tokens, ended on eos)."""
+    ids = list(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            t = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(t)
+            ids.append(t)
+            if t in eos:
+                return out, True
+    return out, False
+
+
+def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of 2-29 token ids in [3, 90) (a tiny model's vocabulary), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 90, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+

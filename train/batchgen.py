@@ -49,6 +49,7 @@ import torch
 
 from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.fast_batch import batch_body
+from draftsmith.train.batch_sampling import pick_tokens
 from draftsmith.train.batchgen_cache import RaggedCache, row_attention
 
 ATTENTION_MODES = ("auto", "rows", "masked")
@@ -98,68 +99,6 @@ class _Row:
     captured: Captured | None = None
 
 
-def _uniforms(rows: list[_Row], device) -> torch.Tensor:
-    """One float64 uniform per row, each from the row's own generator (so a row's draws do not depend on which
-    rows share its step)."""
-    return torch.tensor([float(torch.rand((), generator=r.gen, dtype=torch.float64)) for r in rows],
-                        dtype=torch.float64, device=device)
-
-
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """The token at each row's uniform ``u`` on the cumulative distribution of ``probs`` [n, V] (vocabulary order),
-    in two levels: block masses (float32 sums of ``block`` probabilities, accumulated in float64 across blocks),
-    then a float64 cumulative sum inside the block reached; a block's mass carries float32 rounding (~6e-8 of it),
-    the size of the probabilities' own. A float64 cumulative sum over the whole vocabulary cost 18 ms a step for
-    96 x 49152 on a 2-core Xeon; this, under 2 ms."""
-    n, v = probs.shape
-    nb = -(-v // block)
-    if nb * block != v:
-        probs = torch.nn.functional.pad(probs, (0, nb * block - v))
-    blocks = probs.view(n, nb, block)
-    bcdf = blocks.sum(-1).double().cumsum(-1)
-    target = u * bcdf[:, -1]
-    b = torch.searchsorted(bcdf, target[:, None], right=True)[:, 0].clamp(max=nb - 1)
-    before = torch.where(b > 0, bcdf.gather(1, (b - 1).clamp(min=0)[:, None])[:, 0], 0.0)
-    inner = blocks[torch.arange(n, device=probs.device), b].double().cumsum(-1)
-    j = torch.searchsorted(inner, (target - before)[:, None], right=True)[:, 0].clamp(max=block - 1)
-    return (b * block + j).clamp(max=v - 1)
-
-
-def pick_tokens(logits: torch.Tensor, rows: list[_Row], temperature: float, top_p: float) -> list[int]:
-    """Next token per row: argmax (greedy) or a draw from the row's own generator.
-
-    A draw is the inverse CDF (`_inverse_cdf`) at float64 uniforms from the row's generator. Top-p keeps the
-    nucleus: the smallest set of most probable tokens whose mass reaches ``top_p``, together with every token
-    exactly as probable as its least probable member (ties at the boundary are kept together, so the set does
-    not depend on a sort's order among equal probabilities: bf16 logits tie often). It is sampled by rejection,
-    which needs no sort: draw from the whole distribution; a token is in the nucleus exactly when the tokens
-    strictly more probable than it hold less than ``top_p`` (always so when its own probability exceeds
-    1 - top_p); otherwise that row draws again. Accepted draws follow the nucleus distribution exactly, and a
-    row redraws with probability 1 - (nucleus mass) <= 1 - top_p. (A full sort of 96 x 49152 probabilities
-    cost more than the step's matrix products.) The mass above a token is summed in float32.
-    """
-    if temperature <= 0:
-        # max(dim)'s indices: the first maximum, as argmax's, at a fraction of its cost on CPU (96 x 49152 bf16
-        # logits, 2 threads of an AMX Xeon: 1.7 vs 7.6 ms a step)
-        return logits.max(-1).indices.tolist()
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    idx = _inverse_cdf(probs, _uniforms(rows, probs.device))
-    if top_p < 1.0:
-        todo = torch.arange(len(rows), device=probs.device)
-        while len(todo):
-            px = probs[todo, idx[todo]]
-            doubt = px <= 1.0 - top_p  # a more probable token is in every nucleus
-            todo, px = todo[doubt], px[doubt]
-            if not len(todo):
-                break
-            sub = probs[todo]
-            above = torch.where(sub > px[:, None], sub, 0.0).sum(-1)
-            todo = todo[above >= top_p]  # outside the nucleus: these rows draw again
-            if len(todo):
-                idx[todo] = _inverse_cdf(probs[todo], _uniforms([rows[i] for i in todo.tolist()], probs.device))
-    return idx.tolist()
-
-
 class BatchGenerator:
     """Continuous batching over a queue of `Job`s with one pre-allocated `RaggedCache`.
 
@@ -185,8 +124,8 @@ class BatchGenerator:
         `row_attention`), ``"rows"`` or ``"masked"``; elsewhere always one masked call.
       forward: the decode step: ``"compile"`` (`draftsmith.engine.fast_batch`: fused, frozen weights, the native
         ragged attention, compiled once), ``"fast"`` (the same function eager) or ``"eager"`` (the model's own
-        forward, with ``attention``). A model the fast step does not support uses its own forward. Prefills
-        always run through the model's own forward.
+        forward, with ``attention``, and padded prefills). A model the fast step does not support uses its own
+        forward. The fused step prefills too, the admitted prompts as one flat run of tokens.
     """
 
     def __init__(self, model: torch.nn.Module, eos_ids: Iterable[int], *, max_rows: int = 96, capacity: int = 1024,
@@ -223,6 +162,7 @@ class BatchGenerator:
     def _ensure_cache(self) -> RaggedCache:
         if self.cache is None:
             self.cache = RaggedCache(self.model.config, self.max_rows, self.capacity, self.dtype, self.device)
+            self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]  # the fused step's view
         if self.keep_states and self.states is None:
             self.states = torch.zeros((self.max_rows, self.capacity, self.model.config.hidden_size),
                                       dtype=self.state_dtype, device=self.device)
@@ -289,9 +229,7 @@ class BatchGenerator:
                 self.states[row0:row0 + k, :off] = self._prefix_states[:off].to(self.state_dtype)
             self.states[row0:row0 + k, off:off + width] = h.to(self.state_dtype)
         last = torch.tensor([len(r.job.prompt) - 1 - off for r in rows], device=self.device)
-        self.stats["prefill_forwards"] += 1
-        self.stats["prompt_tokens"] += sum(len(r.job.prompt) for r in rows)
-        self.stats["prefix_tokens_reused"] += off * k
+        self._count_prefill(rows, off)
         return pick_tokens(self._logits(h[torch.arange(k, device=self.device), last]), rows,
                            self.temperature, self.top_p)
 
@@ -300,17 +238,19 @@ class BatchGenerator:
         cache = self.cache
         k = len(rows)
         cache.set_prefill(row0, k, self._prefix_kv, off)  # copies the shared prefix into the rows
-        kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        h, logits, starts = self.fast.prefill([r.job.prompt for r in rows], list(range(row0, row0 + k)), off, kv)
+        h, logits, starts = self.fast.prefill([r.job.prompt for r in rows], list(range(row0, row0 + k)), off, self.kv)
         if self.states is not None:
             for i, r in enumerate(rows):
                 if off:
                     self.states[row0 + i, :off] = self._prefix_states[:off].to(self.state_dtype)
                 self.states[row0 + i, off:len(r.job.prompt)] = h[starts[i]:starts[i + 1]].to(self.state_dtype)
+        self._count_prefill(rows, off)
+        return pick_tokens(logits, rows, self.temperature, self.top_p)
+
+    def _count_prefill(self, rows: list[_Row], off: int) -> None:
         self.stats["prefill_forwards"] += 1
         self.stats["prompt_tokens"] += sum(len(r.job.prompt) for r in rows)
-        self.stats["prefix_tokens_reused"] += off * k
-        return pick_tokens(logits, rows, self.temperature, self.top_p)
+        self.stats["prefix_tokens_reused"] += off * len(rows)
 
     def row_attention(self, lengths: list[int], span: int) -> bool:
         """Attend row by row in this decode step? ``attention="rows"``: always; ``"masked"``: never;
@@ -332,8 +272,7 @@ class BatchGenerator:
         span = max(lengths) + 1
         cache.set_decode(lens, span)
         if self.fast is not None:
-            kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-            h, logits = self.fast.step(torch.tensor(pending, device=self.device), lens, kv)
+            h, logits = self.fast.step(torch.tensor(pending, device=self.device), lens, self.kv)
         else:
             allowed = torch.arange(span, device=self.device)[None] <= lens[:, None]
             mask = torch.zeros((n, 1, 1, span), dtype=self.dtype, device=self.device)
