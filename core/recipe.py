@@ -132,6 +132,15 @@ class TrainConfig(StrictModel):
                                      "on more data; a pruned head keeps the checkpoint's kept ids")
     tracker: Literal["wandb", "none"] = Field("wandb",
                                               description="wandb runs offline unless WANDB_MODE says otherwise")
+    mixed_precision: Optional[Literal["no", "bf16", "fp16"]] = Field(
+        None, description="accelerate's autocast for the drafter's forward and backward (weights and optimizer "
+                          "stay float32); unset = what `accelerate launch --mixed_precision` or its config says, "
+                          "else no. bf16 pays on CPUs with avx512_bf16 / amx_bf16 and on GPUs")
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, v):
+        return "no" if v is False else v  # YAML reads a bare `no` as false
 
 
 def default_forward() -> str:

@@ -30,10 +30,11 @@ Choices, documented here once:
   * an empty batch, an empty prompt, ``max_new_tokens < 0`` or a prompt
     that with its new tokens and a draft block exceeds the context: ValueError
     naming the row;
-  * drafters: `HeadDrafter` (Medusa, Hydra, Hydra++) and `ModelDrafter`;
-    chains and static trees; model-free drafters (``draft_tree``, e.g.
-    SuffixDecoding) build each row's tree themselves; dynamic trees and self-drafters (Kangaroo) are
-    refused with a clear error (single-sequence decoder only for now);
+  * drafters: `HeadDrafter` (Medusa, Hydra, Hydra++), `ModelDrafter`, and a
+    kind's own adapter (EAGLE-3: ``batch_adapter()``); chains and static
+    trees; model-free drafters (``draft_tree``, e.g. SuffixDecoding) build
+    each row's tree themselves; dynamic trees and self-drafters (Kangaroo)
+    are refused with a clear error (single-sequence decoder only for now);
   * acceptance "exact" only (the lossy typical rule is not offered here).
 """
 
@@ -413,12 +414,17 @@ class BatchedSpeculativeDecoder:
         if self.cache is None or self.cache.capacity < capacity or self.cache.n_rows < len(live):
             self.cache = RowsCache.for_model(self.model, max(len(live), 1), max(capacity, 256))
         live_states = [states[i] for i in live]
-        for r, st in enumerate(live_states):
-            self._prefill(r, st)
         # Live rows only leave the batch, so when the length policy picks K = 0 for every batch size up to
         # this one the drafter can never run in this call: no drafter state is kept (plain decoding's cost).
         self._drafting = self.adapter is not None and (
             self.tree is not None or any(self._k_for(m) > 0 for m in range(1, len(live) + 1)))
+        # an adapter that reads more of the target's prefill than its last hidden states (EAGLE-3: three layers'
+        # outputs, caught by hooks) takes them right after each row's prefill forward
+        prefilled = getattr(self.adapter, "prefilled", None) if self._drafting else None
+        for r, st in enumerate(live_states):
+            self._prefill(r, st)
+            if prefilled is not None:
+                prefilled(r, st)
         if self._drafting:
             self.adapter.start(self, live_states, self.cache.capacity)
         t1 = time.perf_counter()

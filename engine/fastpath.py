@@ -160,14 +160,16 @@ class _Core(torch.nn.Module):
         return h + F.linear(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], self.down[i])
 
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                slots: torch.Tensor, kv: list[torch.Tensor],
-                logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                slots: torch.Tensor, kv: list[torch.Tensor], logits: bool = True,
+                taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
         """ids [1, q]; cos, sin from `rope`; mask [1, 1, q, e] additive over the first e cache slots; slots
-        [q] where the q new entries go; kv: the cache's key and value buffers, layer by layer."""
+        [q] where the q new entries go; kv: the cache's key and value buffers, layer by layer. Returns the final
+        normed states, the logits (or None) and the outputs of the layers in ``taps`` (0-based), in that order."""
         q = ids.shape[1]
         e = mask.shape[-1]
         h = self.embed(ids)
         nh, nk, d = self.n_heads, self.n_kv, self.head_dim
+        tapped = {}
         for i in range(len(self.qkv)):
             qs, ks, vs = self.qkv_in(i, h)
             qs = self.rotate(qs.view(1, q, nh, d).transpose(1, 2), cos, sin)
@@ -179,8 +181,10 @@ class _Core(torch.nn.Module):
             att = F.scaled_dot_product_attention(qs, kc[:, :, :e], vc[:, :, :e], attn_mask=mask,
                                                  enable_gqa=nk != nh)
             h = self.layer_out(i, h, att.transpose(1, 2).reshape(1, q, nh * d))
+            if i in taps:
+                tapped[i] = h
         h = self._rms(h, self.norm_w)
-        return h, F.linear(h, self.head_w) if logits else None
+        return h, F.linear(h, self.head_w) if logits else None, tuple(tapped[i] for i in taps)
 
 
 class FastBody(torch.nn.Module):
@@ -197,6 +201,9 @@ class FastBody(torch.nn.Module):
         if why is not None:
             raise ValueError(f"the fast decoding forward does not support this model: {why}")
         self.core = _Core(model)
+        # the model's own layers, not registered (their weights live fused in `core`): forward hooks put on them
+        # (EAGLE-3 reads three layers' outputs that way) are called with the same outputs, see `_call_hooks`
+        self._layers = list(model.get_decoder().layers)
         self.dtype = self.core.norm_w.dtype
         self.compiled = None
         self.compile_s = 0.0  # seconds spent in the first calls of new compiled shapes
@@ -227,7 +234,8 @@ class FastBody(torch.nn.Module):
                 attention_mask: torch.Tensor | None = None, cache=None, past_key_values=None,
                 use_cache: bool = True, want_logits: bool = True, **kwargs) -> FastOutput:
         if kwargs.get("output_hidden_states"):
-            raise ValueError("FastBody does not return intermediate hidden states; use the model's body")
+            raise ValueError("FastBody does not return intermediate hidden states (forward hooks on the model's "
+                             "layers are called with their outputs); use the model's body")
         cache = cache if cache is not None else past_key_values
         if cache is None or not hasattr(cache, "write_start"):
             raise ValueError("FastBody needs the decoder's pre-allocated SlotCache")
@@ -242,11 +250,13 @@ class FastBody(torch.nn.Module):
             attention_mask = torch.zeros(1, 1, q, e, dtype=self.dtype, device=dev)
             attention_mask.masked_fill_(~allowed, torch.finfo(attention_mask.dtype).min)
         kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        taps = tuple(i for i, layer in enumerate(self._layers) if layer._forward_hooks)
         b = min((h for h in self.hot if h >= q), default=None) if self.compiled is not None else None
         C = int(cache.capacity)
         if b is None or s + b > C:
-            h, lg = self.core(input_ids, *self.core.rope(position_ids), attention_mask,
-                              torch.arange(s, e, device=dev), kv, logits=want_logits)
+            h, lg, outs = self.core(input_ids, *self.core.rope(position_ids), attention_mask,
+                                    torch.arange(s, e, device=dev), kv, logits=want_logits, taps=taps)
+            self._call_hooks(taps, outs)
             return FastOutput(h, lg)
         # every shape static: b rows over the whole capacity, the slots past the live length masked out
         # (gpt-fast's way; dynamic live lengths got specialised by the trace and recompiled on every step)
@@ -259,20 +269,29 @@ class FastBody(torch.nn.Module):
         if pad:
             m[0, 0, torch.arange(q, b), torch.arange(e, e + pad)] = 0  # a padded row sees only itself
         slots = torch.arange(s, s + b, device=dev)
-        key = (b, C, str(dev))
+        key = (b, C, str(dev), taps)
         first = key not in self._seen
         if first:
             self._seen.add(key)
             t0 = time.perf_counter()
         with frozen_weights():
-            h, lg = self.compiled(input_ids, *self.core.rope(position_ids), m, slots, kv)
+            h, lg, outs = self.compiled(input_ids, *self.core.rope(position_ids), m, slots, kv, taps=taps)
         if first:
             self.compile_s += time.perf_counter() - t0
-            log.info("compiled the decoding forward for %d rows over a %d-slot cache in %.1f s", b, C,
-                     time.perf_counter() - t0)
+            log.info("compiled the decoding forward for %d rows over a %d-slot cache%s in %.1f s", b, C,
+                     f" (outputs of layers {list(taps)} kept for hooks)" if taps else "", time.perf_counter() - t0)
         if pad:
-            h, lg = h[:, :q], lg[:, :q]
+            h, lg, outs = h[:, :q], lg[:, :q], tuple(o[:, :q] for o in outs)
+        self._call_hooks(taps, outs)
         return FastOutput(h, lg)
+
+    def _call_hooks(self, taps: tuple[int, ...], outs: tuple[torch.Tensor, ...]) -> None:
+        """Call the forward hooks of the model's layers in ``taps`` with their outputs of this forward, as the
+        model's own forward would (``hook(layer, args, output)``; the args are not available: empty)."""
+        for i, out in zip(taps, outs):
+            layer = self._layers[i]
+            for hook in list(layer._forward_hooks.values()):
+                hook(layer, (), (out,))
 
 
 def use_fast_forward(target, mode: str = "compile", autotune: bool = True) -> dict:

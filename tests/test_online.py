@@ -365,3 +365,26 @@ def test_anchor_conversations_join_every_update(target, tmp_path):
     missing = online_recipe(tmp_path, anchor_data=str(tmp_path / "nope.jsonl"))
     with pytest.raises(FileNotFoundError, match="online.anchor_data .*nope.jsonl: no such file"):
         OnlineJob(missing, target, logs, state_dir=tmp_path / "state2", publish_dir=tmp_path / "pub2")
+
+
+def test_the_online_job_updates_an_eagle3_drafter(tmp_path):
+    """EAGLE-3 through the online job: the update caches the three layers' states, trains over the draft
+    vocabulary it chose (the teacher restricted to it), and the gate decodes the candidate (greedy equality is
+    the decoder's, checked in tests/test_eagle3.py)."""
+    from draftsmith.recipe import parse_recipe
+
+    t = make_tiny_target(init_std=0.3, layers=4)
+    r = online_recipe(tmp_path, every_records=8, margin=0.0, lr=3e-2, max_steps=20)
+    r = parse_recipe({**r.model_dump(mode="json"),
+                      "drafter": {"kind": "eagle3", "aux_layers": [1, 2, 3], "vocab_keep": 40, "ttt_steps": 3}})
+    logs = tmp_path / "logs"
+    _write(logs, [_served(t, i) for i in range(16)])
+    job = OnlineJob(r, t, logs, state_dir=tmp_path / "state", publish_dir=tmp_path / "pub")
+    res = job.run(once=True)
+    ups = [x for x in res if "train" in x]
+    assert ups and all(u["train"]["steps"] > 0 for u in ups)
+    assert ups[0]["train"]["loss_last"] < ups[0]["train"]["loss_first"]
+    gates = [x["gate"] for x in res if "gate" in x]
+    assert gates and all(g["window"] > 0 and "acceptance" in g["candidate"] for g in gates)
+    if any(g["published"] for g in gates):
+        assert read_manifest(PublishStore(tmp_path / "pub").current_path())["kind"] == "eagle3"

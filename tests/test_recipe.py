@@ -60,3 +60,11 @@ def test_hydra_keys_and_fair_comparison_recipes():
     pp = rs["compare-hydra-pp"]
     assert (pp.drafter.prefix_layer, pp.drafter.num_layers, pp.drafter.dropout) == (True, 4, 0.2)
     assert pp.train.loss == "soft" and pp.train.head_decay == 1.0
+
+
+def test_mixed_precision_reads_yaml_no_and_refuses_others():
+    assert load_recipe("quickstart").train.mixed_precision is None  # accelerate's own config decides
+    assert load_recipe("quickstart", ["train.mixed_precision=no"]).train.mixed_precision == "no"  # YAML: false
+    assert load_recipe("quickstart", ["train.mixed_precision=bf16"]).train.mixed_precision == "bf16"
+    with pytest.raises(RecipeError, match="mixed_precision"):
+        load_recipe("quickstart", ["train.mixed_precision=fp8"])

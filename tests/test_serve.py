@@ -371,3 +371,31 @@ def test_unbatchable_drafter_falls_back_to_one_at_a_time(target, tmp_path, servi
     assert svc.batch_sizes == [] and svc.unbatched == 3
     recs = _log_records(target, tmp_path / "logs")
     assert len(recs) == 3 and all(r.drafter_version == "v000001" and r.steps for r in recs)
+
+
+def test_an_eagle3_drafter_is_served_in_batches(tmp_path, service):
+    """A published EAGLE-3 checkpoint runs in the batched decoder (its rows' target states from the batched
+    forwards' hooks): three queued greedy requests decode as one batch, each equal to plain greedy decoding."""
+    t = make_tiny_target(init_std=0.3, layers=4)
+    r = parse_recipe({"name": "e3", "output_dir": str(tmp_path / "e3-run"), "seed": 3,
+                      "drafter": {"kind": "eagle3", "aux_layers": [1, 2, 3], "vocab_keep": None}})
+    PublishStore(tmp_path / "pub").publish(save_checkpoint(tmp_path / "e1", build_drafter(r, t), t,
+                                                           recipe=r.model_dump(mode="json")))
+    svc = service(t, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", max_batch=4, start=False)
+    assert svc.version == "v000001" and svc.batched is not None and svc.kind == "eagle3"
+    client = TestClient(create_app(svc))
+    results, threads = {}, []
+    for i in range(3):
+        threads.append(_post_in_thread(client, {"messages": MSGS[i], "max_tokens": 16, "temperature": 0}, results, i))
+        _wait_queued(svc, i + 1)
+    svc.start()
+    for th in threads:
+        th.join(120)
+    assert [results[i][1]["choices"][0]["message"]["content"] for i in range(3)] == \
+        [_plain(t, MSGS[i], 16)[1] for i in range(3)]
+    assert svc.batch_sizes == [3] and svc.unbatched == 0
+    recs = _log_records(t, tmp_path / "logs")
+    assert len(recs) == 3 and all(r.drafter_version == "v000001" and r.steps for r in recs)
+    raw = [json.loads(x) for f in sorted((tmp_path / "logs").glob("*.jsonl")) for x in f.read_bytes().splitlines()]
+    assert {r["drafter"]["kind"] for r in raw} == {"eagle3"}
+    assert sum(st[2] for rec in recs for st in rec.steps) > 0  # drafted in batches

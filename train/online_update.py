@@ -27,6 +27,7 @@ import torch
 
 from draftsmith.recipe import Recipe
 from draftsmith.common.hidden_cache import HiddenCache
+from draftsmith.common.vocab import draft_head
 from draftsmith.train.generate import sequence_from_line
 from draftsmith.train.trainer import make_objective
 
@@ -65,6 +66,8 @@ def update_module(module: torch.nn.Module, recipe: Recipe, target, cache_dir: Pa
         obj = make_objective(r, cache, target)
     except ValueError as e:  # no trainable positions
         return {"steps": 0, "skipped": str(e)}
+    if hasattr(obj, "use_pruned_teacher"):  # a draft vocabulary (EAGLE-3): the teacher over the module's kept ids
+        obj.use_pruned_teacher(draft_head(module))
     base = len(obj.chunks)
     emph = emphasis_chunks(cache, rejected, o.osd_weight)
     found = len(emph)

@@ -132,7 +132,7 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
         os.environ.setdefault("WANDB_SILENT", "true")
     # cpu=True without a GPU: accelerate then joins torchrun-launched processes as MULTI_CPU over gloo.
     acc = Accelerator(gradient_accumulation_steps=t.grad_accum, log_with="wandb" if tracker == "wandb" else None,
-                      project_dir=str(run_dir),
+                      project_dir=str(run_dir), mixed_precision=t.mixed_precision,
                       cpu=not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_DEEPSPEED") != "true")
     set_seed(recipe.seed)
     cache = HiddenCache(cache_dir, target)

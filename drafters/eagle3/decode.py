@@ -78,22 +78,24 @@ class Eagle3Drafter:
     def __del__(self):
         self.close()
 
-    def _features(self) -> torch.Tensor:
-        """[rows, 3H]: the last target forward's states of the three layers, low | middle | high."""
+    def _features(self, row: int = 0) -> torch.Tensor:
+        """[entries, 3H]: the last target forward's states of the three layers (low | middle | high) for batch
+        row ``row`` of that forward."""
         if len(self._captured) != 3:
             raise RuntimeError("no target states captured: the target's forward did not run through its layers")
-        return torch.cat([self._captured[j][0] for j in range(3)], dim=-1)
+        return torch.cat([self._captured[j][row] for j in range(3)], dim=-1)
 
     # ------------------------------------------------------------------ decoder interface
     @torch.no_grad()
     def start(self, dec, state) -> _State:
         L = state.length
-        feats = self._features() if L > 0 else None
         m = self.module
-        if feats is None or feats.shape[0] != L:
-            raise RuntimeError(f"EAGLE-3 needs the target's states of the {L} committed tokens at start; the last "
-                               f"forward gave {0 if feats is None else feats.shape[0]} rows")
         dtype = m.fc.weight.dtype
+        # a one-token prompt has nothing committed: no prefill ran, nothing to read
+        feats = self._features() if L > 0 else m.fc.weight.new_zeros(0, m.fc.in_features)
+        if feats.shape[0] != L:
+            raise RuntimeError(f"EAGLE-3 needs the target's states of the {L} committed tokens at start; the last "
+                               f"forward gave {feats.shape[0]} rows")
         empty = feats.new_zeros(m.layer.nkv, 0, m.layer.hd, dtype=dtype)
         return _State(empty, empty, 0, feats.to(dtype))
 
@@ -112,7 +114,7 @@ class Eagle3Drafter:
         if ds.feats.shape[0] != n:
             raise RuntimeError(f"EAGLE-3 holds target states for {ds.feats.shape[0]} indices, {n} are committed")
         dev = ds.feats.device
-        ids = torch.tensor(state.tokens[c + 1: L + 1], device=dev)
+        ids = torch.tensor(state.tokens[c + 1: L + 1], dtype=torch.long, device=dev)
         pos = torch.arange(c, L, device=dev)
         h = m.fc(ds.feats)
         q, k, v = lay.qkv(m.embed_tokens(ids), h, pos, m.inv_freq, m.rope_scale)
@@ -122,11 +124,13 @@ class Eagle3Drafter:
         return _State(k0, v0, L, ds.feats[:0], L, out[-1])
 
     @torch.no_grad()
-    def propose(self, dec, state, tree: DraftTree, start: int, end: int) -> torch.Tensor:
+    def propose(self, dec, state, tree: DraftTree, start: int, end: int) -> torch.Tensor | None:
         ds: _State = state.drafter_state
         m, lay, L = self.module, self.module.layer, state.length
         dev = ds.k0.device
         rows = []
+        if L == 0:
+            return None  # a one-token prompt: no target state yet to draft from (this step decodes plainly)
         if start == 0:
             if ds.root_len != L:
                 ds = self._feed(ds, state)
@@ -152,12 +156,54 @@ class Eagle3Drafter:
 
     def commit(self, dec, state, tree: DraftTree, path: list[int]) -> None:
         """Keep the target's states of the root and the accepted nodes (this step's verification rows)."""
-        ds: _State = state.drafter_state
         f = self._features()
-        f = f[f.shape[0] - (tree.n + 1):]  # rows of the root and the nodes (any uncached prefix comes first)
-        new = f[torch.tensor(path, device=f.device)].to(ds.feats.dtype)
+        self.keep(state, f[f.shape[0] - (tree.n + 1):], path)  # any uncached prefix comes first
+
+    @staticmethod
+    def keep(state, block: torch.Tensor, path: list[int]) -> None:
+        """Append the target's states of the accepted path (``block``: the root's and the nodes' rows) to what
+        the next step feeds."""
+        ds: _State = state.drafter_state
+        new = block[torch.tensor(path, device=block.device)].to(ds.feats.dtype)
         state.drafter_state = _State(ds.k0, ds.v0, ds.fed, torch.cat([ds.feats, new]))
 
-    def batch_adapter(self) -> Any:
-        raise ValueError(f"batched decoding does not support {self.name!r} (EAGLE-3) yet: use SpeculativeDecoder "
-                         "(batch size 1)")
+    def batch_adapter(self) -> "Eagle3Rows":
+        return Eagle3Rows(self)
+
+
+class Eagle3Rows:
+    """Batched decoding (`draftsmith.engine.batched.BatchedSpeculativeDecoder`) with an EAGLE-3 drafter.
+
+    Each row keeps the single-sequence drafter's own state in its `DecodeState`; the three layers' outputs come
+    from the same hooks: after each row's prefill forward (one row per forward, ``prefilled``), and from the
+    batched verification forward, whose batch row ``row`` holds that live row's block (``commit``). Drafting
+    runs the single-sequence ``propose`` row by row: rows differ in prefix length and tree, and the layer is
+    small next to the target's verification of every row."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        self.drafter = drafter
+
+    def prefilled(self, row: int, state) -> None:
+        state.drafter_state = self.drafter.start(None, state)
+
+    def start(self, dec, states: list, capacity: int) -> None:
+        for s in states:
+            if not isinstance(s.drafter_state, _State):  # rows prefilled before the drafter was on
+                raise RuntimeError("EAGLE-3 rows must be started from their prefill (the decoder calls prefilled)")
+
+    def begin_step(self, states: list) -> None:
+        pass
+
+    @torch.no_grad()
+    def propose(self, rows: list[int], states: list, trees: list[DraftTree],
+                ranges: list[tuple[int, int]]) -> list[torch.Tensor | None]:
+        return [self.drafter.propose(None, s, t, a, b) for s, t, (a, b) in zip(states, trees, ranges)]
+
+    def commit(self, row: int, dec, state, tree: DraftTree, path: list[int]) -> None:
+        self.drafter.keep(state, self.drafter._features(row)[: tree.n + 1], path)
+
+    def history(self, state, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        return new
+
+    def move_row(self, src: int, dst: int, src_state) -> None:
+        pass  # per-row state lives in the row's DecodeState
