@@ -290,8 +290,11 @@ class FastBody(torch.nn.Module):
         model's own forward would (``hook(layer, args, output)``; the args are not available: empty)."""
         for i, out in zip(taps, outs):
             layer = self._layers[i]
-            for hook in list(layer._forward_hooks.values()):
-                hook(layer, (), (out,))
+            for hid, hook in list(layer._forward_hooks.items()):
+                if hid in layer._forward_hooks_with_kwargs:
+                    hook(layer, (), {}, (out,))
+                else:
+                    hook(layer, (), (out,))
 
 
 def use_fast_forward(target, mode: str = "compile", autotune: bool = True) -> dict:

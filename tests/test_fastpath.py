@@ -176,3 +176,24 @@ def test_unsupported_models_keep_their_own_forward():
     assert SpeculativeDecoder(tgt).fast is None
     with pytest.raises(ValueError, match="decoding forward must be one of"):
         use_fast_forward(tgt, "fastest")
+
+
+def test_layer_hooks_see_the_layer_outputs():
+    """Forward hooks on the model's layers (plain and with kwargs) are called with the outputs the model's own
+    forward gives them, though our forward runs its fused copy of the weights."""
+    tgt = tiny(vocab=40, layers=4, dtype=torch.float64)  # hidden_states[4], the last, is after the final norm
+    layers = tgt.model.get_decoder().layers
+    got: dict = {}
+    h1 = layers[0].register_forward_hook(lambda mod, args, out: got.__setitem__(0, out[0]))
+    h2 = layers[2].register_forward_hook(lambda mod, args, kw, out: got.__setitem__(2, out[0]), with_kwargs=True)
+    ids = torch.tensor([[1, 5, 7, 9, 11, 3]])
+    hs = tgt.model(ids, output_hidden_states=True).hidden_states  # also fills `got` through the model's forward
+    got.clear()
+    fast = FastBody(tgt.model, compile=False)
+    c = SlotCache.for_model(tgt.model, 16)
+    c.set_write(0)
+    with torch.no_grad():
+        fast(input_ids=ids, cache=c)
+    assert sorted(got) == [0, 2]
+    assert (got[0] - hs[1]).abs().max() < 1e-10 and (got[2] - hs[3]).abs().max() < 1e-10
+    h1.remove(), h2.remove()
