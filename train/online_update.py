@@ -27,9 +27,8 @@ import torch
 
 from draftsmith.recipe import Recipe
 from draftsmith.common.hidden_cache import HiddenCache
-from draftsmith.common.vocab import draft_head
 from draftsmith.train.generate import sequence_from_line
-from draftsmith.train.trainer import make_objective
+from draftsmith.train.trainer import make_objective, teach_over_draft_vocab
 
 EMPHASIS_BEFORE = 9  # positions before a rejected token covered by its emphasis window
 
@@ -66,8 +65,7 @@ def update_module(module: torch.nn.Module, recipe: Recipe, target, cache_dir: Pa
         obj = make_objective(r, cache, target)
     except ValueError as e:  # no trainable positions
         return {"steps": 0, "skipped": str(e)}
-    if hasattr(obj, "use_pruned_teacher"):  # a draft vocabulary (EAGLE-3): the teacher over the module's kept ids
-        obj.use_pruned_teacher(draft_head(module))
+    teach_over_draft_vocab(obj, module)
     base = len(obj.chunks)
     emph = emphasis_chunks(cache, rejected, o.osd_weight)
     found = len(emph)

@@ -45,6 +45,13 @@ def build_drafter(recipe: Recipe, target) -> torch.nn.Module:
     return registry.get(recipe.drafter.kind).for_target(target, **cfg)
 
 
+def teach_over_draft_vocab(objective, model: torch.nn.Module) -> None:
+    """An objective whose teacher must be restricted to the drafter's draft vocabulary (EAGLE-3) gets its kept
+    ids; every other objective, or a drafter over the full vocabulary, is left as it is."""
+    if hasattr(objective, "use_pruned_teacher"):
+        objective.use_pruned_teacher(draft_head(model))
+
+
 def set_draft_vocab(model: torch.nn.Module, cache: HiddenCache, exclude: set[int]) -> dict | None:
     """A drafter with a pruned head drafts over the most frequent assistant-token ids of its training
     sequences (the calibration split left out); returns what was kept, for the log and the manifest."""
@@ -139,8 +146,7 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
     objective = make_objective(recipe, cache, target)
     model = build_drafter(recipe, target)
     vocab = set_draft_vocab(model, cache, calibration_split(len(cache), t.calibration_every))
-    if vocab and hasattr(objective, "use_pruned_teacher"):
-        objective.use_pruned_teacher(draft_head(model))
+    teach_over_draft_vocab(objective, model)
     if vocab and acc.is_main_process:
         print(f"draft vocabulary: {vocab['kept']} of {vocab['vocab']} ids, covering "
               f"{100 * vocab['assistant_token_coverage']:.2f}% of the training assistant tokens")
