@@ -3,9 +3,11 @@
     python -m benchmarks.draft_cost --checkpoint runs/quickstart/final [--tree built:best] [--prompts 8]
         [--max-new-tokens 64] [--threads 2] [--dtype bfloat16] [--out FILE]
 
-The same Hydra checkpoint decodes MT-Bench first turns on the compiled target forward (engine/fastpath.py)
-with its drafting done three ways: the eager heads (with the CPU decoding layout), compiled with the heads'
-own weights, and compiled with int8 weights (heads/hydra/fast.py, the default on CPU); plus plain decoding.
+The same Hydra or EAGLE-3 checkpoint decodes MT-Bench first turns on the compiled target forward
+(engine/fastpath.py) with its drafting done three ways: eager (Hydra's heads with the CPU decoding layout),
+compiled with the drafter's own weights, and compiled with int8 weights (heads/hydra/fast.py,
+drafters/eagle3/fast.py; int8 is the default on CPU); plus plain decoding. For EAGLE-3, give ``--tree`` as a list of
+paths or ``chain`` (it has no built trees).
 Printed per method: draft and verification ms per step, tau, tok/s and the ratio to plain decoding; the
 methods run in turn on every prompt (a seeded shuffle), after a warm-up that compiles what each one uses.
 """
@@ -31,15 +33,17 @@ from draftsmith.eval.mtbench import mtbench_prompts
 from draftsmith.target import load_target, resolve_dtype
 
 
-def _drafter(ckpt: str, target, mode: str) -> HeadDrafter:
+def _drafter(ckpt: str, target, mode: str):
     d = drafter_from_checkpoint(ckpt, target)
-    if not callable(getattr(d.heads, "fast_drafting", None)):
-        raise ValueError(f"{ckpt}: its drafter has no compiled drafting (Hydra heads have)")
-    apply_cpu_layout(target, d)
+    mod = getattr(d, "heads", None) or getattr(d, "module", None)  # Hydra heads, or an EAGLE-3 module
+    if not callable(getattr(mod, "fast_drafting", None)):
+        raise ValueError(f"{ckpt}: its drafter has no compiled drafting (Hydra heads and EAGLE-3 have)")
+    if isinstance(d, HeadDrafter):
+        apply_cpu_layout(target, d)
     if mode == "compiled, own weights":
-        d.heads.fast_drafting = types.MethodType(lambda self: type(self).fast_drafting(self, int8=False), d.heads)
+        mod.fast_drafting = types.MethodType(lambda self: type(self).fast_drafting(self, int8=False), mod)
     elif mode == "eager heads":
-        d.heads.fast_drafting = None  # the decoder then drafts with the heads themselves
+        mod.fast_drafting = None  # the decoder then drafts with the drafter itself
     d.name = mode
     return d
 

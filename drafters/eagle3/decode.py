@@ -18,8 +18,9 @@ states. Drafter state is replaced, never mutated in place, so cloned decode stat
 from __future__ import annotations
 
 import math
+import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +50,30 @@ class _State:
     nv: torch.Tensor | None = None
     nout: list = field(default_factory=list)  # output state of node i (index 0: the root)
 
+    def pending(self, feats: torch.Tensor) -> "_State":
+        """This state with ``feats`` to feed next (nothing of this step's tree kept)."""
+        return _State(self.k0, self.v0, self.fed, feats)
+
+
+@dataclass
+class _FastState:
+    """Compiled drafting (`FastEagle3`): the keys live in a pre-allocated buffer, written in place, so a copied
+    state gets its own buffer."""
+    kv: Any  # fast.DraftKV: prefix keys at slots 0..fed-1, this step's node i at slot capacity + i - 1
+    fed: int
+    feats: torch.Tensor  # [n, 3H] target states of indices fed..fed+n-1, not fed yet
+    root_len: int = -1
+    root_out: torch.Tensor | None = None
+    root_logits: torch.Tensor | None = None  # [V] the root's draft logits (target-id space)
+    nout: list = field(default_factory=list)
+
+    def pending(self, feats: torch.Tensor) -> "_FastState":
+        return _FastState(self.kv, self.fed, feats)
+
+    def __copy__(self) -> "_FastState":
+        return _FastState(copy.copy(self.kv), self.fed, self.feats, self.root_len, self.root_out, self.root_logits,
+                          list(self.nout))
+
 
 class Eagle3Drafter:
     """Drafts with an EAGLE-3 module; see the module docstring."""
@@ -62,6 +87,7 @@ class Eagle3Drafter:
         self.name, self.target_fingerprint = name, target_fingerprint
         self.default_policy = policy
         self.max_depth = None
+        self._fast: Any = None  # the module's compiled drafting (``module.fast_drafting()``), built on first use
         body = decoder_of(target.model)
         self._captured: dict[int, torch.Tensor] = {}
         # The hooks hold the captured tensors' dict, not the drafter: a drafter nobody holds is collected
@@ -77,6 +103,11 @@ class Eagle3Drafter:
 
     def __del__(self):
         self.close()
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent compiling this drafter's graphs (0 when it drafts eagerly)."""
+        return float(getattr(self._fast, "compile_s", 0.0))
 
     def _features(self, row: int = 0) -> torch.Tensor:
         """[entries, 3H]: the last target forward's states of the three layers (low | middle | high) for batch
@@ -96,6 +127,12 @@ class Eagle3Drafter:
         if feats.shape[0] != L:
             raise RuntimeError(f"EAGLE-3 needs the target's states of the {L} committed tokens at start; the last "
                                f"forward gave {feats.shape[0]} rows")
+        fb, make = getattr(dec, "fast", None), getattr(m, "fast_drafting", None)
+        if fb is not None and fb.compiled is not None and make is not None:
+            # the decoder's target forward is compiled: so is drafting
+            if self._fast is None:
+                self._fast = make()
+            return _FastState(self._fast.new_kv(dec.capacity), 0, feats.to(dtype))
         empty = feats.new_zeros(m.layer.nkv, 0, m.layer.hd, dtype=dtype)
         return _State(empty, empty, 0, feats.to(dtype))
 
@@ -125,12 +162,14 @@ class Eagle3Drafter:
 
     @torch.no_grad()
     def propose(self, dec, state, tree: DraftTree, start: int, end: int) -> torch.Tensor | None:
+        if state.length == 0:
+            return None  # a one-token prompt: no target state yet to draft from (this step decodes plainly)
+        if isinstance(state.drafter_state, _FastState):
+            return self._propose_fast(state, tree, start, end)
         ds: _State = state.drafter_state
         m, lay, L = self.module, self.module.layer, state.length
         dev = ds.k0.device
         rows = []
-        if L == 0:
-            return None  # a one-token prompt: no target state yet to draft from (this step decodes plainly)
         if start == 0:
             if ds.root_len != L:
                 ds = self._feed(ds, state)
@@ -154,6 +193,37 @@ class Eagle3Drafter:
         logits = m.project(torch.cat(rows) if len(rows) > 1 else rows[0])
         return m.draft_head.to_target(logits) if m.draft_head is not None else logits
 
+    def _propose_fast(self, state, tree: DraftTree, start: int, end: int) -> torch.Tensor:
+        """`propose` through the compiled functions (`FastEagle3`): the same steps over the pre-allocated keys."""
+        ds: _FastState = state.drafter_state
+        fast, L = self._fast, state.length
+        rows = []
+        if start == 0:
+            if ds.root_len != L:
+                ids = torch.tensor(state.tokens[ds.fed + 1: L + 1], dtype=torch.long, device=ds.feats.device)
+                if ds.feats.shape[0] != L - ds.fed:
+                    raise RuntimeError(f"EAGLE-3 holds target states for {ds.feats.shape[0]} indices, "
+                                       f"{L - ds.fed} are committed")
+                out, logits = fast.feed(ds.kv, ds.feats, ids, ds.fed)
+                ds = _FastState(ds.kv, L, ds.feats[:0], L, out, logits)
+            ds = _FastState(ds.kv, ds.fed, ds.feats, ds.root_len, ds.root_out, ds.root_logits, [ds.root_out])
+            state.drafter_state = ds
+            rows.append(ds.root_logits[None])
+            start = 1
+        if end > start:
+            kv = ds.kv
+            need = start - 1 + fast.node_rows(end - start)
+            if need > kv.node_slots:  # a larger tree than any before: a larger buffer, what it holds copied over
+                kv = kv.grown(max(need, 2 * kv.node_slots))
+            dev = tree.tok.device
+            h_in = torch.stack([ds.nout[int(tree.parent[i])] for i in range(start, end)])
+            anc = tree.ancestor_mask(dev)[start:end, 1:end]
+            out, logits = fast.nodes(kv, h_in, tree.tok[start:end], list(tree.depth[start:end]), start, anc, L)
+            state.drafter_state = _FastState(kv, ds.fed, ds.feats, ds.root_len, ds.root_out, ds.root_logits,
+                                             ds.nout + list(out))
+            rows.append(logits)
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
+
     def commit(self, dec, state, tree: DraftTree, path: list[int]) -> None:
         """Keep the target's states of the root and the accepted nodes (this step's verification rows)."""
         f = self._features()
@@ -163,9 +233,9 @@ class Eagle3Drafter:
     def keep(state, block: torch.Tensor, path: list[int]) -> None:
         """Append the target's states of the accepted path (``block``: the root's and the nodes' rows) to what
         the next step feeds."""
-        ds: _State = state.drafter_state
+        ds = state.drafter_state
         new = block[torch.tensor(path, device=block.device)].to(ds.feats.dtype)
-        state.drafter_state = _State(ds.k0, ds.v0, ds.fed, torch.cat([ds.feats, new]))
+        state.drafter_state = ds.pending(torch.cat([ds.feats, new]))
 
     def batch_adapter(self) -> "Eagle3Rows":
         return Eagle3Rows(self)

@@ -27,6 +27,7 @@ from draftsmith.common.hidden_cache import HiddenCache, decoder_of
 from draftsmith.common.layers import RMSNorm, rotate_half
 from draftsmith.common.vocab import PrunedHead
 from draftsmith.drafters.eagle3.decode import Eagle3Drafter
+from draftsmith.drafters.eagle3.fast import FastEagle3
 from draftsmith.drafters.eagle3.objective import Eagle3Objective, heldout_metrics
 from draftsmith.engine.policies import FixedLength
 from draftsmith.registry import KindBase, register
@@ -170,6 +171,11 @@ class Eagle3Module(KindBase, nn.Module):
     def decoder_drafter(self, target, target_fingerprint: str | None = None, name: str = "eagle3") -> Eagle3Drafter:
         return Eagle3Drafter(target, self, target_fingerprint=target_fingerprint, name=name,
                              policy=FixedLength(self.draft_len))
+
+    def fast_drafting(self, compile: bool = True, int8: bool | None = None) -> FastEagle3:
+        """Compiled drafting (drafters/eagle3/fast.py), used by decoders whose target forward is compiled; ``int8``:
+        weight-only int8 layer and head (default: on CPU in fp32/bf16/fp16)."""
+        return FastEagle3(self, compile=compile, int8=int8)
 
     def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
         """Draft over ``kept_ids`` (sorted target ids, EAGLE's t2d); called by the trainer from the training data."""

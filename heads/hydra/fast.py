@@ -16,8 +16,8 @@ once, as for the target in `draftsmith.engine.fastpath`):
     elsewhere, exactly as `PrunedHead.to_target`), rows padded to a bucket.
 
 On CPU the heads' linear layers (the prefix layer's, the heads' and the draft LM head) default to weight-only
-int8 (`Int8Linear`): after the target's forward has streamed its weights, the drafter's come from DRAM again,
-and reading half the bytes is what makes drafting cheaper (docs/results.md §16.5).
+int8 (`draftsmith.common.int8`): after the target's forward has streamed its weights, the drafter's come from DRAM
+again, and reading half the bytes is what makes drafting cheaper (docs/results.md §16.5).
 
 The drafter's numbers only shape q; verification is exact whatever q is, so compiled or int8 drafting changes
 which tokens are drafted, never the output's distribution (tests/test_hydra_fast.py checks the compiled logits
@@ -29,7 +29,6 @@ The weights are frozen when a graph is first compiled: heads whose weights chang
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 
@@ -38,54 +37,10 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.common.int8 import quantised
 from draftsmith.engine.fastpath import bucket, frozen_weights
 
 log = logging.getLogger(__name__)
-
-
-@torch.library.custom_op("draftsmith::int8_mm", mutates_args=())
-def int8_mm(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (wq [N, K] int8 * scale [N]).T: ATen's weight-only int8 kernel, as an opaque op (inductor's own
-    lowering of it rejects some inputs, e.g. a concatenation computed in the same graph)."""
-    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), wq, scale)
-
-
-@int8_mm.register_fake
-def _(x, wq, scale):
-    return x.new_empty((x.shape[0], wq.shape[0]))
-
-
-class Int8Linear(nn.Module):
-    """A linear layer with its weight in int8, one scale per output row (weight-only quantisation): the product
-    is ``torch.ops.aten._weight_int8pack_mm`` on CPU, half the bytes of a bf16 weight to read. For drafting
-    only, where the numbers shape q and nothing else (verification is exact for any q)."""
-
-    def __init__(self, lin: nn.Linear):
-        super().__init__()
-        w = lin.weight.detach().float()
-        scale = w.abs().amax(1).clamp(min=1e-12) / 127.0
-        self.register_buffer("wq", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous())
-        self.register_buffer("scale", scale.to(lin.weight.dtype))
-        b = getattr(lin, "bias", None)
-        self.register_buffer("bias", None if b is None else b.detach().clone())
-        self.out_features, self.in_features = w.shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8_mm(x.reshape(-1, self.in_features), self.wq, self.scale)
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-
-def _quantised(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` with every ``nn.Linear`` inside it (itself included) an `Int8Linear`."""
-    if isinstance(module, nn.Linear):
-        return Int8Linear(module)
-    m = copy.deepcopy(module)
-    for name, child in list(m.named_modules()):
-        for attr, sub in list(child.named_children()):
-            if isinstance(sub, nn.Linear):
-                setattr(child, attr, Int8Linear(sub))
-    return m
 
 
 class _PrefixCore(nn.Module):
@@ -116,14 +71,15 @@ class _PrefixCore(nn.Module):
 
 class _DepthCore(nn.Module):
     """Head i for the nodes of one depth: (base [1, d], paths [n, i]) -> (states [n, d], logits [n, V]).
-    ``int8``: the heads' and the draft LM head's weights quantised (`Int8Linear`), the embeddings shared."""
+    ``int8``: the heads' and the draft LM head's weights quantised (`draftsmith.common.int8`), the embeddings
+    shared."""
 
     def __init__(self, heads: nn.Module, int8: bool = False):
         super().__init__()
         self.embed = heads.embed
-        self.heads = _quantised(heads.heads) if int8 else heads.heads
+        self.heads = quantised(heads.heads) if int8 else heads.heads
         dh = heads.draft_head
-        self.out = _quantised(dh if dh is not None else heads.lm_head) if int8 else (dh if dh is not None
+        self.out = quantised(dh if dh is not None else heads.lm_head) if int8 else (dh if dh is not None
                                                                                       else heads.lm_head)
         self.vocab_size = int(dh.vocab_size) if dh is not None else None
         if dh is not None:
@@ -166,7 +122,7 @@ class FastHydra:
             int8 = p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
         self.heads, self.int8 = heads, bool(int8)
         pre = heads.prefix
-        self.prefix = _PrefixCore(_quantised(pre) if int8 else pre) if pre is not None else None
+        self.prefix = _PrefixCore(quantised(pre) if int8 else pre) if pre is not None else None
         self.depth = _DepthCore(heads, int8=self.int8)
         opts = {"emulate_precision_casts": True}
         # one graph per (bucket, head) and per prefix bucket, and every FastHydra shares the code objects: past

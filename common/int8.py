@@ -1,0 +1,58 @@
+"""Weight-only int8 linear layers for drafting on CPU: half the bytes of a bf16 weight to read per product.
+
+Drafting only: the drafter's numbers shape q and nothing else, and verification is exact for any q, so a
+quantised drafter changes which tokens are drafted, never the output's distribution. Hydra++'s and EAGLE-3's
+compiled drafting use these (heads/hydra/fast.py, drafters/eagle3/fast.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+@torch.library.custom_op("draftsmith::int8_mm", mutates_args=())
+def int8_mm(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (wq [N, K] int8 * scale [N]).T: ATen's weight-only int8 kernel, as an opaque op (inductor's own
+    lowering of it rejects some inputs, e.g. a concatenation computed in the same graph)."""
+    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), wq, scale)
+
+
+@int8_mm.register_fake
+def _(x, wq, scale):
+    return x.new_empty((x.shape[0], wq.shape[0]))
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with its weight in int8, one scale per output row (weight-only quantisation): the product
+    is ``torch.ops.aten._weight_int8pack_mm`` on CPU, half the bytes of a bf16 weight to read. For drafting
+    only, where the numbers shape q and nothing else (verification is exact for any q)."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        w = lin.weight.detach().float()
+        scale = w.abs().amax(1).clamp(min=1e-12) / 127.0
+        self.register_buffer("wq", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.to(lin.weight.dtype))
+        b = getattr(lin, "bias", None)
+        self.register_buffer("bias", None if b is None else b.detach().clone())
+        self.out_features, self.in_features = w.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int8_mm(x.reshape(-1, self.in_features), self.wq, self.scale)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def quantised(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with every ``nn.Linear`` inside it (itself included) an `Int8Linear`."""
+    if isinstance(module, nn.Linear):
+        return Int8Linear(module)
+    m = copy.deepcopy(module)
+    for name, child in list(m.named_modules()):
+        for attr, sub in list(child.named_children()):
+            if isinstance(sub, nn.Linear):
+                setattr(child, attr, Int8Linear(sub))
+    return m

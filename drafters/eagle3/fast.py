@@ -1,0 +1,236 @@
+"""EAGLE-3 drafting as static-shape functions compiled with inductor, for decoders whose target forward is compiled.
+
+Eager EAGLE-3 drafting costs 10-12 ms a decoding step on a 2-core Xeon with AMX in bf16 (docs/results.md §17),
+against a 15 ms target step: per call a few products of one to a few rows each, the prefix keys concatenated
+again, and Python around them. Here the same math runs as two compiled functions with the drafter's weights frozen
+into them (inductor packs them once, as for the target in `draftsmith.engine.fastpath`), over one pre-allocated
+key/value buffer per generation:
+
+  * slots ``[0, C)`` (C: the decoder's capacity) hold step 0's keys of the committed indices (the prefix), slots
+    ``C + i - 1`` the keys of this step's tree node i (i >= 1), overwritten by the next step's nodes;
+  * ``feed``: step 0 over the committed indices not fed yet (fused target states, the next tokens), their keys
+    written at their slots, attention over the whole buffer with what a row may not see masked out, and the draft
+    logits of the last row (the root's children);
+  * ``nodes``: step d for tree nodes at depth d (their parents' output states and their own tokens), keys written
+    at the nodes' slots, attending to the prefix and to their ancestors and themselves, and their draft logits.
+
+Rows are padded up to a bucket (1, 4, 8, 16, 32): a padded row writes its key to a slot no real row reads before
+it is overwritten and attends only to itself. The prompt's rows (more than a bucket) run the same function eagerly.
+On CPU the drafter's linear layers and its draft head default to weight-only int8 (`draftsmith.common.int8`), as
+Hydra++'s compiled drafting does. The drafter's numbers only shape q: verification is exact whatever q is, so this
+changes which tokens are drafted, never the output's distribution (tests/test_eagle3_fast.py compares it with the
+eager drafter and runs the enumeration and greedy-equality checks through it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.common.int8 import quantised
+from draftsmith.engine.fastpath import bucket, frozen_weights
+
+log = logging.getLogger(__name__)
+
+
+class _Core(nn.Module):
+    """The drafter's layer, norm and draft head (``int8``: quantised copies), the target's embedding shared."""
+
+    def __init__(self, module: nn.Module, int8: bool):
+        super().__init__()
+        self.fc = quantised(module.fc) if int8 else module.fc
+        self.layer = quantised(module.layer) if int8 else module.layer
+        self.norm = module.norm
+        dh = module.draft_head
+        head = dh if dh is not None else module.lm_head
+        self.head = quantised(head) if int8 else head
+        self.embed = module.embed
+        self.vocab_size = int(dh.vocab_size) if dh is not None else None
+        if dh is not None:
+            self.register_buffer("kept_ids", dh.kept_ids.clone())
+        self.register_buffer("inv_freq", module.inv_freq.clone())
+        self.rope_scale = module.rope_scale
+
+    def step(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
+             keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Input states h [T, H] with tokens ids [T] at RoPE positions pos [T]; their keys and values go to
+        ``slots`` of ``keys``/``values`` [kv_heads, S, head_dim]; mask [T, S] additive -> output states [T, H]."""
+        lay = self.layer
+        q, k, v = lay.qkv(self.embed(ids).to(h.dtype), h, pos, self.inv_freq, self.rope_scale)
+        keys.index_copy_(1, slots, k)
+        values.index_copy_(1, slots, v)
+        a = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None, None],
+                                           enable_gqa=lay.nkv != lay.nh)[0]
+        return lay.finish(h, a)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Output states [n, H] -> draft logits [n, V] in target-id space (the dtype's minimum off the kept ids,
+        as `PrunedHead.to_target`)."""
+        kept = self.head(self.norm(x))
+        if self.vocab_size is None:
+            return kept
+        full = kept.new_full((x.shape[0], self.vocab_size), torch.finfo(kept.dtype).min)
+        return full.index_copy(1, self.kept_ids, kept)
+
+
+class _Feed(nn.Module):
+    def __init__(self, core: _Core):
+        super().__init__()
+        self.core = core
+
+    def forward(self, feats, ids, pos, mask, slots, keys, values, last):
+        """feats [T, 3H] -> (output states [T, H], draft logits [1, V] of row ``last`` [1])."""
+        c = self.core
+        out = c.step(c.fc(feats), ids, pos, mask, slots, keys, values)
+        return out, c.logits(out.index_select(0, last))
+
+
+class _Nodes(nn.Module):
+    def __init__(self, core: _Core):
+        super().__init__()
+        self.core = core
+
+    def forward(self, h, ids, pos, mask, slots, keys, values):
+        """Parents' output states h [T, H] -> (the nodes' output states [T, H], their draft logits [T, V])."""
+        c = self.core
+        out = c.step(h, ids, pos, mask, slots, keys, values)
+        return out, c.logits(out)
+
+
+class DraftKV:
+    """One generation's drafter keys and values, [kv_heads, capacity + node slots, head_dim] each. A copied decode
+    state gets its own copy (``copy.copy`` of the drafter state), so two branches never share a buffer."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+        self.keys, self.values, self.capacity = keys, values, capacity
+
+    @property
+    def node_slots(self) -> int:
+        return int(self.keys.shape[1]) - self.capacity
+
+    def grown(self, nodes: int) -> "DraftKV":
+        """A copy with ``nodes`` node slots (at least as many as now)."""
+        nkv, S, hd = self.keys.shape
+        keys = self.keys.new_zeros(nkv, self.capacity + nodes, hd)
+        values = self.values.new_zeros(nkv, self.capacity + nodes, hd)
+        keys[:, :S].copy_(self.keys)
+        values[:, :S].copy_(self.values)
+        return DraftKV(keys, values, self.capacity)
+
+    def __copy__(self) -> "DraftKV":
+        return DraftKV(self.keys.clone(), self.values.clone(), self.capacity)
+
+
+class FastEagle3:
+    """Compiled drafting for an `Eagle3Module` (see the module docstring). ``compile=False`` runs the same functions
+    eagerly (the tests compare the two); ``int8`` (default: on CPU) quantises the drafter's linear layers and
+    head. The weights are frozen when a graph is first compiled: a drafter whose weights change afterwards needs a
+    new `FastEagle3` (a new decoder drafter, as a published checkpoint gets)."""
+
+    def __init__(self, module: nn.Module, compile: bool = True, int8: bool | None = None, node_slots: int = 64):
+        if module.training:
+            raise ValueError("FastEagle3 drafts with the module in eval mode: call module.eval() first")
+        p = module.fc.weight
+        if int8 is None:
+            int8 = p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        self.module, self.int8, self.node_slots = module, bool(int8), int(node_slots)
+        core = _Core(module, self.int8)
+        self.feed_fn, self.nodes_fn = _Feed(core), _Nodes(core)
+        opts = {"emulate_precision_casts": True}
+        # one graph per (function, bucket, buffer size): past dynamo's default limit of 8 it would run eagerly
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self._feed_c = torch.compile(self.feed_fn, dynamic=False, options=opts) if compile else None
+        self._nodes_c = torch.compile(self.nodes_fn, dynamic=False, options=opts) if compile else None
+        self.compile_s = 0.0
+        self._seen: set = set()
+
+    def _call(self, fn, key, *args):
+        first = key not in self._seen
+        t0 = time.perf_counter()
+        with frozen_weights():
+            out = fn(*args)
+        if first:
+            self._seen.add(key)
+            self.compile_s += time.perf_counter() - t0
+            log.info("compiled EAGLE-3 drafting %s in %.1f s", key, time.perf_counter() - t0)
+        return out
+
+    def new_kv(self, capacity: int, nodes: int | None = None) -> DraftKV:
+        lay, w = self.module.layer, self.module.fc.weight
+        shape = (lay.nkv, capacity + (nodes or self.node_slots), lay.hd)
+        return DraftKV(torch.zeros(shape, dtype=w.dtype, device=w.device),
+                       torch.zeros(shape, dtype=w.dtype, device=w.device), capacity)
+
+    def _mask(self, n: int, b: int, S: int, dtype, dev) -> torch.Tensor:
+        """[b, S] additive mask, everything hidden (rows fill in what they see)."""
+        return torch.full((b, S), torch.finfo(dtype).min, dtype=dtype, device=dev)
+
+    @torch.no_grad()
+    def feed(self, kv: DraftKV, feats: torch.Tensor, ids: torch.Tensor,
+             start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 0 over indices start..start+n-1 (fused target states ``feats`` [n, 3H], next tokens ``ids`` [n]):
+        their keys written into ``kv`` -> (the last row's output state [H], its draft logits [V])."""
+        n, dev, dtype = feats.shape[0], feats.device, self.module.fc.weight.dtype
+        C, S = kv.capacity, int(kv.keys.shape[1])
+        if start + n > C:
+            raise ValueError(f"EAGLE-3 drafter: indices up to {start + n} do not fit its {C}-slot buffer")
+        b = bucket(n)
+        eager = self._feed_c is None or b is None or start + b > C
+        if eager:
+            b = n
+        pad = b - n
+        x = torch.cat([feats, feats[-1:].expand(pad, -1)]) if pad else feats
+        ids = torch.cat([ids, ids[-1:].expand(pad)]) if pad else ids
+        slots = torch.arange(start, start + b, device=dev)
+        pos = torch.cat([slots[:n], slots[n - 1:n].expand(pad)]) if pad else slots
+        mask = self._mask(n, b, S, dtype, dev)
+        mask[:n, :start + n].masked_fill_(torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(start), 0)
+        if pad:
+            mask[torch.arange(n, b, device=dev), slots[n:]] = 0  # a padded row sees only itself
+        last = torch.tensor([n - 1], device=dev)
+        args = (x.to(dtype), ids, pos, mask, slots, kv.keys, kv.values, last)
+        out, logits = (self.feed_fn(*args) if eager
+                       else self._call(self._feed_c, ("feed", b, C, S, str(dev)), *args))
+        return out[n - 1], logits[0]
+
+    def node_rows(self, n: int) -> int:
+        """The rows a call for ``n`` nodes runs (its bucket when compiled)."""
+        b = bucket(n)
+        return n if self._nodes_c is None or b is None else b
+
+    @torch.no_grad()
+    def nodes(self, kv: DraftKV, h: torch.Tensor, ids: torch.Tensor, depth: list[int], first: int,
+              anc: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tree nodes first..first+n-1 of this step (parents' output states h [n, H], their tokens ids [n], their
+        depths), each attending to the prefix 0..L-1 and to the nodes ``anc`` [n, first+n-1] marks (ancestors and
+        itself among nodes 1..first+n-1) -> (their output states [n, H], their draft logits [n, V])."""
+        n, dev, dtype = h.shape[0], h.device, self.module.fc.weight.dtype
+        C, S = kv.capacity, int(kv.keys.shape[1])
+        b = self.node_rows(n)
+        eager = self._nodes_c is None or bucket(n) is None
+        last_node = first + n - 1
+        if first - 1 + b > kv.node_slots:
+            raise ValueError(f"EAGLE-3 drafter: nodes up to {first - 1 + b} do not fit its {kv.node_slots} node slots")
+        pad = b - n
+        x = torch.cat([h, h[-1:].expand(pad, -1)]) if pad else h
+        ids = torch.cat([ids, ids[-1:].expand(pad)]) if pad else ids
+        slots = C + torch.arange(first - 1, first - 1 + b, device=dev)
+        d = torch.tensor(depth, device=dev)
+        pos = (L - 1) + (torch.cat([d, d[-1:].expand(pad)]) if pad else d)
+        mask = self._mask(n, b, S, dtype, dev)
+        mask[:n, :L] = 0
+        mask[:n, C: C + last_node].masked_fill_(anc, 0)
+        if pad:
+            mask[torch.arange(n, b, device=dev), slots[n:]] = 0
+        args = (x.to(dtype), ids, pos, mask, slots, kv.keys, kv.values)
+        if eager:
+            out, logits = self.nodes_fn(*args)
+        else:
+            out, logits = self._call(self._nodes_c, ("nodes", b, C, S, str(dev)), *args)
+        return out[:n], logits[:n]
+

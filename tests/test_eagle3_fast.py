@@ -1,0 +1,128 @@
+"""Compiled EAGLE-3 drafting (drafters/eagle3/fast.py): the eager drafter's numbers, its own buffer per decode
+state, and the decoder's losslessness through it (exact enumeration: chain, static and dynamic trees; greedy
+equality with plain decoding), with the drafter's weights and with int8 ones."""
+
+import copy
+
+import pytest
+import torch
+
+from draftsmith.drafters.eagle3.fast import FastEagle3
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.fastpath import use_fast_forward
+from draftsmith.engine.policies import FixedLength
+from draftsmith.engine.trees import DynamicTree, StaticTree
+from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
+from tests.test_decoder import tiny
+from tests.test_decoder_enumeration import N_NEW, PROMPT as ENUM_PROMPT, TEMP
+from tests.test_eagle3 import PROMPT, module
+
+STATIC = StaticTree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
+TREES = [None, STATIC, DynamicTree(budget=6, max_depth=3, width=2, expand_batch=2)]
+IDS = ["chain", "static", "dynamic"]
+
+
+def _recording(dr):
+    """Keep every (start, end, logits) the drafter proposes."""
+    seen = []
+    inner = dr.propose
+
+    def propose(dec, state, tree, start, end):
+        out = inner(dec, state, tree, start, end)
+        seen.append((start, end, None if out is None else out.clone()))
+        return out
+    dr.propose = propose
+    return seen
+
+
+def _drafting(m, compile: bool, int8: bool = False, node_slots: int = 64):
+    """Make ``m``'s decoder drafters draft through FastEagle3 with these settings."""
+    m.fast_drafting = lambda: FastEagle3(m, compile=compile, int8=int8, node_slots=node_slots)
+    return m
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-fn", "compiled"])
+@pytest.mark.parametrize("tree", TREES, ids=IDS)
+def test_fast_drafting_proposes_what_the_eager_drafter_does(compiled, tree):
+    # float64, the drafter's own weights: the same logits for every proposal of a greedy generation (the model
+    # forward and the eager drafter as reference), and so the same drafts and acceptances. Within 1e-5: the eager
+    # drafter takes its attention's softmax in float32 (as training does), the compiled one in the model's dtype
+    t = tiny(vocab=40, layers=4, dtype=torch.float64)
+    m = module(t, std=0.3, vocab_keep=24)
+    m.set_draft_vocab(torch.arange(2, 26))
+    ref_dr = m.decoder_drafter(t)
+    ref_seen = _recording(ref_dr)
+    ref = SpeculativeDecoder(t, ref_dr, policy=FixedLength(3), tree=tree).generate(PROMPT, 30)
+    use_fast_forward(t, "compile", autotune=False)
+    dr = _drafting(m, compiled, node_slots=2 if compiled else 64).decoder_drafter(t)  # 2: the buffer must grow
+    seen = _recording(dr)
+    got = SpeculativeDecoder(t, dr, policy=FixedLength(3), tree=tree).generate(PROMPT, 30)
+    assert dr._fast is not None and (dr.compile_s > 0) == compiled
+    assert got.tokens == ref.tokens
+    assert [s.accepted for s in got.steps] == [s.accepted for s in ref.steps]
+    assert [(a, b) for a, b, _ in seen] == [(a, b) for a, b, _ in ref_seen]
+    for (_, _, x), (_, _, y) in zip(seen, ref_seen):
+        assert torch.allclose(x, y, atol=1e-5)
+
+
+def test_a_copied_decode_state_gets_its_own_key_buffer():
+    t = tiny(vocab=20, layers=4)
+    use_fast_forward(t, "compile", autotune=False)
+    dr = _drafting(module(t), compile=False).decoder_drafter(t)
+    dec = SpeculativeDecoder(t, dr, tree=[(0,), (1,), (0, 0)])
+    st = dec.start(PROMPT, 8)
+    c = copy.copy(st.drafter_state)
+    assert c.kv is not st.drafter_state.kv and c.kv.keys.data_ptr() != st.drafter_state.kv.keys.data_ptr()
+    assert torch.equal(c.kv.keys, st.drafter_state.kv.keys)
+
+
+@pytest.mark.parametrize("tree", TREES, ids=IDS)
+def test_compiled_eagle3_is_exact(tree):
+    # Exact enumeration through the compiled target forward and compiled drafting (the compiled forward's bound
+    # of tests/test_decoder_enumeration.py: 1e-6)
+    tgt = tiny(vocab=6, seed=0, std=0.5, layers=4, dtype=torch.float64)
+    use_fast_forward(tgt, "compile", autotune=False)
+    ref = target_distribution(tgt, ENUM_PROMPT, N_NEW, TEMP.temperature, TEMP.top_k, TEMP.top_p)
+    m = module(tgt, vocab_keep=4)
+    m.set_draft_vocab(torch.tensor([0, 2, 3, 5]))
+    dr = m.decoder_drafter(tgt)
+    got = exact_distribution(SpeculativeDecoder(tgt, dr, policy=FixedLength(2), tree=tree, sampling=TEMP),
+                             ENUM_PROMPT, N_NEW)
+    assert dr._fast is not None and dr.compile_s > 0
+    assert abs(sum(got.values()) - 1.0) < 1e-12
+    assert total_variation(got, ref) < 1e-6
+
+
+def test_int8_drafting_stays_close_and_is_lossless():
+    # int8 (the default on CPU in float32): the logits near the drafter's own, the same top candidate on most
+    # proposals; exact enumeration within float32 rounding; greedy output equal to plain decoding
+    t = tiny(vocab=40, layers=4)
+    m = module(t, std=0.3, vocab_keep=24)
+    m.set_draft_vocab(torch.arange(2, 26))
+    use_fast_forward(t, "compile", autotune=False)
+    ref_dr = _drafting(m, compile=False, int8=False).decoder_drafter(t)
+    ref_seen = _recording(ref_dr)
+    SpeculativeDecoder(t, ref_dr, tree=STATIC).generate(PROMPT, 24)
+    m = module(t, std=0.3, vocab_keep=24)
+    m.set_draft_vocab(torch.arange(2, 26))
+    dr = m.decoder_drafter(t)
+    seen = _recording(dr)
+    res = SpeculativeDecoder(t, dr, tree=STATIC).generate(PROMPT, 24)
+    assert dr._fast.int8
+    kept = m.draft_head.kept_ids
+    n = min(len(seen), len(ref_seen))
+    x = torch.cat([s[2] for s in seen[:1]])[:, kept]
+    y = torch.cat([s[2] for s in ref_seen[:1]])[:, kept]  # the first proposal: the same prefix for both
+    assert (x - y).abs().max() < 0.1 * y.std()
+    agree = sum(int((a[2].argmax(-1) == b[2].argmax(-1)).all()) for a, b in zip(seen[:n], ref_seen[:n]))
+    assert agree >= 0.5 * n
+    assert res.tokens == SpeculativeDecoder(t).generate(PROMPT, 24).tokens
+
+    tgt = tiny(vocab=6, seed=0, std=0.5, layers=4, dtype=torch.float32)
+    use_fast_forward(tgt, "compile", autotune=False)
+    ref = target_distribution(tgt, ENUM_PROMPT, N_NEW, TEMP.temperature, TEMP.top_k, TEMP.top_p)
+    dr = module(tgt).decoder_drafter(tgt)
+    got = exact_distribution(SpeculativeDecoder(tgt, dr, tree=[(0,), (1,), (0, 0)], sampling=TEMP),
+                             ENUM_PROMPT, N_NEW)
+    assert dr._fast.int8
+    assert total_variation(got, ref) < 1e-5
