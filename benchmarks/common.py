@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from draftsmith.target import DEFAULT_TARGET, Target, default_device, load_target
+from draftsmith.target import DEFAULT_TARGET, Target, default_device, load_target, resolve_dtype
 
 __all__ = ["DEFAULT_TARGET", "Bench", "add_common_args", "draft_ms_per_token", "humaneval_messages", "parser",
            "provenance", "recording", "serve_in_thread", "setup", "tiny_target", "write_json"]
@@ -91,6 +91,7 @@ class Bench:
     drafters: Any = field(default_factory=list)  # what the ``drafters`` function of `setup` returned
     use_layout: bool = True  # whether `apply_layout` lays out (``--no-cpu-layout`` turns it off)
     layout: dict | None = None  # what the last `apply_layout` did; None: never applied
+    forward: dict | None = None  # scripts that choose the decoding forward: what `use_fast_forward` did
 
     def apply_layout(self, *drafters) -> dict | None:
         """`draftsmith.engine.cpu_layout.apply_cpu_layout` on the target and ``drafters`` (a no-op on CUDA),
@@ -150,7 +151,8 @@ def setup(args: argparse.Namespace, *, target: str | Path | None = None, checkpo
             raise ValueError("a tiny target is saved under the output directory: give --out DIR")
         bench.target = tiny_target(out / "target", device=dev)
     else:
-        bench.target = load_target(name, device=dev)
+        dtype = getattr(args, "dtype", None)  # scripts with --dtype: the target in that dtype (auto: the machine's)
+        bench.target = load_target(name, device=dev, dtype=resolve_dtype(dtype, dev).dtype if dtype else None)
     if drafters is not None:
         bench.drafters = drafters(bench.target)
         ds = bench.drafters

@@ -13,6 +13,10 @@ index learns from its own finished responses in serving order (its warm-up run i
     OMP_NUM_THREADS=1 taskset -c 0 python -m benchmarks.suffix_bench --workload humaneval --problems 10 \\
         --samples 8 --temperature 0 0.8 --checkpoint runs/quickstart/final --out runs/suffix/humaneval
 
+``--dtype`` and ``--forward`` (default float32 and the model's own forward, as the first runs) set the target's
+dtype (HF's methods too) and our decoders' forward (HF's run the model's own): ``--dtype auto
+--forward compile`` is the fastest plain decoding draftsmith has on a CPU with bf16.
+
 Writes OUT/report.json after every prompt ("complete": false until the end; figures per temperature,
 lookup time per step, index memory) and OUT/traffic.json
 (prompt and response ids of plain decoding per temperature, for `benchmarks.suffix_replay`).
@@ -28,6 +32,7 @@ from benchmarks.common import add_common_args, humaneval_messages, parser, prove
 from draftsmith.checkpoint import drafter_from_checkpoint, read_manifest
 from draftsmith.drafters.suffix import SuffixConfig
 from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.eval.bench import BASELINE, bench_figures, hf_generate, ours, table
@@ -90,6 +95,9 @@ def main(argv=None) -> dict:
                     help="SuffixDecoding drafts only when its draft's expected accepted tokens reach this "
                          "(0: always draft, as the reference implementation; 2 measured best on a CPU)")
     ap.add_argument("--no-ours-lookup", dest="ours_lookup", action="store_false", help="skip ours prompt lookup")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="float32",
+                    help="the target's dtype (auto: bf16 on a CPU with native bf16)")
+    add_forward_arg(ap, default="eager")
     add_common_args(ap, threads=True, threads_default=1, seed=True, cpu_layout=True)
     a = ap.parse_args(argv)
 
@@ -102,6 +110,7 @@ def main(argv=None) -> dict:
 
     b = setup(a, checkpoint=a.checkpoint, drafters=drafters)
     target, tok = b.target, b.target.tokenizer
+    b.forward = use_fast_forward(target, a.forward)  # every decoder built from here on (plain included) uses it
     if a.workload == "humaneval":
         prompts = humaneval_prompts(tok, a.problems, a.samples)
     elif a.workload == "second":
@@ -161,7 +170,8 @@ def figures(methods, prompts, got, members, sampling, max_new_tokens) -> dict:
 def write(a, b, prompts, runs, traffic, done: bool) -> None:
     cfg = {k: v for k, v in vars(a).items()}
     cfg["subset"] = {"prompts": len(prompts), "workload": a.workload}
-    report = {**provenance(), "config": cfg, "cpu_layout": b.layout, "complete": done, "runs": runs}
+    report = {**provenance(), "config": cfg, "cpu_layout": b.layout, "dtype": str(b.target.dtype),
+              "forward": b.forward, "complete": done, "runs": runs}
     write_json(b.out / "report.json", report)
     write_json(b.out / "traffic.json", traffic, indent=None)
     if done:

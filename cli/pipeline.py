@@ -430,7 +430,9 @@ def stage_trees(recipe: Recipe, target: Target, ckpt: Path, cost_target: Target 
     calib = calibration_split(len(cache), recipe.train.calibration_every)
     if not calib:
         raise EmptyDatasetError("train.calibration_every is 0: no held-out sequences to build trees from")
-    acc = head_accuracy(model, cache, model.num_heads, ranks=10, sequences=calib)
+    own = getattr(model, "rank_acceptance", None)  # a kind that measures its own (EAGLE-3: by training-time step)
+    acc = own(cache, target, sequences=calib, ranks=10) if callable(own) else head_accuracy(
+        model, cache, model.num_heads, ranks=10, sequences=calib)
     cost_target = cost_target or target
     apply_cpu_layout(cost_target)  # step costs measured on the layout decoding uses (bench and eval apply it too)
     use_fast_forward(cost_target, recipe.eval.forward)  # ... and with the forward decoding uses
@@ -439,7 +441,7 @@ def stage_trees(recipe: Recipe, target: Target, ckpt: Path, cost_target: Target 
     # drafting's own cost per step (fixed + per tree level), decoded as bench will decode, relative to a 1-row step
     drafter = drafter_from_checkpoint(ckpt, cost_target)
     apply_cpu_layout(cost_target, drafter)
-    dc = measure_draft_cost(cost_target, drafter, int(model.num_heads))
+    dc = measure_draft_cost(cost_target, drafter, len(acc["rank_acc"]))
     draft_cost = {k: v / med[1] for k, v in dc.items()}
     trees = build_trees(acc["rank_acc"], recipe.train.tree_budgets,
                         {"split": f"every {recipe.train.calibration_every}-th training sequence, " + (

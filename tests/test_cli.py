@@ -108,3 +108,34 @@ def test_trees_measure_step_costs_in_the_decoding_dtype(tmp_path, tiny_dir, caps
     assert main(["run", str(_recipe_file(tmp_path, tiny_dir, dtype="bfloat16"))]) == 0
     assert "train: the target in float32" in capsys.readouterr().out
     assert seen == [torch.bfloat16] and benched == [torch.bfloat16]
+
+
+def test_eagle3_run_builds_trees_from_its_steps_rank_acceptance(tmp_path, capsys):
+    """The whole job with EAGLE-3: the trees stage builds static trees from the training-time steps' acceptance
+    by rank on the calibration split (rank 0 of step k is the report's conditional top-1 there), and the bench
+    decodes with the built tree."""
+    from draftsmith.checkpoint import load_checkpoint
+    from draftsmith.common.hidden_cache import HiddenCache
+    from draftsmith.drafters.eagle3.objective import heldout_metrics
+    from draftsmith.common.chunks import calibration_split
+
+    tiny4 = tmp_path / "tiny4"
+    t = make_tiny_target(save_to=tiny4, layers=4)
+    p = _recipe_file(tmp_path, tiny4, drafter={"kind": "eagle3", "aux_layers": [1, 2, 3], "vocab_keep": 48,
+                                               "ttt_steps": 3, "draft_len": 3})
+    assert main(["run", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "5 nodes -> expected tau" in out and "ours cli built:5" in out
+    trees = json.loads((tmp_path / "run" / "final" / "trees.json").read_text())
+    assert len(trees["trees"]["5"]["paths"]) == 5 and len(trees["rank_acc"]) == 3
+    assert trees["source"]["conditional"] and trees["source"]["sequences"] > 0
+    model, _ = load_checkpoint(tmp_path / "run" / "final", t)
+    cache = HiddenCache(tmp_path / "run" / "cache" / "train", t)
+    acc = model.rank_acceptance(cache, t, sequences=calibration_split(len(cache), 4), ranks=10)
+    flat = lambda rows: [x for r in rows for x in r]  # noqa: E731
+    assert flat(acc["rank_acc"]) == pytest.approx(flat(trees["rank_acc"]), abs=1e-9)
+    assert sum(flat(acc["rank_acc"])) > 0
+    assert all(sum(r) <= 1 + 1e-9 for r in acc["rank_acc"])
+    held = HiddenCache(tmp_path / "run" / "cache" / "heldout", t)
+    rank0 = [r[0] for r in model.rank_acceptance(held, t)["rank_acc"]]
+    assert rank0 == pytest.approx(heldout_metrics(model, held, t)["step_top1_conditional"], abs=1e-9)

@@ -28,7 +28,7 @@ from draftsmith.common.layers import RMSNorm, rotate_half
 from draftsmith.common.vocab import PrunedHead
 from draftsmith.drafters.eagle3.decode import Eagle3Drafter
 from draftsmith.drafters.eagle3.fast import FastEagle3
-from draftsmith.drafters.eagle3.objective import Eagle3Objective, heldout_metrics
+from draftsmith.drafters.eagle3.objective import Eagle3Objective, heldout_metrics, rank_acceptance
 from draftsmith.engine.policies import FixedLength
 from draftsmith.registry import KindBase, register
 from torch import nn
@@ -103,6 +103,8 @@ def check_aux_layers(aux: list[int], num_layers: int) -> None:
 @register
 class Eagle3Module(KindBase, nn.Module):
     kind = "eagle3"
+    builds_trees = True  # from its steps' acceptance by rank (`rank_acceptance`), as Hydra's from its heads'
+    conditional_accuracy = True  # step k's figures are over the indices where steps 1..k-1 drafted right
 
     def __init__(self, hidden_size: int, vocab_size: int, lm_head: nn.Module, embed: nn.Module, rotary: nn.Module,
                  num_layers: int, aux_layers: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
@@ -167,6 +169,10 @@ class Eagle3Module(KindBase, nn.Module):
 
     def heldout_metrics(self, cache: HiddenCache, target) -> dict:
         return heldout_metrics(self, cache, target)
+
+    def rank_acceptance(self, cache: HiddenCache, target, sequences=None, ranks: int = 10) -> dict:
+        """Per step, acceptance by draft rank on the accepted path: what the trees stage builds trees from."""
+        return rank_acceptance(self, cache, target, sequences=sequences, ranks=ranks)
 
     def decoder_drafter(self, target, target_fingerprint: str | None = None, name: str = "eagle3") -> Eagle3Drafter:
         return Eagle3Drafter(target, self, target_fingerprint=target_fingerprint, name=name,

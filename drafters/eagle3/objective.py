@@ -160,3 +160,34 @@ def heldout_metrics(model, cache: HiddenCache, target, batch_size: int = 4) -> d
         tau += run
     return {"step_top1": top1, "step_top1_conditional": cond, "predicted_chain_tau": tau,
             "positions": acc["step1/top1"][1]}
+
+
+@torch.no_grad()
+def rank_acceptance(model, cache: HiddenCache, target, sequences=None, ranks: int = 10, batch_size: int = 4) -> dict:
+    """What static trees are built from (`draftsmith.engine.tree_build.build_trees`): ``rank_acc[k][r]``, how often
+    the target's argmax at step k+1 is the draft's r-th ranked token, over the indices where steps 1..k drafted
+    the target's argmax first (a tree node's children on the accepted path, as the conditional top-1 of
+    `heldout_metrics`); over every sequence of ``cache`` or those in ``sequences``."""
+    model.eval()
+    keep = set(range(len(cache))) if sequences is None else set(sequences)
+    obj = Eagle3Objective(cache, target, model.aux_layers, model.ttt_steps, model.step_decay, chunk_len=1 << 30,
+                          exclude=set(range(len(cache))) - keep)
+    obj.use_pruned_teacher(draft_head(model))
+    dev = next(model.parameters()).device
+    K = model.ttt_steps
+    hits, count = torch.zeros(K, ranks), torch.zeros(K)
+    ids = list(range(len(obj.chunks)))
+    for s in range(0, len(ids), batch_size):
+        batch = obj.prepare(ids[s: s + batch_size]).to(dev)
+        T = batch.feats.shape[1]
+        run = None
+        for k, logits in enumerate(model.ttt(batch.feats, batch.next_ids)):
+            lab = batch.teacher[:, k + 1: k + 1 + T].argmax(-1)
+            top = logits.topk(min(ranks, logits.shape[-1]), dim=-1).indices
+            eq = (top == lab.unsqueeze(-1)).cpu()
+            v = batch.valid[k].cpu() if run is None else batch.valid[k].cpu() & run
+            hits[k, : eq.shape[-1]] += eq[v].float().sum(0)
+            count[k] += v.sum()
+            run = eq[..., 0] if run is None else run & eq[..., 0]
+    rank_acc = [[float(hits[k, r] / count[k]) if count[k] else 0.0 for r in range(ranks)] for k in range(K)]
+    return {"rank_acc": rank_acc, "positions": count.tolist(), "top1": [r[0] for r in rank_acc]}
