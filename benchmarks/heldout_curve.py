@@ -2,11 +2,12 @@
 
     python -m benchmarks.heldout_curve runs/e3-big [--threads 2] [--out FILE]
 
-For each ``checkpoints/step-N`` of the run (and ``final``), in step order, the held-out figures of the run's
-report (MT-Bench first-turn answers of the target, ``cache/heldout``): per-step (or per-head) top-1 and the
-predicted chain acceptance length. The tokens seen are the step's share of one epoch of the training cache's
-assistant tokens. An intermediate checkpoint is not a run trained on that much data: its learning rate has not
-decayed yet, so the curve is a lower bound on what a run stopped there would reach.
+For each ``checkpoints/step-N`` of the run (the last one is what ``final`` holds), in step order, the held-out
+figures of the run's report (MT-Bench first-turn answers of the target, ``cache/heldout``): per-step (or per-head)
+top-1 and the predicted chain acceptance length. The tokens seen are the step's share of the run's assistant
+tokens (its epochs over the training cache; unknown when ``train.max_steps`` ended it). An intermediate checkpoint
+is not a run trained on that much data: its learning rate has not decayed yet, so the curve is a lower bound on
+what a run stopped there would reach.
 """
 
 from __future__ import annotations
@@ -50,16 +51,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     train_idx = json.loads((run / "cache" / "train" / "index.json").read_text())
     held = HiddenCache(run / "cache" / "heldout", target)
     last = int(ckpts[-1].name.split("-")[1])
+    tr = json.loads((run / "recipe.json").read_text()).get("train", {}) if (run / "recipe.json").exists() else {}
+    # the tokens the whole run trained on: its epochs over the cache, unless a step cap ended it (then unknown)
+    total = None if tr.get("max_steps") else float(tr.get("epochs", 1)) * int(train_idx["loss_tokens"])
     rows = []
     for p in ckpts:
         step = int(p.name.split("-")[1])
         t0 = time.time()
         model, _ = load_checkpoint(p, target)
         f = figures(model, held, target)
-        row = {"checkpoint": str(p), "step": step, "epoch_share": step / last,
-               "assistant_tokens_seen": round(step / last * int(train_idx["loss_tokens"])), **f}
+        row = {"checkpoint": str(p), "step": step, "run_share": step / last,
+               "assistant_tokens_seen": None if total is None else round(step / last * total), **f}
         rows.append(row)
-        print(f"{p.name}: ~{row['assistant_tokens_seen']} assistant tokens seen, top-1 by depth "
+        seen = "?" if total is None else f"~{row['assistant_tokens_seen']}"
+        print(f"{p.name}: {seen} assistant tokens seen, top-1 by depth "
               f"{[round(x, 3) for x in f['top1']]}, predicted chain tau {f['predicted_chain_tau']:.3f} "
               f"({time.time() - t0:.0f} s)", flush=True)
     out = Path(a.out) if a.out else run / "heldout_curve.json"

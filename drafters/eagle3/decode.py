@@ -13,12 +13,15 @@ Per step (state.length = L, the root token t_L not yet in the target's cache):
     state and its own token; it attends to the prefix keys and to its ancestors' and its own keys.
 Nothing of a step's tree is kept: the next step feeds the accepted tokens again, from the target's true
 states. Drafter state is replaced, never mutated in place, so cloned decode states never share it.
+
+When the decoder's target forward is compiled, the same steps run through `FastEagle3` (drafters/eagle3/fast.py)
+over a pre-allocated key buffer that is written in place: a copied state (``copy.copy``) clones it.
 """
 
 from __future__ import annotations
 
-import math
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
