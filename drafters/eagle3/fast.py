@@ -166,7 +166,7 @@ class FastEagle3:
         return DraftKV(torch.zeros(shape, dtype=w.dtype, device=w.device),
                        torch.zeros(shape, dtype=w.dtype, device=w.device), capacity)
 
-    def _mask(self, n: int, b: int, S: int, dtype, dev) -> torch.Tensor:
+    def _mask(self, b: int, S: int, dtype, dev) -> torch.Tensor:
         """[b, S] additive mask, everything hidden (rows fill in what they see)."""
         return torch.full((b, S), torch.finfo(dtype).min, dtype=dtype, device=dev)
 
@@ -188,7 +188,7 @@ class FastEagle3:
         ids = torch.cat([ids, ids[-1:].expand(pad)]) if pad else ids
         slots = torch.arange(start, start + b, device=dev)
         pos = torch.cat([slots[:n], slots[n - 1:n].expand(pad)]) if pad else slots
-        mask = self._mask(n, b, S, dtype, dev)
+        mask = self._mask(b, S, dtype, dev)
         mask[:n, :start + n].masked_fill_(torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(start), 0)
         if pad:
             mask[torch.arange(n, b, device=dev), slots[n:]] = 0  # a padded row sees only itself
@@ -222,7 +222,7 @@ class FastEagle3:
         slots = C + torch.arange(first - 1, first - 1 + b, device=dev)
         d = torch.tensor(depth, device=dev)
         pos = (L - 1) + (torch.cat([d, d[-1:].expand(pad)]) if pad else d)
-        mask = self._mask(n, b, S, dtype, dev)
+        mask = self._mask(b, S, dtype, dev)
         mask[:n, :L] = 0
         mask[:n, C: C + last_node].masked_fill_(anc, 0)
         if pad:
