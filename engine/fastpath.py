@@ -51,6 +51,35 @@ def frozen_weights():
     frozen."""
     return inductor_config.patch(freezing=True)
 
+class CompiledDrafting:
+    """What a kind's compiled drafting functions share (Hydra's heads, EAGLE-3's layer): `compile` (static shapes,
+    rounding where the eager code casts), `call` (the weights frozen around every call; the first call of each
+    new shape ``key`` counted in ``compile_s`` and logged as ``what``)."""
+
+    def __init__(self, what: str):
+        self.what, self.compile_s = what, 0.0
+        self._seen: set = set()
+        # one graph per function and shape, and every instance shares the code objects: past dynamo's default
+        # limit of 8 graphs it would silently run the rest eagerly
+        import torch._dynamo  # torch's compiler, loaded with the first compiled drafter
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+    @staticmethod
+    def compile(module: torch.nn.Module):
+        return torch.compile(module, dynamic=False, options={"emulate_precision_casts": True})
+
+    def call(self, fn, key, *args):
+        first = key not in self._seen
+        t0 = time.perf_counter()
+        with frozen_weights():
+            out = fn(*args)
+        if first:
+            self._seen.add(key)
+            self.compile_s += time.perf_counter() - t0
+            log.info("compiled %s %s in %.1f s", self.what, key, time.perf_counter() - t0)
+        return out
+
+
 BUCKETS = (1, 4, 8, 16, 32)  # 2 rows run in the 4-row graph: one graph less to compile, and no slower
 MODES = ("eager", "fast", "compile")  # HF forward | our forward, eager | our forward, compiled where it fits
 

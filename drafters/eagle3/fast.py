@@ -24,18 +24,12 @@ eager drafter and runs the enumeration and greedy-equality checks through it).
 
 from __future__ import annotations
 
-import logging
-import time
-
 import torch
-import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.common.int8 import quantised
-from draftsmith.engine.fastpath import bucket, frozen_weights
-
-log = logging.getLogger(__name__)
+from draftsmith.engine.fastpath import CompiledDrafting, bucket
 
 
 class _Core(nn.Module):
@@ -141,24 +135,14 @@ class FastEagle3:
         self.module, self.int8, self.node_slots = module, bool(int8), int(node_slots)
         core = _Core(module, self.int8)
         self.feed_fn, self.nodes_fn = _Feed(core), _Nodes(core)
-        opts = {"emulate_precision_casts": True}
-        # one graph per (function, bucket, buffer size): past dynamo's default limit of 8 it would run eagerly
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self._feed_c = torch.compile(self.feed_fn, dynamic=False, options=opts) if compile else None
-        self._nodes_c = torch.compile(self.nodes_fn, dynamic=False, options=opts) if compile else None
-        self.compile_s = 0.0
-        self._seen: set = set()
+        self.calls = CompiledDrafting("EAGLE-3 drafting")
+        self._feed_c = self.calls.compile(self.feed_fn) if compile else None
+        self._nodes_c = self.calls.compile(self.nodes_fn) if compile else None
+        self._call = self.calls.call
 
-    def _call(self, fn, key, *args):
-        first = key not in self._seen
-        t0 = time.perf_counter()
-        with frozen_weights():
-            out = fn(*args)
-        if first:
-            self._seen.add(key)
-            self.compile_s += time.perf_counter() - t0
-            log.info("compiled EAGLE-3 drafting %s in %.1f s", key, time.perf_counter() - t0)
-        return out
+    @property
+    def compile_s(self) -> float:
+        return self.calls.compile_s
 
     def new_kv(self, capacity: int, nodes: int | None = None) -> DraftKV:
         lay, w = self.module.layer, self.module.fc.weight

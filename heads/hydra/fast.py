@@ -29,18 +29,12 @@ The weights are frozen when a graph is first compiled: heads whose weights chang
 
 from __future__ import annotations
 
-import logging
-import time
-
 import torch
-import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.common.int8 import quantised
-from draftsmith.engine.fastpath import bucket, frozen_weights
-
-log = logging.getLogger(__name__)
+from draftsmith.engine.fastpath import CompiledDrafting, bucket
 
 
 class _PrefixCore(nn.Module):
@@ -124,26 +118,14 @@ class FastHydra:
         pre = heads.prefix
         self.prefix = _PrefixCore(quantised(pre) if int8 else pre) if pre is not None else None
         self.depth = _DepthCore(heads, int8=self.int8)
-        opts = {"emulate_precision_casts": True}
-        # one graph per (bucket, head) and per prefix bucket, and every FastHydra shares the code objects: past
-        # dynamo's default limit of 8 graphs it would silently run the rest eagerly
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self._prefix_c = (torch.compile(self.prefix, dynamic=False, options=opts)
-                          if compile and self.prefix is not None else None)
-        self._depth_c = torch.compile(self.depth, dynamic=False, options=opts) if compile else None
-        self.compile_s = 0.0
-        self._seen: set = set()
+        self.calls = CompiledDrafting("Hydra drafting")
+        self._prefix_c = self.calls.compile(self.prefix) if compile and self.prefix is not None else None
+        self._depth_c = self.calls.compile(self.depth) if compile else None
+        self._call = self.calls.call
 
-    def _call(self, fn, key, *args):
-        first = key not in self._seen
-        t0 = time.perf_counter()
-        with frozen_weights():
-            out = fn(*args)
-        if first:
-            self._seen.add(key)
-            self.compile_s += time.perf_counter() - t0
-            log.info("compiled Hydra drafting %s in %.1f s", key, time.perf_counter() - t0)
-        return out
+    @property
+    def compile_s(self) -> float:
+        return self.calls.compile_s
 
     def new_kv(self, capacity: int) -> PrefixKV:
         p = self.heads.prefix
