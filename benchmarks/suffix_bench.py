@@ -32,7 +32,8 @@ import json
 import random
 from pathlib import Path
 
-from benchmarks.common import add_common_args, humaneval_messages, parser, provenance, setup, write_json
+from benchmarks.common import (add_common_args, compile_seconds, humaneval_messages, parser, provenance, setup,
+                               write_json)
 from draftsmith.checkpoint import drafter_from_checkpoint, read_manifest
 from draftsmith.drafters.suffix import SuffixConfig
 from draftsmith.engine.decoder import SpeculativeDecoder
@@ -167,12 +168,6 @@ def main(argv=None) -> dict:
         print(json.dumps(runs[label]["suffix"], indent=1), flush=True)
     write(a, b, prompts, runs, traffic, done=True)
     return runs
-
-
-def compile_seconds(target, drafters) -> float:
-    """Seconds spent so far compiling graphs: the target's compiled forward and the trained drafters' drafting."""
-    fb = getattr(target, "fast_body", None)
-    return float(getattr(fb, "compile_s", 0.0)) + sum(float(getattr(d, "compile_s", 0.0)) for d in drafters)
 
 
 def figures(methods, prompts, got, members, sampling, max_new_tokens) -> dict:

@@ -51,6 +51,7 @@ def frozen_weights():
     frozen."""
     return inductor_config.patch(freezing=True)
 
+
 class CompiledDrafting:
     """What a kind's compiled drafting functions share (Hydra's heads, EAGLE-3's layer): `compile` (static shapes,
     rounding where the eager code casts), `call` (the weights frozen around every call; the first call of each

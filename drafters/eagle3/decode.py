@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -209,8 +209,7 @@ class Eagle3Drafter:
                                        f"{L - ds.fed} are committed")
                 out, logits = fast.feed(ds.kv, ds.feats, ids, ds.fed)
                 ds = _FastState(ds.kv, L, ds.feats[:0], L, out, logits)
-            ds = _FastState(ds.kv, ds.fed, ds.feats, ds.root_len, ds.root_out, ds.root_logits, [ds.root_out])
-            state.drafter_state = ds
+            ds = state.drafter_state = replace(ds, nout=[ds.root_out])  # this step's tree starts at the root
             rows.append(ds.root_logits[None])
             start = 1
         if end > start:
@@ -222,8 +221,7 @@ class Eagle3Drafter:
             h_in = torch.stack([ds.nout[int(tree.parent[i])] for i in range(start, end)])
             anc = tree.ancestor_mask(dev)[start:end, 1:end]
             out, logits = fast.nodes(kv, h_in, tree.tok[start:end], list(tree.depth[start:end]), start, anc, L)
-            state.drafter_state = _FastState(kv, ds.fed, ds.feats, ds.root_len, ds.root_out, ds.root_logits,
-                                             ds.nout + list(out))
+            state.drafter_state = replace(ds, kv=kv, nout=ds.nout + list(out))
             rows.append(logits)
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 

@@ -135,19 +135,27 @@ def step_agreement(steps: list[torch.Tensor], batch: Eagle3Batch) -> dict:
     return out
 
 
+def _ttt_batches(model, cache: HiddenCache, target, exclude: set[int] | None = None, batch_size: int = 4):
+    """(batch, per-step logits) of the training-time test over the whole sequences of ``cache`` (less
+    ``exclude``), the teacher over the drafter's draft vocabulary: what the evaluation figures read."""
+    model.eval()
+    obj = Eagle3Objective(cache, target, model.aux_layers, model.ttt_steps, model.step_decay, chunk_len=1 << 30,
+                          exclude=exclude)
+    obj.use_pruned_teacher(draft_head(model))
+    dev = next(model.parameters()).device
+    ids = list(range(len(obj.chunks)))
+    for s in range(0, len(ids), batch_size):
+        batch = obj.prepare(ids[s: s + batch_size]).to(dev)
+        yield batch, model.ttt(batch.feats, batch.next_ids)
+
+
 @torch.no_grad()
 def heldout_metrics(model, cache: HiddenCache, target, batch_size: int = 4) -> dict:
     """Per-step and conditional top-1 agreement over every sequence of a held-out cache, and the chain's
     predicted acceptance length 1 + sum_k prod_{j<=k} (conditional agreement of step j)."""
-    model.eval()
-    obj = Eagle3Objective(cache, target, model.aux_layers, model.ttt_steps, model.step_decay, chunk_len=1 << 30)
-    obj.use_pruned_teacher(draft_head(model))
-    dev = next(model.parameters()).device
     acc: dict[str, list[int]] = {}
-    ids = list(range(len(obj.chunks)))
-    for s in range(0, len(ids), batch_size):
-        batch = obj.prepare(ids[s: s + batch_size]).to(dev)
-        for key, (h, n) in step_agreement(model.ttt(batch.feats, batch.next_ids), batch).items():
+    for batch, steps in _ttt_batches(model, cache, target, batch_size=batch_size):
+        for key, (h, n) in step_agreement(steps, batch).items():
             a = acc.setdefault(key, [0, 0])
             a[0] += h
             a[1] += n
@@ -168,20 +176,13 @@ def rank_acceptance(model, cache: HiddenCache, target, sequences=None, ranks: in
     the target's argmax at step k+1 is the draft's r-th ranked token, over the indices where steps 1..k drafted
     the target's argmax first (a tree node's children on the accepted path, as the conditional top-1 of
     `heldout_metrics`); over every sequence of ``cache`` or those in ``sequences``."""
-    model.eval()
-    keep = set(range(len(cache))) if sequences is None else set(sequences)
-    obj = Eagle3Objective(cache, target, model.aux_layers, model.ttt_steps, model.step_decay, chunk_len=1 << 30,
-                          exclude=set(range(len(cache))) - keep)
-    obj.use_pruned_teacher(draft_head(model))
-    dev = next(model.parameters()).device
+    exclude = None if sequences is None else set(range(len(cache))) - set(sequences)
     K = model.ttt_steps
     hits, count = torch.zeros(K, ranks), torch.zeros(K)
-    ids = list(range(len(obj.chunks)))
-    for s in range(0, len(ids), batch_size):
-        batch = obj.prepare(ids[s: s + batch_size]).to(dev)
+    for batch, steps in _ttt_batches(model, cache, target, exclude, batch_size):
         T = batch.feats.shape[1]
         run = None
-        for k, logits in enumerate(model.ttt(batch.feats, batch.next_ids)):
+        for k, logits in enumerate(steps):
             lab = batch.teacher[:, k + 1: k + 1 + T].argmax(-1)
             top = logits.topk(min(ranks, logits.shape[-1]), dim=-1).indices
             eq = (top == lab.unsqueeze(-1)).cpu()
