@@ -52,7 +52,7 @@ from draftsmith.engine.decoder import DecodeState
 from draftsmith.engine.drafters import project
 from draftsmith.engine.metrics import DecodeResult, StepStats, tau, tokens_per_second
 from draftsmith.engine.ragged import RowsCache, ragged_forward
-from draftsmith.engine.sampling import RandomSource, SamplingParams, TorchRandom, WithoutReplacement
+from draftsmith.engine.sampling import RandomSource, SamplingParams, TorchRandom, WithoutReplacement, greedy_ids
 from draftsmith.engine.trees import DraftTree, StaticTree, Verdict, verify_tree
 from draftsmith.target import Target, check_fingerprint
 
@@ -264,7 +264,7 @@ class BatchedSpeculativeDecoder:
                 rows_ = [lg[0] for _, lg in have]
                 if len({x.dtype for x in rows_}) > 1:  # processed rows are fp32, the others the model's dtype
                     rows_ = [x.float() for x in rows_]
-                toks = torch.stack(rows_).argmax(-1)
+                toks = greedy_ids(torch.stack(rows_))
                 for (i, _), t in zip(have, toks):
                     node[i] = trees[i].add(node[i], t)
                 continue

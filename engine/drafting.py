@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from draftsmith.engine.policies import DraftSignal, LengthPolicy
-from draftsmith.engine.sampling import RandomSource, SamplingParams, WithoutReplacement
+from draftsmith.engine.sampling import RandomSource, SamplingParams, WithoutReplacement, greedy_ids
 from draftsmith.engine.trees import DraftTree, DynamicTree, StaticTree
 
 Propose = Callable[[DraftTree, int, int], "torch.Tensor | None"]
@@ -67,7 +67,7 @@ def grow_chain(tree: DraftTree, ctx: GrowContext, policy: LengthPolicy) -> None:
         if not policy.should_continue(signal):
             return
         if ctx.ranked:
-            tok = row.argmax()  # stays on the device: no host sync
+            tok = greedy_ids(row)  # stays on the device: no host sync
             node = tree.add(node, tok)
             if stop_after is not None and stop_after(signal, tok):
                 return

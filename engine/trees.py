@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from draftsmith.engine.sampling import (SamplingParams, RandomSource, verify_node, verify_node_certain,
+from draftsmith.engine.sampling import (SamplingParams, RandomSource, greedy_ids, verify_node, verify_node_certain,
                                       verify_node_greedy, verify_node_typical)
 
 
@@ -227,7 +227,7 @@ def verify_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams,
     """
     eos = set(int(e) for e in eos_ids)
     if sampling.greedy:
-        toks, am = tree.host_tokens(extra=logits.argmax(-1))
+        toks, am = tree.host_tokens(extra=greedy_ids(logits))
     else:
         toks, am = tree.host_tokens()
     node, path, out, attempted = 0, [0], [], 0

@@ -153,3 +153,18 @@ def test_torch_random_is_seeded():
     for _ in range(3000):
         counts[r.categorical(torch.tensor([0.2, 0.3, 0.5]))] += 1
     assert torch.allclose(counts / 3000, torch.tensor([0.2, 0.3, 0.5]), atol=0.04)
+
+
+def test_greedy_ids_breaks_ties_as_argmax():
+    """The decoder's greedy pick (max's indices, faster on CPU) equals argmax, ties included, in every dtype."""
+    from draftsmith.engine.sampling import greedy_ids
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for rows, vocab in ((1, 7), (3, 100), (8, 49152)):
+            x = (torch.randn(rows, vocab, generator=g) * 2).round().to(dtype)  # many equal maxima per row
+            top = x.max(-1).values
+            x[:, vocab // 2], x[:, -1] = top, top  # at least two maxima in every row
+            assert torch.equal(greedy_ids(x), x.argmax(-1))
+            assert torch.equal(greedy_ids(x[0]), x[0].argmax())
+            assert (greedy_ids(x) <= vocab // 2).all()  # the first of the tied maxima, never the last
