@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from draftsmith.eval.bench import compile_seconds
 from draftsmith.target import DEFAULT_TARGET, Target, default_device, load_target, resolve_dtype
 
 __all__ = ["DEFAULT_TARGET", "Bench", "add_common_args", "compile_seconds", "draft_ms_per_token", "humaneval_messages",
@@ -159,13 +160,6 @@ def setup(args: argparse.Namespace, *, target: str | Path | None = None, checkpo
         ds = list(ds.values()) if isinstance(ds, dict) else list(ds) if isinstance(ds, (list, tuple)) else [ds]
         bench.apply_layout(*ds)
     return bench
-
-
-def compile_seconds(target, drafters) -> float:
-    """Seconds spent so far compiling graphs: the target's compiled forward and ``drafters``' compiled drafting
-    (the benchmarks take what a timed run spent compiling out of its time, and report it)."""
-    fb = getattr(target, "fast_body", None)
-    return float(getattr(fb, "compile_s", 0.0)) + sum(float(getattr(d, "compile_s", 0.0)) for d in drafters)
 
 
 def provenance() -> dict:

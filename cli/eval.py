@@ -27,12 +27,13 @@ from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
 from draftsmith.engine.drafters import SelfDrafter
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.tree_build import TREES, parse_tree
-from draftsmith.eval.bench import default_methods, run_bench, table
+from draftsmith.eval.bench import compile_seconds, default_methods, run_bench, table
 from draftsmith.eval.compare import self_drafter_methods, tree_specs_for
 from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
 from draftsmith.eval.report import write_report
 from draftsmith.eval.suffix import suffix_methods, suffix_stats
 from draftsmith.target import default_device, dtype_name, resolve_dtype
+from draftsmith.train.suffix_seed import index_from_data
 
 
 def add_parser(subparsers, name: str, summary: str) -> None:
@@ -93,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "SuffixDecoding (hybrid)")
     ap.add_argument("--suffix-index", default=None, metavar="DIR",
                     help="SuffixDecoding: start from a saved global index (SuffixIndex.save)")
+    ap.add_argument("--suffix-from-data", default=None, metavar="JSONL",
+                    help="SuffixDecoding: start from an index of the answers in a conversations file (a data "
+                         "stage's data/train.jsonl), saved as OUT/suffix_index")
+    ap.add_argument("--no-hf-prompt-lookup", dest="hf_prompt_lookup", action="store_false",
+                    help="with --suffix: leave Hugging Face's prompt lookup out")
     ap.add_argument("--prompt-lookup", type=int, default=10, metavar="K",
                     help="prompt lookup's draft length (ours and HF's prompt_lookup_num_tokens) with --suffix")
     ap.add_argument("--seed", type=int, default=0)
@@ -168,6 +174,14 @@ def eval_main(argv: list[str] | None = None) -> dict:
         prompts = [p for p in prompts if len(p.ids) <= room]
         if not prompts:
             raise ValueError("every prompt is too long for the target's context")
+    index_dir, seeded = a.suffix_index, None
+    if a.suffix_from_data:
+        if a.suffix_index or not a.suffix:
+            raise ValueError("--suffix-from-data goes with --suffix, and not with --suffix-index")
+        index, seeded = index_from_data(a.suffix_from_data, target.tokenizer, suffix_config(a))
+        index_dir = index.save(Path(a.out) / "suffix_index", fingerprint=target.fingerprint)
+        print(f"suffix index from {a.suffix_from_data}: {seeded['replies']} answers, {seeded['indexed_tokens']} "
+              f"tokens; skipped {seeded['skipped'] or 'none'}")
     runs = {}
     for temp in a.temperature:
         sampling = SamplingParams(temp, a.top_k if temp > 0 else 0, a.top_p if temp > 0 else 1.0)
@@ -182,15 +196,17 @@ def eval_main(argv: list[str] | None = None) -> dict:
             cfg = suffix_config(a)
             hybrids = [(d, trees) for d, trees in drafters if getattr(d, "verify_forward", None) is None]
             extra, members = suffix_methods(target, sampling, hybrids, config=cfg, lookup_k=a.prompt_lookup,
-                                            index_dir=a.suffix_index)
+                                            index_dir=index_dir, hf_lookup=a.hf_prompt_lookup)
             methods += extra
         print(f"== {label}: {', '.join(m.name for m in methods)}", flush=True)
-        runs[label] = run_bench(methods, prompts, a.max_new_tokens, seed=a.seed)
+        runs[label] = run_bench(methods, prompts, a.max_new_tokens, seed=a.seed,
+                                compile_clock=lambda: compile_seconds(target, [d for d, _ in drafters]))
         if a.suffix:
             runs[label]["suffix"] = suffix_stats(members)
         print(table(runs[label]), flush=True)
     config = {k: v for k, v in vars(a).items()}
     config["cpu_layout"] = layout
+    config["suffix_index_seeded"] = seeded
     config["forward"] = dict(forward, compile_s=round(getattr(target.fast_body, "compile_s", 0.0), 1),
                              drafter_compile_s={d.name: round(getattr(d, "compile_s", 0.0), 1) for d, _ in drafters})
     config["target"] = {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint,

@@ -24,7 +24,10 @@ from pathlib import Path
 from draftsmith import paths, registry
 from draftsmith.checkpoint import command_line, environment, load_checkpoint, update_metrics
 from draftsmith.train import predictors as classifier_stage
-from draftsmith.eval.bench import default_methods, run_bench, table
+from draftsmith.eval.bench import compile_seconds, default_methods, run_bench, table
+from draftsmith.eval.suffix import suffix_methods, suffix_stats
+from draftsmith.drafters.suffix import SuffixConfig
+from draftsmith.train.suffix_seed import index_from_data
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.checkpoint import drafter_from_checkpoint
@@ -471,16 +474,35 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     apply_cpu_layout(target, drafter)  # decoding only from here on (see draftsmith.engine.cpu_layout)
     forward = use_fast_forward(target, e.forward)
     trees = [(t, parse_tree(t, ckpt)) for t in e.trees]
-    methods = default_methods(target, SamplingParams(0.0), drafter_layers=None, hf=e.hf_generate,
+    greedy = SamplingParams(0.0)
+    methods = default_methods(target, greedy, drafter_layers=None, hf=e.hf_generate,
                               hf_assisted_too=False, heads=drafter, trees=trees)
+    seeded = members = None
+    if e.suffix_from_data:
+        seeded = stage_suffix_index(recipe, target)
+        extra, members = suffix_methods(target, greedy, [(drafter, trees)], config=SuffixConfig(min_score=2.0),
+                                        hf_lookup=False, ours_lookup=False, index_dir=recipe.out / "suffix_index")
+        methods += extra
     figures = run_bench(methods, mtbench_prompts(target.tokenizer, e.prompts, spread=True), e.max_new_tokens,
-                        log=None)
+                        log=None, compile_clock=lambda: compile_seconds(target, [drafter]))
+    if seeded is not None:
+        figures["suffix_index"], figures["suffix"] = seeded, suffix_stats(members)
     figures["table"] = table(figures)
     figures["forward"] = dict(forward, compile_s=round(getattr(target.fast_body, "compile_s", 0.0), 1),
                               drafter_compile_s=round(getattr(drafter, "compile_s", 0.0), 1))
     figures["command"], figures["environment"] = command_line(), environment()
     (recipe.out / "bench.json").write_text(json.dumps(figures, indent=2))
     return figures
+
+
+def stage_suffix_index(recipe: Recipe, target: Target) -> dict:
+    """SuffixDecoding's global index over the training split's answers (`index_from_data`), saved as
+    OUT/suffix_index with the target's fingerprint; returns what was indexed and skipped."""
+    t0 = time.time()
+    index, stats = index_from_data(recipe.out / "data" / "train.jsonl", target.tokenizer,
+                                   SuffixConfig(min_score=2.0), max_seq_len=recipe.data.max_seq_len)
+    index.save(recipe.out / "suffix_index", fingerprint=target.fingerprint)
+    return {**stats, "memory_bytes": index.memory_report()["bytes"], "build_s": round(time.time() - t0, 1)}
 
 
 def merge_runs(out: Path, runs: list[Path]) -> dict:

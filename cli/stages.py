@@ -137,6 +137,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"decoding {b['prompts']} MT-Bench first turns, {b['max_new_tokens']} new tokens, greedy "
                   f"(interleaved, this machine):")
             print(b["table"])
+            si = b.get("suffix_index")
+            if si:
+                print(f"suffix index (SuffixDecoding's history, in {recipe.out / 'suffix_index'}): {si['replies']} "
+                      f"answers, {si['indexed_tokens']} tokens from data/train.jsonl in {si['build_s']} s; skipped "
+                      f"{sum(si['skipped'].values())} rows {si['skipped'] or ''}".rstrip())
             ms = b["methods"]
             plain = ms.get("plain (ours)")
             drafted = {n: m for n, m in ms.items() if n not in ("plain (ours)", "HF generate")}

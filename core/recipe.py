@@ -157,6 +157,11 @@ class EvalConfig(StrictModel):
     max_new_tokens: int = Field(64, ge=1)
     trees: list[str] = Field(["chain", "built:8"], description="chain | built:BUDGET | dynamic[:B,D,W] | JSON paths")
     hf_generate: bool = Field(True, description="also time Hugging Face generate (speedup baseline)")
+    suffix_from_data: bool = Field(
+        False, description="also bench SuffixDecoding alone and beside the trained drafter (the hybrid), its global "
+        "index seeded with the training split's answers (data/train.jsonl; the held-out MT-Bench answers never), "
+        "saved as OUT/suffix_index for `draftsmith serve --suffix --suffix-state` and `draftsmith eval "
+        "--suffix-index`")
     forward: Literal["eager", "fast", "compile"] = Field(
         default_factory=default_forward, description="the target's decoding forward in the trees and bench stages: "
         "compile = our static-shape forward compiled with inductor (once per row bucket: 1, 4, 8, 16, 32 "

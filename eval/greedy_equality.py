@@ -25,7 +25,7 @@ import time
 import torch
 
 from draftsmith.checkpoint import drafter_from_checkpoint
-from draftsmith.drafters.suffix import HybridDrafter, PromptLookupDrafter, SuffixDrafter
+from draftsmith.drafters.suffix import HybridDrafter, PromptLookupDrafter, SuffixDrafter, SuffixIndex
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--suffix", action="store_true",
                     help="also SuffixDecoding (its global index learning from every earlier answer), prompt lookup "
                          "and, with --checkpoint, the hybrid of its drafter with SuffixDecoding")
+    ap.add_argument("--suffix-index", default=None, metavar="DIR",
+                    help="with --suffix: SuffixDecoding starts from this saved global index (a run's suffix_index)")
     ap.add_argument("--second-turns", default=None, metavar="JSON",
                     help="prompts from a benchmarks.suffix_bench traffic.json (its 'greedy' prompts) instead of "
                          "MT-Bench first turns")
@@ -223,10 +225,13 @@ def main(argv: list[str] | None = None) -> dict:
             methods["heads-dynamic-tree"] = SpeculativeDecoder(target, heads,
                                                                tree=DynamicTree(16, heads.max_depth or 4, 4))
     if a.suffix:
-        methods["suffix"] = SpeculativeDecoder(target, SuffixDrafter())
+        def suffix() -> SuffixDrafter:  # each method its own global index: empty, or the saved one
+            return SuffixDrafter(index=SuffixIndex.load(a.suffix_index, fingerprint=target.fingerprint)
+                                 if a.suffix_index else None)
+        methods["suffix"] = SpeculativeDecoder(target, suffix())
         methods["prompt-lookup"] = SpeculativeDecoder(target, PromptLookupDrafter())
         if a.checkpoint:
-            methods["heads+suffix"] = SpeculativeDecoder(target, HybridDrafter(heads, SuffixDrafter()))
+            methods["heads+suffix"] = SpeculativeDecoder(target, HybridDrafter(heads, suffix()))
     if a.methods:
         unknown = sorted(set(a.methods) - set(methods))
         if unknown:

@@ -35,7 +35,9 @@ def _recipe_file(tmp_path, tiny_dir, **extra):
                                      {"kind": "hydra", "num_heads": 2, "num_layers": 2, "prefix_layer": True}],
                          ids=["medusa", "hydra++"])
 def test_run_end_to_end_reports_and_counts_skips(tmp_path, tiny_dir, capsys, drafter):
-    assert main(["run", str(_recipe_file(tmp_path, tiny_dir, drafter=drafter))]) == 0
+    seeded = drafter["kind"] == "hydra"  # Hydra's run also benches SuffixDecoding seeded with the data's answers
+    ev = {"prompts": 2, "max_new_tokens": 8, "trees": ["chain", "built:5"], "suffix_from_data": seeded}
+    assert main(["run", str(_recipe_file(tmp_path, tiny_dir, drafter=drafter, eval=ev))]) == 0
     out = capsys.readouterr().out
     assert "skipped 2 bad rows" in out and "predicted chain acceptance length" in out
     assert "5 nodes -> expected tau" in out  # trees built from the held-out calibration split
@@ -44,6 +46,13 @@ def test_run_end_to_end_reports_and_counts_skips(tmp_path, tiny_dir, capsys, dra
     assert len(trees["trees"]["5"]["paths"]) == 5 and trees["source"]["sequences"] > 0
     bench = json.loads((tmp_path / "run" / "bench.json").read_text())
     assert bench["methods"]["ours cli built:5"]["tau"] >= 1.0
+    assert ("ours cli+suffix built:5" in bench["methods"]) == seeded == ("ours suffix" in bench["methods"])
+    if seeded:  # the training split's answers, saved where serve --suffix-state and eval --suffix-index read them
+        train_rows = (tmp_path / "run" / "data" / "train.jsonl").read_text().splitlines()
+        assert bench["suffix_index"]["conversations"] == len(train_rows) and "suffix index (" in out
+        saved = json.loads((tmp_path / "run" / "suffix_index" / "suffix_index.json").read_text())
+        assert len(saved["ids"]) == bench["suffix_index"]["replies"] > 0
+        assert sum(saved["lengths"]) == bench["suffix_index"]["indexed_tokens"]
     rep = json.loads((tmp_path / "run" / "report.json").read_text())
     assert len(rep["top1"]) == 2 and rep["positions"][0] > 0
     meta = json.loads((tmp_path / "run" / "data" / "meta.json").read_text())

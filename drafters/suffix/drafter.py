@@ -261,6 +261,11 @@ class HybridDrafter:
             if v is not None:
                 setattr(self, attr, v)
 
+    @property
+    def compile_s(self) -> float:
+        """The trained drafter's compile seconds (its compiled drafting), for the benchmarks' bookkeeping."""
+        return float(getattr(self.inner, "compile_s", 0.0))
+
     def cost_ratio(self, kind: str = "inner") -> float:
         """A ``kind`` step's cost ("inner": a trained-drafter step, "suffix": a step verifying a suffix draft)
         relative to a plain step (no draft): fixed (``inner_cost``; suffix steps then cost 1), measured,
