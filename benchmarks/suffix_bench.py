@@ -142,6 +142,8 @@ def main(argv=None) -> dict:
         got: dict[str, list] = {m.name: [] for m in methods}
         for m in methods:  # warm-up (forgotten by the suffix indexes)
             m.run(prompts[0].ids, 8, a.seed)
+            if m.after_warmup is not None:
+                m.after_warmup()
         compiling = {m.name: 0.0 for m in methods}
         for k, pr in enumerate(prompts):  # interleaved, a seeded shuffle per prompt (as eval.bench.run_bench)
             order = list(methods)

@@ -40,6 +40,7 @@ class Method:
     name: str
     run: Callable[[list[int], int, int], DecodeResult]
     family: str = "ours"  # "ours" or "hf"
+    after_warmup: Callable[[], None] | None = None  # forget what the warm-up runs taught (a learning index)
 
 
 def ours(name: str, dec) -> Method:
@@ -136,6 +137,8 @@ def run_bench(methods: list[Method], prompts: list, max_new_tokens: int, seed: i
         m.run(prompts[0].ids, min(warmup_tokens, max_new_tokens), seed)
         if len(longest.ids) > len(prompts[0].ids):  # a compiled forward compiles per cache capacity (<= 2 here)
             m.run(longest.ids, max_new_tokens, seed)
+        if m.after_warmup is not None:  # the warm-up prompts are benchmark prompts: nothing learnt from them stays
+            m.after_warmup()
     per: dict[str, list[DecodeResult]] = {m.name: [] for m in methods}
     compiled = {m.name: 0.0 for m in methods}
     for k, pr in enumerate(prompts):

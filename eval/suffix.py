@@ -2,12 +2,13 @@
 ours prompt lookup, Hugging Face prompt lookup, and the hybrid of each checkpoint's drafter with SuffixDecoding.
 
 The global suffix index of each method learns from that method's own finished responses, in the order the
-prompts are served. The benchmark's warm-up run is not traffic: each method's index is emptied after its
-first call (`fresh_after_warmup`), so no prompt is helped by a response of the warm-up.
+prompts are served. The benchmark's warm-up runs are not traffic: each method's index is emptied (or reloaded)
+once they are done (`fresh_after_warmup`), so no prompt is helped by a response of the warm-up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from draftsmith.drafters.suffix import HybridDrafter, PromptLookupDrafter, SuffixConfig, SuffixDrafter, SuffixIndex
@@ -17,23 +18,18 @@ from draftsmith.eval.bench import Method, hf_run
 
 def fresh_after_warmup(method: Method, drafter: SuffixDrafter, index_dir: str | Path | None = None,
                        hybrid: HybridDrafter | None = None) -> Method:
-    """Empty (or reload) ``drafter``'s global index after the method's first run (the warm-up); a hybrid's
-    step counts and running estimate start over too."""
-    calls = [0]
-    inner = method.run
+    """``method`` with an ``after_warmup`` that empties (or reloads) ``drafter``'s global index once the
+    benchmark's warm-up runs are done (they decode benchmark prompts: the longest one's answer would otherwise
+    be in the index when that prompt is timed); a hybrid's step counts and running estimate start over too."""
 
-    def run(ids, n, seed):
-        out = inner(ids, n, seed)
-        calls[0] += 1
-        if calls[0] == 1:
-            drafter.index = SuffixIndex.load(index_dir, drafter.config) if index_dir else SuffixIndex(drafter.config)
-            drafter.lookup_s, drafter.lookups = 0.0, 0
-            if hybrid is not None:
-                hybrid.steps = {"suffix": 0, "inner": 0}
-                hybrid.estimate = hybrid.prior
-        return out
+    def forget():
+        drafter.index = SuffixIndex.load(index_dir, drafter.config) if index_dir else SuffixIndex(drafter.config)
+        drafter.lookup_s, drafter.lookups = 0.0, 0
+        if hybrid is not None:
+            hybrid.steps = {"suffix": 0, "inner": 0}
+            hybrid.estimate = hybrid.prior
 
-    return Method(method.name, run, method.family)
+    return dataclasses.replace(method, after_warmup=forget)
 
 
 def suffix_methods(target, sampling, drafters: list, *, config: SuffixConfig | None = None, lookup_k: int = 10,

@@ -67,3 +67,28 @@ def test_bench_shuffles_method_order_per_prompt():
     calls.clear()
     run_bench(methods, prompts, 2, log=None)
     assert [calls[4 + 4 * k: 8 + 4 * k] for k in range(12)] == per_prompt  # seeded: the same run twice
+
+
+def test_bench_forgets_the_warmup_and_takes_compile_time_out():
+    """A method's ``after_warmup`` runs once, after every warm-up run (the longest prompt included) and before
+    the first timed one; seconds the compile clock gains inside a timed run leave that run's wall time."""
+    from types import SimpleNamespace
+
+    from draftsmith.eval.bench import Method, run_bench
+
+    log: list[str] = []
+    clock = [0.0]
+
+    def run(ids, n, seed):
+        log.append(f"run{len(ids)}")
+        if len(log) == 4:  # the second timed run meets a new graph: 5 s of compiling inside it
+            clock[0] += 5.0
+        return DecodeResult(tokens=[1] * n, prompt_len=len(ids), steps=[StepStats(1, 0, 0, 0, 0.0, 0.01, 0.0)] * n,
+                            wall_s=6.0 if len(log) == 4 else 1.0)
+
+    m = Method("a", run, after_warmup=lambda: log.append("forget"))
+    prompts = [SimpleNamespace(ids=[0] * k, question_id=k, category="x") for k in (2, 5, 3)]
+    fig = run_bench([m], prompts, 4, log=None, compile_clock=lambda: clock[0])
+    assert log == ["run2", "run5", "forget", "run2", "run5", "run3"]  # warm-up: first and longest prompt
+    assert fig["compile_in_timed_s"] == {"a": 5.0}
+    assert fig["per_prompt"][1]["a"]["wall_s"] == pytest.approx(1.0)  # 6 s less the 5 s of compiling
