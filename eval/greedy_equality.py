@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "method name 'heads-tree SPEC'); repeatable")
     ap.add_argument("--suffix", action="store_true",
                     help="also SuffixDecoding (its global index learning from every earlier answer), prompt lookup "
-                         "and, with --checkpoint, the hybrid of its drafter with SuffixDecoding")
+                         "and, with --checkpoint, the hybrid of its drafter (with the first --tree) and SuffixDecoding")
     ap.add_argument("--suffix-index", default=None, metavar="DIR",
                     help="with --suffix: SuffixDecoding starts from this saved global index (a run's suffix_index)")
     ap.add_argument("--second-turns", default=None, metavar="JSON",
@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
         methods["suffix"] = SpeculativeDecoder(target, suffix())
         methods["prompt-lookup"] = SpeculativeDecoder(target, PromptLookupDrafter())
         if a.checkpoint:
-            methods["heads+suffix"] = SpeculativeDecoder(target, HybridDrafter(heads, suffix()))
+            tree = parse_tree(a.tree[0], a.checkpoint) if a.tree else None  # the first --tree, else a chain
+            methods["heads+suffix"] = SpeculativeDecoder(target, HybridDrafter(heads, suffix()), tree=tree)
     if a.methods:
         unknown = sorted(set(a.methods) - set(methods))
         if unknown:
