@@ -331,3 +331,22 @@ def test_eagle3_decodes_through_our_forward(mode):
     assert [g.tokens for g in got] == [r.tokens for r in ref] == plain
     assert [[s.accepted for s in g.steps] for g in got] == [[s.accepted for s in r.steps] for r in ref]
     assert sum(s.accepted for g in got for s in g.steps) > 0
+
+
+@pytest.mark.parametrize("prior", [0.0, 1.0], ids=["suffix-first", "mixed"])
+def test_hybrid_with_suffix_is_exact_and_greedy_equal(enum_tgt, enum_refs, prior):
+    """EAGLE-3 beside SuffixDecoding: its state carries the target's states of the suffix and plain steps too
+    (`observe_step`), so the steps it drafts after them are exact, and greedy output is plain decoding's."""
+    from draftsmith.drafters.suffix import HybridDrafter
+    from tests.test_suffix import _suffix
+
+    dr = module(enum_tgt, vocab_keep=4)
+    dr.set_draft_vocab(torch.tensor([0, 2, 3, 5]))
+    h = HybridDrafter(dr.decoder_drafter(enum_tgt), _suffix(), prior=prior, inner_cost=1.0, explore_every=2)
+    dec = SpeculativeDecoder(enum_tgt, h, tree=StaticTree([(0,), (1,), (0, 0)]), sampling=TEMP)
+    got = exact_distribution(dec, ENUM_PROMPT, N_NEW)
+    assert total_variation(got, enum_refs[TEMP]) < 1e-9
+    greedy = SpeculativeDecoder(enum_tgt, h, tree=StaticTree([(0,), (1,), (0, 0)]))
+    for _ in range(3):
+        assert greedy.generate(ENUM_PROMPT, 12).tokens == SpeculativeDecoder(enum_tgt).generate(ENUM_PROMPT, 12).tokens
+    assert h.steps["suffix"] > 0 and h.steps["inner"] > 0  # both members drafted

@@ -230,6 +230,11 @@ class Eagle3Drafter:
         f = self._features()
         self.keep(state, f[f.shape[0] - (tree.n + 1):], path)  # any uncached prefix comes first
 
+    def observe_step(self, dec, state, tree: DraftTree, path: list[int]) -> None:
+        """A step another drafter drafted (the hybrid's SuffixDecoding or plain steps): the target's states of its
+        accepted tokens are kept all the same, as the next own step feeds every committed index."""
+        self.commit(dec, state, tree, path)
+
     @staticmethod
     def keep(state, block: torch.Tensor, path: list[int]) -> None:
         """Append the target's states of the accepted path (``block``: the root's and the nodes' rows) to what

@@ -316,28 +316,34 @@ class HybridDrafter:
         hs.unseen = []
         return False
 
-    def propose(self, dec, state, tree, start, end):
+    def _as_inner(self, state, call):
+        """``call()`` with the trained drafter's own state in ``state.drafter_state``; a drafter that replaces its
+        state (EAGLE-3's are immutable records) has the new one kept."""
         hs: _HybridState = state.drafter_state
         state.drafter_state = hs.inner
         try:
-            return self.inner.propose(dec, state, tree, start, end)
+            return call()
         finally:
+            hs.inner = state.drafter_state
             state.drafter_state = hs
+
+    def propose(self, dec, state, tree, start, end):
+        return self._as_inner(state, lambda: self.inner.propose(dec, state, tree, start, end))
 
     def commit(self, dec, state, tree, path) -> None:
         hs: _HybridState = state.drafter_state
         hs.step += 1
         if hs.chose != "inner":  # a suffix or plain step
             hs.since_inner += 1
+            # a drafter that reads the target's states of every committed token (EAGLE-3) keeps this step's
+            observe = getattr(self.inner, "observe_step", None)
+            if observe is not None:
+                self._as_inner(state, lambda: observe(dec, state, tree, path))
             return
         hs.since_inner = 0
         if tree.n:  # a step that drafted nothing (no room, or the drafter could not) says nothing of it
             hs.est = (1 - self.ema) * hs.est + self.ema * (len(path) - 1)
-        state.drafter_state = hs.inner
-        try:
-            self.inner.commit(dec, state, tree, path)
-        finally:
-            state.drafter_state = hs
+        self._as_inner(state, lambda: self.inner.commit(dec, state, tree, path))
 
     def stats(self) -> dict:
         """The suffix member's figures, the steps each member drafted and the current estimates."""
