@@ -335,7 +335,7 @@ class HybridDrafter:
         hs.step += 1
         if hs.chose != "inner":  # a suffix or plain step
             hs.since_inner += 1
-            # a drafter that reads the target's states of every committed token (EAGLE-3) keeps this step's
+            # a drafter that reads the target's states of every committed token (EAGLE-3) keeps this step's too
             observe = getattr(self.inner, "observe_step", None)
             if observe is not None:
                 self._as_inner(state, lambda: observe(dec, state, tree, path))
