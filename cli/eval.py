@@ -33,7 +33,7 @@ from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
 from draftsmith.eval.report import write_report
 from draftsmith.eval.suffix import suffix_methods, suffix_stats
 from draftsmith.target import default_device, dtype_name, resolve_dtype
-from draftsmith.train.suffix_seed import index_from_data
+from draftsmith.train.suffix_seed import save_index_from_data
 
 
 def add_parser(subparsers, name: str, summary: str) -> None:
@@ -178,8 +178,9 @@ def eval_main(argv: list[str] | None = None) -> dict:
     if a.suffix_from_data:
         if a.suffix_index or not a.suffix:
             raise ValueError("--suffix-from-data goes with --suffix, and not with --suffix-index")
-        index, seeded = index_from_data(a.suffix_from_data, target.tokenizer, suffix_config(a))
-        index_dir = index.save(Path(a.out) / "suffix_index", fingerprint=target.fingerprint)
+        index_dir = Path(a.out) / "suffix_index"
+        seeded = save_index_from_data(a.suffix_from_data, target.tokenizer, index_dir, target.fingerprint,
+                                      suffix_config(a))
         print(f"suffix index from {a.suffix_from_data}: {seeded['replies']} answers, {seeded['indexed_tokens']} "
               f"tokens; skipped {seeded['skipped'] or 'none'}")
     runs = {}

@@ -27,7 +27,7 @@ from draftsmith.train import predictors as classifier_stage
 from draftsmith.eval.bench import compile_seconds, default_methods, run_bench, table
 from draftsmith.eval.suffix import suffix_methods, suffix_stats
 from draftsmith.drafters.suffix import SuffixConfig
-from draftsmith.train.suffix_seed import index_from_data
+from draftsmith.train.suffix_seed import save_index_from_data
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.checkpoint import drafter_from_checkpoint
@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 
 class EmptyDatasetError(ValueError):
     """A stage was given no usable data."""
+
+
+#: SuffixDecoding's settings in the bench stage: the defaults with eval's and serve's score gate of 2 (DECISIONS)
+BENCH_SUFFIX = SuffixConfig(min_score=2.0)
 
 
 def collect_prompts(recipe: Recipe, target: Target, skips: sources.SkipLog, stats: Counter,
@@ -480,7 +484,7 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     seeded = members = None
     if e.suffix_from_data:
         seeded = stage_suffix_index(recipe, target)
-        extra, members = suffix_methods(target, greedy, [(drafter, trees)], config=SuffixConfig(min_score=2.0),
+        extra, members = suffix_methods(target, greedy, [(drafter, trees)], config=BENCH_SUFFIX,
                                         hf_lookup=False, ours_lookup=False, index_dir=recipe.out / "suffix_index")
         methods += extra
     figures = run_bench(methods, mtbench_prompts(target.tokenizer, e.prompts, spread=True), e.max_new_tokens,
@@ -496,13 +500,9 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
 
 
 def stage_suffix_index(recipe: Recipe, target: Target) -> dict:
-    """SuffixDecoding's global index over the training split's answers (`index_from_data`), saved as
-    OUT/suffix_index with the target's fingerprint; returns what was indexed and skipped."""
-    t0 = time.time()
-    index, stats = index_from_data(recipe.out / "data" / "train.jsonl", target.tokenizer,
-                                   SuffixConfig(min_score=2.0), max_seq_len=recipe.data.max_seq_len)
-    index.save(recipe.out / "suffix_index", fingerprint=target.fingerprint)
-    return {**stats, "memory_bytes": index.memory_report()["bytes"], "build_s": round(time.time() - t0, 1)}
+    """SuffixDecoding's global index over the training split's answers, saved as OUT/suffix_index."""
+    return save_index_from_data(recipe.out / "data" / "train.jsonl", target.tokenizer, recipe.out / "suffix_index",
+                                target.fingerprint, BENCH_SUFFIX, max_seq_len=recipe.data.max_seq_len)
 
 
 def merge_runs(out: Path, runs: list[Path]) -> dict:

@@ -52,6 +52,22 @@ def test_draftsmith_eval_exit_status(tmp_path, capsys):
     assert (tmp_path / "r" / "report.json").exists()
     assert main(args + ["--tree", "built:4", "--out", str(tmp_path / "r2")]) == 2
     assert "no built trees" in capsys.readouterr().err
+    # SuffixDecoding seeded with a data file's answers: its index saved under OUT, its counts in the report
+    import json
+    (tmp_path / "train.jsonl").write_text(json.dumps(
+        {"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+         "finished": [True]}) + "\n{broken\n")
+    seeded = args + ["--tree", "chain", "--suffix", "--suffix-from-data", str(tmp_path / "train.jsonl"),
+                     "--no-hf-prompt-lookup", "--out", str(tmp_path / "r3")]
+    assert main(seeded) == 0
+    rep = json.loads((tmp_path / "r3" / "report.json").read_text())
+    assert rep["config"]["suffix_index_seeded"]["replies"] == 1
+    assert rep["config"]["suffix_index_seeded"]["skipped"] == {"corrupt_rows": 1}
+    assert (tmp_path / "r3" / "suffix_index" / "suffix_index.json").exists()
+    assert "HF prompt-lookup K=10" not in rep["runs"]["greedy"]["methods"]
+    assert main(seeded[:-2] + ["--suffix-index", str(tmp_path / "r3" / "suffix_index"),
+                               "--out", str(tmp_path / "r4")]) == 2
+    assert "--suffix-from-data goes with --suffix" in capsys.readouterr().err
 
 
 def test_default_device():

@@ -64,3 +64,18 @@ def test_a_seeded_index_drafts_the_data_and_stays_lossless(tmp_path):
     assert held[0][: len(want) - 1] == want[: len(want) - 1]  # the index holds the answer as generated
     assert r.tokens == want == f.tokens
     assert len(set(want)) > 8 and len(r.steps) <= len(want) // 4 < len(f.steps)  # the seeded index drafted it
+
+
+def test_saved_index_loads_back_for_its_target_only(tiny_target, tmp_path):
+    from draftsmith.drafters.suffix import SuffixIndex
+    from draftsmith.train.suffix_seed import save_index_from_data
+
+    row = {"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo there"}],
+           "finished": [True]}
+    _write(tmp_path / "train.jsonl", [row])
+    stats = save_index_from_data(tmp_path / "train.jsonl", tiny_target.tokenizer, tmp_path / "idx",
+                                 tiny_target.fingerprint)
+    back = SuffixIndex.load(tmp_path / "idx", fingerprint=tiny_target.fingerprint)
+    assert back.indexed_tokens == stats["indexed_tokens"] > 0 and stats["replies"] == 1
+    with pytest.raises(ValueError, match="saved for target"):
+        SuffixIndex.load(tmp_path / "idx", fingerprint="another")

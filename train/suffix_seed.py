@@ -14,6 +14,7 @@ generates. Only the training split is read: the held-out MT-Bench answers never 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -58,3 +59,14 @@ def index_from_data(path: str | Path, tokenizer, config: SuffixConfig | None = N
                if k in stats}
     return index, {**dict(stats), "indexed_tokens": index.indexed_tokens, "skipped": skipped,
                    "evicted": index.evicted}
+
+
+def save_index_from_data(path: str | Path, tokenizer, out_dir: str | Path, fingerprint: str,
+                         config: SuffixConfig | None = None, max_seq_len: int = 1 << 20) -> dict:
+    """`index_from_data`, saved in ``out_dir`` with the target's fingerprint (the format `SuffixIndex.load`,
+    ``serve --suffix-state`` and ``eval --suffix-index`` read); returns what was indexed and skipped, the
+    index's memory and the seconds it took."""
+    t0 = time.time()
+    index, stats = index_from_data(path, tokenizer, config, max_seq_len)
+    index.save(out_dir, fingerprint=fingerprint)
+    return {**stats, "memory_bytes": index.memory_report()["bytes"], "build_s": round(time.time() - t0, 1)}
