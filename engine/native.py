@@ -8,13 +8,17 @@ one pre-allocated cache. Three ways to compute it, the first that applies:
   * on CPU in float32 or bfloat16, the C++ kernel of ``csrc/ragged_attention.cpp``: it reads each row's own
     entries once for every query head that shares them, float32 accumulation. It is built with
     `torch.utils.cpp_extension` for the CPU's vector capability (``torch.backends.cpu.get_cpu_capability()``:
-    AVX512, AVX2 or scalar) into the torch extensions folder, a few seconds once per machine kind;
+    AVX512, AVX2 or scalar) into the torch extensions folder, a few seconds once per machine kind. On an AVX-512
+    CPU with AVX512_BF16 (``torch.cpu._is_avx512_bf16_supported()``) a second build computes bf16 scores with
+    that extension's dot product (``DRAFTSMITH_AVX512_BF16=0`` turns it off);
   * elsewhere (a GPU, another dtype, no compiler, ``DRAFTSMITH_NATIVE=0``): one masked SDPA call over the longest
     row's span.
 
 Measured on a 2-core Xeon with AMX (bf16, 9 query / 3 key-value heads of 64, one layer's cache warm): 96 rows
 of 40-300 slots, the kernel 0.64 ms, masked SDPA 1.74 ms; 96 rows of 100-700 slots, masked SDPA 3.8 ms, one SDPA
-call per row 4.7 ms.
+call per row 4.7 ms. With 30 layers' caches read in turn, as a decode step reads them (the same 96 rows,
+`python -m benchmarks.attention_bench --compare-source`): bf16 1.19-1.23 ms a layer before the dot product and
+its prefetching, 1.04-1.08 ms after (float32 unchanged, 1.73 ms; docs/results.md §21).
 
 The op is a ``torch.library`` custom op, opaque to ``torch.compile``: a compiled decode step calls it as one
 node and never specialises on the rows' lengths.
@@ -56,6 +60,16 @@ def _capability() -> str:
     return "AVX2" if cap == "AVX2" else "DEFAULT"
 
 
+@functools.cache
+def _bf16_dot() -> bool:
+    """Whether the kernel is built with AVX512_BF16's dot product for bf16 scores (the CPU has it; an AVX-512
+    build only; ``DRAFTSMITH_AVX512_BF16=0`` turns it off)."""
+    if _capability() != "AVX512" or os.environ.get("DRAFTSMITH_AVX512_BF16", "1") == "0":
+        return False
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(check and check())
+
+
 def native_available() -> bool:
     """Build (once per process; the compiled library is cached on disk) and load the native kernels. False,
     with the reason in `native_status`, when they cannot be used: ``DRAFTSMITH_NATIVE=0``, no C++ compiler, or
@@ -73,12 +87,15 @@ def native_available() -> bool:
         try:
             from torch.utils.cpp_extension import load
             defines, flags = _FLAGS.get(cap, ([], []))
-            load(name=f"draftsmith_native_{cap.lower()}", sources=[str(_SRC)],
+            name = f"draftsmith_native_{cap.lower()}"
+            if _bf16_dot():
+                defines, flags, name = [*defines, "-DDRAFTSMITH_AVX512_BF16"], [*flags, "-mavx512bf16"], name + "_bf16"
+            load(name=name, sources=[str(_SRC)],
                  extra_cflags=["-O3", "-fopenmp", *defines, *flags], extra_ldflags=["-fopenmp"],
                  is_python_module=False, verbose=False)
             torch.library.register_fake("draftsmith_native::ragged_decode_attention")(
                 lambda q, k, v, last, scale: torch.empty_like(q))  # a compiled graph may call the kernel itself
-            _state.update(ok=True, why=None)
+            _state.update(ok=True, why=None, bf16_dot=_bf16_dot())
         except Exception as e:  # no compiler, a failed build: the SDPA fallback computes the same
             _state.update(ok=False, why=f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}")
             log.warning("native CPU kernels unavailable (%s); decode attention falls back to masked SDPA",
@@ -88,7 +105,8 @@ def native_available() -> bool:
 
 def native_status() -> dict:
     """What the last `native_available` found: ``{"native": bool, "capability": ..., "why": ...}``."""
-    return {"native": bool(_state.get("ok")), "capability": _state.get("capability"), "why": _state.get("why")}
+    return {"native": bool(_state.get("ok")), "capability": _state.get("capability"), "why": _state.get("why"),
+            "bf16_dot": bool(_state.get("bf16_dot"))}
 
 
 def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor,
