@@ -51,8 +51,11 @@ class EmptyDatasetError(ValueError):
     """A stage was given no usable data."""
 
 
-#: SuffixDecoding's settings in the bench stage: the defaults with eval's and serve's score gate of 2 (DECISIONS)
-BENCH_SUFFIX = SuffixConfig(min_score=2.0)
+#: SuffixDecoding's settings in the bench stage: the defaults with eval's and serve's score gate of 2 (DECISIONS),
+#: and drafts of at most 7 tokens, so that the 8-row graph the trees stage compiled verifies them: a 24-token
+#: draft needs the 32-row graph, 64 s of compiling in the quickstart, for no gain (20 MT-Bench first turns x 64,
+#: qs-big's index: tau 1.36 alone and 1.91-1.92 beside the heads either way; docs/results.md §21)
+BENCH_SUFFIX = SuffixConfig(min_score=2.0, max_spec_tokens=7)
 
 
 def collect_prompts(recipe: Recipe, target: Target, skips: sources.SkipLog, stats: Counter,

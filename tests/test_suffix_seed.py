@@ -79,3 +79,17 @@ def test_saved_index_loads_back_for_its_target_only(tiny_target, tmp_path):
     assert back.indexed_tokens == stats["indexed_tokens"] > 0 and stats["replies"] == 1
     with pytest.raises(ValueError, match="saved for target"):
         SuffixIndex.load(tmp_path / "idx", fingerprint="another")
+
+
+def test_the_quickstart_bench_verifies_suffix_drafts_in_the_graph_the_trees_stage_compiled():
+    """The bench stage's SuffixDecoding drafts fit the row bucket of the recipe's largest tree: a longer draft
+    would compile another graph (a minute of the quickstart's budget; results §21)."""
+    from pathlib import Path
+
+    from draftsmith.cli.pipeline import BENCH_SUFFIX
+    from draftsmith.engine.fastpath import bucket
+    from draftsmith.recipe import load_recipe
+
+    r = load_recipe(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")
+    assert r.eval.suffix_from_data
+    assert bucket(BENCH_SUFFIX.max_spec_tokens + 1) == bucket(max(r.train.tree_budgets) + 1)
