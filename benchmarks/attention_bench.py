@@ -36,12 +36,9 @@ def _build_other(source: Path):
     out = Path(torch.utils.cpp_extension._get_build_directory("draftsmith_compare", False)) / "compare.cpp"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    cap = native._capability()
-    defines, flags = native._FLAGS.get(cap, ([], []))
-    if native._bf16_dot():
-        defines, flags = [*defines, "-DDRAFTSMITH_AVX512_BF16"], [*flags, "-mavx512bf16"]
-    load(name="draftsmith_compare", sources=[str(out)], extra_cflags=["-O3", "-fopenmp", *defines, *flags],
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    _, cflags = native.build_flags(native._capability(), native_status()["bf16_dot"])
+    load(name="draftsmith_compare", sources=[str(out)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+         is_python_module=False, verbose=False)
     return torch.ops.draftsmith_compare.ragged_decode_attention
 
 

@@ -70,6 +70,27 @@ def _bf16_dot() -> bool:
     return bool(check and check())
 
 
+def build_flags(cap: str, bf16_dot: bool) -> tuple[str, list[str]]:
+    """The library name and compiler flags of the kernels' build for vector capability ``cap``."""
+    defines, flags = _FLAGS.get(cap, ([], []))
+    name = f"draftsmith_native_{cap.lower()}"
+    if bf16_dot:
+        defines, flags, name = [*defines, "-DDRAFTSMITH_AVX512_BF16"], [*flags, "-mavx512bf16"], name + "_bf16"
+    return name, ["-O3", "-fopenmp", *defines, *flags]
+
+
+def _build(cap: str, bf16_dot: bool) -> None:
+    """Build (or load from the extensions folder) and load the kernels for vector capability ``cap``."""
+    from torch.utils.cpp_extension import load
+    name, cflags = build_flags(cap, bf16_dot)
+    load(name=name, sources=[str(_SRC)], extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False,
+         verbose=False)
+
+
+def _reason(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}"
+
+
 def native_available() -> bool:
     """Build (once per process; the compiled library is cached on disk) and load the native kernels. False,
     with the reason in `native_status`, when they cannot be used: ``DRAFTSMITH_NATIVE=0``, no C++ compiler, or
@@ -85,19 +106,21 @@ def native_available() -> bool:
             _state.update(ok=False, why="DRAFTSMITH_NATIVE=0")
             return False
         try:
-            from torch.utils.cpp_extension import load
-            defines, flags = _FLAGS.get(cap, ([], []))
-            name = f"draftsmith_native_{cap.lower()}"
-            if _bf16_dot():
-                defines, flags, name = [*defines, "-DDRAFTSMITH_AVX512_BF16"], [*flags, "-mavx512bf16"], name + "_bf16"
-            load(name=name, sources=[str(_SRC)],
-                 extra_cflags=["-O3", "-fopenmp", *defines, *flags], extra_ldflags=["-fopenmp"],
-                 is_python_module=False, verbose=False)
+            bf16_dot = _bf16_dot()
+            if bf16_dot:
+                try:
+                    _build(cap, bf16_dot=True)
+                except Exception as e:  # a compiler without -mavx512bf16, say: the build without it
+                    log.warning("the AVX512_BF16 build of the native kernels failed (%s); building without it",
+                                _reason(e))
+                    bf16_dot = False
+            if not bf16_dot:
+                _build(cap, bf16_dot=False)
             torch.library.register_fake("draftsmith_native::ragged_decode_attention")(
                 lambda q, k, v, last, scale: torch.empty_like(q))  # a compiled graph may call the kernel itself
-            _state.update(ok=True, why=None, bf16_dot=_bf16_dot())
+            _state.update(ok=True, why=None, bf16_dot=bf16_dot)
         except Exception as e:  # no compiler, a failed build: the SDPA fallback computes the same
-            _state.update(ok=False, why=f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}")
+            _state.update(ok=False, why=_reason(e))
             log.warning("native CPU kernels unavailable (%s); decode attention falls back to masked SDPA",
                         _state["why"])
         return _state["ok"]

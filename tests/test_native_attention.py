@@ -132,3 +132,29 @@ def test_bfloat16_with_sharp_attention_over_partial_blocks():
     got = ragged_decode_attention(q, k, v, last, 0.125)
     ref = _reference(q, k, v, last, 0.125)
     assert (got.double() - ref).abs().max().item() < 0.05
+
+
+def test_a_failed_avx512_bf16_build_falls_back_to_the_plain_build(monkeypatch):
+    """A compiler that cannot build the AVX512_BF16 variant must cost the dot product only, not the kernel."""
+    built = []
+
+    def fake_build(cap, bf16_dot):
+        built.append(bf16_dot)
+        if bf16_dot:
+            raise RuntimeError("error: unrecognized command-line option '-mavx512bf16'")
+
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_build", fake_build)
+    monkeypatch.setattr(native, "_bf16_dot", lambda: True)
+    monkeypatch.setattr(torch.library, "register_fake", lambda name: (lambda fn: fn))
+    assert native.native_available()
+    assert built == [True, False]
+    assert native.native_status()["bf16_dot"] is False and native.native_status()["native"]
+
+
+def test_build_flags_name_each_variant():
+    plain = native.build_flags("AVX512", False)
+    dot = native.build_flags("AVX512", True)
+    assert plain[0] != dot[0] and "-mavx512bf16" in dot[1] and "-mavx512bf16" not in plain[1]
+    avx2 = native.build_flags("AVX2", False)[1]
+    assert "-mavx2" in avx2 and "-mavx512f" not in avx2
