@@ -119,15 +119,16 @@ void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* o
     std::vector<fVec> qv(G * C), acc(G * C);
     std::vector<float> sc, inv(G), tmp(d);
 #if defined(DRAFTSMITH_AVX512_BF16)
-    std::vector<__m512bh> qb(G * (d / 32 + 1));
+    std::vector<__m512bh> qb(G * (d / 32));
 #endif
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / nk, h = job % nk;
       const int64_t L = last[i] + 1;
       const T* K = k + i * ks0 + h * ks1;
       const T* V = v + i * ks0 + h * ks1;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < C; ++c) qv[g * C + c] = load_f(q + (i * nh + h * G + g) * d + c * VL) * fVec(scale);
+      if (!use_dp)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t c = 0; c < C; ++c) qv[g * C + c] = load_f(q + (i * nh + h * G + g) * d + c * VL) * fVec(scale);
       const int64_t Lp = (L + VL - 1) / VL * VL;
       sc.resize(G * Lp);
 #if defined(DRAFTSMITH_AVX512_BF16)
