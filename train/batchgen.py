@@ -161,7 +161,10 @@ class BatchGenerator:
 
     def _ensure_cache(self) -> RaggedCache:
         if self.cache is None:
-            self.cache = RaggedCache(self.model.config, self.max_rows, self.capacity, self.dtype, self.device)
+            # the native kernel and the flat prefill read written slots only: no need to zero the buffers
+            zeroed = self.fast is None or not self.fast.native
+            self.cache = RaggedCache(self.model.config, self.max_rows, self.capacity, self.dtype, self.device,
+                                     zeroed=zeroed)
             self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]  # the fused step's view
         if self.keep_states and self.states is None:
             self.states = torch.zeros((self.max_rows, self.capacity, self.model.config.hidden_size),

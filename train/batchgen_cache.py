@@ -101,17 +101,22 @@ class RaggedCache(Cache):
     slot 0 (k and the width come from the forward's input). ``set_decode(slots,
     span)``: the next forward writes one entry per row n at ``slots[n]`` and
     attends over slots [0, span) of rows [0, n) (masked per row by the caller).
+
+    ``zeroed=False`` leaves the buffers unset: only for callers whose attention reads written slots alone (the
+    fused step's native kernel), where zeroing 2 x layers buffers (1.6 GB at 128 rows of 530 slots in bf16)
+    cost 0.34 s a generator and touched every page whether used or not.
     """
 
-    def __init__(self, config, rows: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config, rows: int, capacity: int, dtype: torch.dtype, device: torch.device | str,
+                 zeroed: bool = True):
         layers_n, n_kv, head_dim = kv_dims(config)
         shape = (int(rows), n_kv, int(capacity), head_dim)
         self.capacity, self.n_rows = int(capacity), int(rows)
         self.mode, self.row0, self.span, self.offset = "decode", 0, 0, 0
         self.rows = torch.arange(rows, device=device)
         self.slots = torch.zeros(0, dtype=torch.long, device=device)
-        layers = [_RaggedLayer(self, torch.zeros(shape, dtype=dtype, device=device),
-                               torch.zeros(shape, dtype=dtype, device=device))
+        new = torch.zeros if zeroed else torch.empty
+        layers = [_RaggedLayer(self, new(shape, dtype=dtype, device=device), new(shape, dtype=dtype, device=device))
                   for _ in range(layers_n)]
         super().__init__(layers=layers)
 

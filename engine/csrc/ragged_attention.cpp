@@ -10,7 +10,13 @@
 // at a time: VDPBF16PS multiplies bf16 pairs exactly and sums them in float32 (two instructions per slot and
 // query head, where converting to float32 first takes four loads, eight conversions and four multiply-adds), and
 // the 16 slots' vectors are reduced together by a transpose-and-add tree (15 shuffles and adds, where one
-// horizontal sum per slot takes 8); keys and values are prefetched two blocks of slots ahead.
+// horizontal sum per slot takes 8); keys and values are prefetched two blocks of slots ahead. Float32 scores on
+// AVX-512 are reduced 16 slots at a time by the same tree.
+//
+// The value pass keeps its G x head_dim accumulators in registers (sizes fixed at compile time for head_dim 64,
+// and 128 on AVX-512, up to 8 query heads a key/value head; a general loop otherwise): held in memory, each
+// slot's multiply-adds waited on stores of the last slot's. The jobs are split between threads by their slots,
+// not their number.
 //
 // Built on first use by draftsmith.engine.native (torch.utils.cpp_extension) for the CPU's vector
 // capability (AVX-512, AVX2, or scalar), as inductor builds its own kernels; registered as
@@ -69,7 +75,7 @@ inline void prefetch(const void* p) {
 #endif
 }
 
-#if defined(DRAFTSMITH_AVX512_BF16)
+#if defined(CPU_CAPABILITY_AVX512)
 // lane j of the result = the sum of x[j]'s 16 lanes (a transpose-and-add tree)
 inline __m512 reduce16(const __m512* x) {
   __m512 s1[8], s2[4];
@@ -85,18 +91,42 @@ inline __m512 reduce16(const __m512* x) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, 0x88), _mm512_shuffle_f32x4(t0, t1, 0xDD));
 }
 
+// The scores of G query heads (qv: float32, scaled, C vectors a head) against slots [t0, t0 + n) of keys K
+// (n <= 16), into s[g * Lp + t0 ...], the 16 slots' sums reduced together
+template <int C, typename T>
+inline void score_block_f(const fVec* qv, const T* K, int64_t t0, int64_t n, int64_t G, int64_t d, float* s,
+                          int64_t Lp) {
+  __m512 x[16];
+  for (int64_t g = 0; g < G; ++g) {
+    const fVec* qg = qv + g * C;
+    for (int64_t j = 0; j < n; ++j) {
+      const T* kt = K + (t0 + j) * d;
+      fVec a = qg[0] * load_f(kt);
+      for (int c = 1; c < C; ++c) a = at::vec::fmadd(qg[c], load_f(kt + c * VL), a);
+      x[j] = a;
+    }
+    for (int64_t j = n; j < 16; ++j) x[j] = _mm512_setzero_ps();
+    _mm512_storeu_ps(s + g * Lp + t0, reduce16(x));
+  }
+}
+#endif
+
+#if defined(DRAFTSMITH_AVX512_BF16)
+
 // The scores of G query heads (bf16, unscaled) against slots [t0, t0 + n) of bf16 keys K (n <= 16), times
 // scale, into s[g * Lp + t0 ...]: VDPBF16PS multiplies bf16 pairs exactly and sums them in float32 (the
 // general path scales the queries first, in float32: the same products, summed in another order).
+template <int C2>
 inline void score_block_bf16(const __m512bh* qb, const c10::BFloat16* K, int64_t t0, int64_t n, int64_t G,
-                             int64_t C2, int64_t d, float scale, float* s, int64_t Lp) {
+                             int64_t d, float scale, float* s, int64_t Lp) {
   __m512 x[16];
   for (int64_t g = 0; g < G; ++g) {
-    const __m512bh* qg = qb + g * C2;
+    const int64_t c2 = C2 ? C2 : d / 32;  // 0: the head size known only at run time
+    const __m512bh* qg = qb + g * c2;
     for (int64_t j = 0; j < n; ++j) {
       const c10::BFloat16* kt = K + (t0 + j) * d;
       __m512 a = _mm512_setzero_ps();
-      for (int64_t c = 0; c < C2; ++c)
+      for (int64_t c = 0; c < c2; ++c)
         a = _mm512_dpbf16_ps(a, qg[c], (__m512bh)_mm512_loadu_si512((const void*)(kt + c * 32)));
       x[j] = a;
     }
@@ -105,6 +135,74 @@ inline void score_block_bf16(const __m512bh* qb, const c10::BFloat16* K, int64_t
   }
 }
 #endif
+
+// The value pass: acc[g * C + c] = sum over slots t < L of s[g * Lp + t] * V[t, c * VL ...]. With the sizes known
+// at compile time (values_fixed) the G * C accumulators live in registers; values_any is the general loop.
+template <typename T>
+inline void prefetch_values(const T* V, int64_t t, int64_t L, int64_t d) {
+  for (int64_t j = 0; j < VL && t + 2 * VL + j < L; ++j)
+    for (int64_t x = 0; x < d * (int64_t)sizeof(T); x += 64) prefetch((const char*)(V + (t + 2 * VL + j) * d) + x);
+}
+
+template <int G, int C, typename T>
+void values_fixed_impl(const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* out, bool pf) {
+  fVec acc[G * C];
+  for (int j = 0; j < G * C; ++j) acc[j] = fVec(0.f);
+  for (int64_t t0 = 0; t0 < L; t0 += VL) {
+    if (pf) prefetch_values(V, t0, L, d);
+    const int64_t t1 = std::min<int64_t>(L, t0 + VL);
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* vt = V + t * d;
+      fVec vc[C];
+      for (int c = 0; c < C; ++c) vc[c] = load_f(vt + c * VL);
+      for (int g = 0; g < G; ++g) {
+        const fVec p(s[g * Lp + t]);
+        for (int c = 0; c < C; ++c) acc[g * C + c] = at::vec::fmadd(p, vc[c], acc[g * C + c]);
+      }
+    }
+  }
+  for (int j = 0; j < G * C; ++j) out[j] = acc[j];
+}
+
+template <int C, typename T>
+bool values_fixed_c(int64_t G, const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* out, bool pf) {
+  switch (G) {
+    case 1: values_fixed_impl<1, C>(V, L, d, s, Lp, out, pf); return true;
+    case 2: values_fixed_impl<2, C>(V, L, d, s, Lp, out, pf); return true;
+    case 3: values_fixed_impl<3, C>(V, L, d, s, Lp, out, pf); return true;
+    case 4: values_fixed_impl<4, C>(V, L, d, s, Lp, out, pf); return true;
+    case 5: values_fixed_impl<5, C>(V, L, d, s, Lp, out, pf); return true;
+    case 6: values_fixed_impl<6, C>(V, L, d, s, Lp, out, pf); return true;
+    case 7: values_fixed_impl<7, C>(V, L, d, s, Lp, out, pf); return true;
+    case 8: values_fixed_impl<8, C>(V, L, d, s, Lp, out, pf); return true;
+    default: return false;
+  }
+}
+
+// head_dim 64 (and 128 with AVX-512) with up to 8 query heads per key/value head
+template <typename T>
+bool values_fixed(int64_t G, int64_t C, const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* out,
+                  bool pf) {
+  if (C == 64 / VL) return values_fixed_c<64 / VL>(G, V, L, d, s, Lp, out, pf);
+  if (VL == 16 && C == 8) return values_fixed_c<8>(G, V, L, d, s, Lp, out, pf);
+  return false;
+}
+
+template <typename T>
+void values_any(int64_t G, int64_t C, const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* acc,
+                bool pf) {
+  for (int64_t j = 0; j < G * C; ++j) acc[j] = fVec(0.f);
+  for (int64_t t = 0; t < L; ++t) {
+    if (pf && t % VL == 0) prefetch_values(V, t, L, d);
+    const T* vt = V + t * d;
+    fVec vc[16];
+    for (int64_t c = 0; c < C; ++c) vc[c] = load_f(vt + c * VL);
+    for (int64_t g = 0; g < G; ++g) {
+      const fVec p(s[g * Lp + t]);
+      for (int64_t c = 0; c < C; ++c) acc[g * C + c] = at::vec::fmadd(p, vc[c], acc[g * C + c]);
+    }
+  }
+}
 
 template <typename T>
 void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* out, int64_t b, int64_t nh,
@@ -115,7 +213,22 @@ void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* o
 #else
   const bool use_dp = false;
 #endif
-  at::parallel_for(0, b * nk, 1, [&](int64_t begin, int64_t end) {
+  // the jobs split into one contiguous range per thread by their slots (rows' lengths differ several-fold, so
+  // equal numbers of jobs are unequal work)
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), b * nk));
+  std::vector<int64_t> bounds(parts + 1, b * nk);
+  {
+    int64_t total = 0;
+    for (int64_t i = 0; i < b; ++i) total += (last[i] + 1) * nk;
+    int64_t seen = 0, p = 1;
+    bounds[0] = 0;
+    for (int64_t job = 0; job < b * nk && p < parts; ++job) {
+      seen += last[job / nk] + 1;
+      while (p < parts && seen * parts >= total * p) bounds[p++] = job + 1;
+    }
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t pbegin, int64_t pend) {
+    const int64_t begin = bounds[pbegin], end = bounds[pend];
     std::vector<fVec> qv(G * C), acc(G * C);
     std::vector<float> sc, inv(G), tmp(d);
 #if defined(DRAFTSMITH_AVX512_BF16)
@@ -150,8 +263,19 @@ void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* o
           }
 #if defined(DRAFTSMITH_AVX512_BF16)
         if (use_dp) {
-          score_block_bf16(qb.data(), reinterpret_cast<const c10::BFloat16*>(K), t0, n, G, d / 32, d, scale,
-                           sc.data(), Lp);
+          const auto* Kb = reinterpret_cast<const c10::BFloat16*>(K);
+          if (d == 64)
+            score_block_bf16<2>(qb.data(), Kb, t0, n, G, d, scale, sc.data(), Lp);
+          else if (d == 128)
+            score_block_bf16<4>(qb.data(), Kb, t0, n, G, d, scale, sc.data(), Lp);
+          else
+            score_block_bf16<0>(qb.data(), Kb, t0, n, G, d, scale, sc.data(), Lp);
+          continue;
+        }
+#endif
+#if defined(CPU_CAPABILITY_AVX512)
+        if (C == 4) {
+          score_block_f<4>(qv.data(), K, t0, n, G, d, sc.data(), Lp);
           continue;
         }
 #endif
@@ -180,19 +304,7 @@ void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* o
         }
         inv[g] = 1.f / at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, sv);
       }
-      for (int64_t j = 0; j < G * C; ++j) acc[j] = fVec(0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        if (use_dp && t % VL == 0)
-          for (int64_t j = 0; j < VL && t + 2 * VL + j < L; ++j)
-            for (int64_t x = 0; x < d * (int64_t)sizeof(T); x += 64) prefetch((const char*)(V + (t + 2 * VL + j) * d) + x);
-        const T* vt = V + t * d;
-        fVec vc[16];
-        for (int64_t c = 0; c < C; ++c) vc[c] = load_f(vt + c * VL);
-        for (int64_t g = 0; g < G; ++g) {
-          const fVec p(sc[g * Lp + t]);
-          for (int64_t c = 0; c < C; ++c) acc[g * C + c] = at::vec::fmadd(p, vc[c], acc[g * C + c]);
-        }
-      }
+      if (!values_fixed(G, C, V, L, d, sc.data(), Lp, acc.data(), use_dp)) values_any(G, C, V, L, d, sc.data(), Lp, acc.data(), use_dp);
       for (int64_t g = 0; g < G; ++g) {
         T* o = out + (i * nh + h * G + g) * d;
         for (int64_t c = 0; c < C; ++c) (acc[g * C + c] * fVec(inv[g])).store(tmp.data() + c * VL);
