@@ -43,6 +43,27 @@ def test_greedy_rows_equal_one_at_a_time(wide, rows, forward):
     assert gen.stats["row_attention_steps"] == 0  # the model's own forward never ran a decode step
 
 
+def test_the_fused_engine_never_reads_a_slot_it_did_not_write(wide):
+    """Its cache is left unzeroed (`RaggedCache(zeroed=False)`): filled with NaN before the run, any read of an
+    unwritten slot would poison a row's tokens."""
+    model = wide.model
+    eos = {2, 7, 11}
+    prompts = _prompts(9, seed=3)
+    budgets = [4, 15, 9, 22, 1, 13, 6, 19, 11]
+    gen = BatchGenerator(model, eos, max_rows=4, capacity=64, forward="fast")
+    cache = gen._ensure_cache()
+    for layer in cache.layers:
+        layer.keys.fill_(float("nan"))
+        layer.values.fill_(float("nan"))
+    got = {}
+    gen.run([Job(i, p, b) for i, (p, b) in enumerate(zip(prompts, budgets))],
+            lambda j, toks, fin: got.__setitem__(j.key, (toks, fin)))
+    for i, (p, b) in enumerate(zip(prompts, budgets)):
+        assert got[i] == _reference(model, p, b, eos), f"job {i}"
+    eager = BatchGenerator(model, eos, max_rows=4, capacity=64, forward="eager")
+    assert all(not t.any() for layer in eager._ensure_cache().layers for t in (layer.keys, layer.values))
+
+
 @pytest.mark.parametrize("forward", ["fast", "compile"])
 def test_kept_states_equal_the_models_own_forward(wide, forward):
     """The fused cache's states come from this step: they equal the model's forward's (fp32 tolerance) at
