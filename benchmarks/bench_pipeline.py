@@ -100,6 +100,28 @@ def _data_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeats
     return res
 
 
+def _more_pairs(d: dict, args, target, convs, names, vpath: Path, dtype: str) -> None:
+    """Pairs 2..N of (our engines, vLLM), each run as the first pair was; every pair's ratio into ``d["pairs"]``."""
+    import statistics
+    key = "batched" if "batched" in names else names[-1]
+    pairs = [{"ours": d[f"{key}_tokens_per_s"], "vllm": d["vllm"]["tokens_per_s"]}]
+    for r in range(1, args.pairs):
+        o = _data_path(target, convs, args.data_new_tokens, args.hf_batch, args.rows, 1, names, args.forward)
+        o.pop("outputs")
+        v = _vllm_data(target, convs, args.data_new_tokens, None, vpath.with_name(f"{vpath.stem}.pair{r}.json"),
+                       torch.get_num_threads(), dtype)
+        pairs.append({"ours": o[f"{key}_tokens_per_s"], "vllm": v["tokens_per_s"]})
+        print(f"pair {r + 1}: {key} {pairs[-1]['ours']:.1f}, vLLM {pairs[-1]['vllm']:.1f} response tok/s: "
+              f"{pairs[-1]['ours'] / pairs[-1]['vllm']:.2f}x", flush=True)
+    for p in pairs:
+        p["ratio"] = p["ours"] / p["vllm"]
+    ratios = [p["ratio"] for p in pairs]
+    d["pairs"] = pairs
+    d["pairs_ratio_median"], d["pairs_ratio_min"] = statistics.median(ratios), min(ratios)
+    print(f"{len(pairs)} pairs, {key} / vLLM: " + ", ".join(f"{x:.2f}x" for x in ratios) +
+          f"; median {d['pairs_ratio_median']:.2f}x, lowest {d['pairs_ratio_min']:.2f}x", flush=True)
+
+
 def _vllm_data(target, convs, new_tokens: int, ours: dict | None, out: Path, threads: int, dtype: str) -> dict:
     """vLLM on CPU over the same conversations' prompts (one batched ``generate``, greedy, same budget): response
     tokens/s, and how many responses equal our batched engine's (text of the assistant turn)."""
@@ -238,6 +260,9 @@ def main(argv=None) -> dict:
                     help="the target's dtype for every engine (auto: bf16 where the CPU computes it natively)")
     ap.add_argument("--vllm", action="store_true", help="--only-data: also vLLM on CPU (.venv-vllm, "
                     "scripts/vllm_env.sh), every conversation's prompt in one batched generate, same budget")
+    ap.add_argument("--pairs", type=int, default=1, help="--only-data --vllm: run our engines then vLLM this many "
+                    "times in turn (the machine's speed drifts between runs; each pair's ratio is reported, and "
+                    "their median and lowest)")
     ap.add_argument("--engines", default="hf,masked,batched",
                     help="data path: the engines to run, of hf, masked, eager, batched (default: hf,masked,batched)")
     ap.add_argument("--forward", default="compile", choices=["eager", "fast", "compile"],
@@ -308,9 +333,9 @@ def main(argv=None) -> dict:
     res["cpu"], res["dtype"] = _cpu_name(), choice.name
     outs = d.pop("outputs")
     if args.vllm:
+        vpath = Path(args.out or "runs/bench_pipeline").with_suffix(".vllm.json")
         v = d["vllm"] = _vllm_data(target, pool[: args.data_prompts], args.data_new_tokens, outs.get("batched"),
-                                   Path(args.out or "runs/bench_pipeline").with_suffix(".vllm.json"),
-                                   torch.get_num_threads(), choice.name)
+                                   vpath, torch.get_num_threads(), choice.name)
         if "tokens_per_s" in v:
             for k in names:
                 d[f"{k}_over_vllm"] = d[f"{k}_tokens_per_s"] / v["tokens_per_s"]
@@ -318,6 +343,8 @@ def main(argv=None) -> dict:
                   f"{v['seconds']} s); identical to our batched engine: {v.get('identical_to_ours', '-')}/"
                   f"{len(outs.get('batched', {}))}; " + ", ".join(f"{k} {d[f'{k}_over_vllm']:.2f}x vLLM"
                                                                    for k in names), flush=True)
+            if args.pairs > 1:
+                _more_pairs(d, args, target, pool[: args.data_prompts], names, vpath, choice.name)
         else:
             print(f"vLLM: {v['skipped']}")
     print(f"CPU: {res['cpu']}; {choice.name}; " + ", ".join(f"{k} {d[f'{k}_tokens_per_s']:.1f} response tok/s"
