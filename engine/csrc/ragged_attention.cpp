@@ -10,12 +10,12 @@
 // at a time: VDPBF16PS multiplies bf16 pairs exactly and sums them in float32 (two instructions per slot and
 // query head, where converting to float32 first takes four loads, eight conversions and four multiply-adds), and
 // the 16 slots' vectors are reduced together by a transpose-and-add tree (15 shuffles and adds, where one
-// horizontal sum per slot takes 8); keys and values are prefetched two blocks of slots ahead. Float32 scores on
-// AVX-512 are reduced 16 slots at a time by the same tree.
+// horizontal sum per slot takes 8). Float32 scores on AVX-512 are reduced 16 slots at a time by the same tree.
+// Keys and values are prefetched two blocks of slots ahead, in every build and dtype.
 //
-// The value pass keeps its G x head_dim accumulators in registers (sizes fixed at compile time for head_dim 64,
-// and 128 on AVX-512, up to 8 query heads a key/value head; a general loop otherwise): held in memory, each
-// slot's multiply-adds waited on stores of the last slot's. The jobs are split between threads by their slots,
+// The value pass keeps its accumulators in registers (up to 8 query heads a key/value head, the head's columns in
+// chunks that fit the vector registers; a general loop otherwise): held in memory, each slot's multiply-adds
+// waited on stores of the last slot's. The jobs are split between threads by their slots,
 // not their number.
 //
 // Built on first use by draftsmith.engine.native (torch.utils.cpp_extension) for the CPU's vector
@@ -137,55 +137,75 @@ inline void score_block_bf16(const __m512bh* qb, const c10::BFloat16* K, int64_t
 #endif
 
 // The value pass: acc[g * C + c] = sum over slots t < L of s[g * Lp + t] * V[t, c * VL ...]. With the sizes known
-// at compile time (values_fixed) the G * C accumulators live in registers; values_any is the general loop.
+// at compile time (values_fixed) the accumulators live in registers; values_any is the general loop.
 template <typename T>
 inline void prefetch_values(const T* V, int64_t t, int64_t L, int64_t d) {
   for (int64_t j = 0; j < VL && t + 2 * VL + j < L; ++j)
     for (int64_t x = 0; x < d * (int64_t)sizeof(T); x += 64) prefetch((const char*)(V + (t + 2 * VL + j) * d) + x);
 }
 
-template <int G, int C, typename T>
-void values_fixed_impl(const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* out, bool pf) {
-  fVec acc[G * C];
-  for (int j = 0; j < G * C; ++j) acc[j] = fVec(0.f);
+template <int G, int CC, typename T>
+void values_cols(const T* V, int64_t L, int64_t d, int64_t c0, int64_t C, const float* s, int64_t Lp, fVec* out,
+                 bool pf) {
+  // columns [c0, c0 + CC) of every head's accumulator: G * CC vectors, held in registers
+  fVec acc[G * CC];
+  for (int j = 0; j < G * CC; ++j) acc[j] = fVec(0.f);
+  const T* Vc = V + c0 * VL;
   for (int64_t t0 = 0; t0 < L; t0 += VL) {
-    if (pf) prefetch_values(V, t0, L, d);
+    if (pf && c0 == 0) prefetch_values(V, t0, L, d);
     const int64_t t1 = std::min<int64_t>(L, t0 + VL);
     for (int64_t t = t0; t < t1; ++t) {
-      const T* vt = V + t * d;
-      fVec vc[C];
-      for (int c = 0; c < C; ++c) vc[c] = load_f(vt + c * VL);
+      const T* vt = Vc + t * d;
+      fVec vc[CC];
+      for (int c = 0; c < CC; ++c) vc[c] = load_f(vt + c * VL);
       for (int g = 0; g < G; ++g) {
         const fVec p(s[g * Lp + t]);
-        for (int c = 0; c < C; ++c) acc[g * C + c] = at::vec::fmadd(p, vc[c], acc[g * C + c]);
+        for (int c = 0; c < CC; ++c) acc[g * CC + c] = at::vec::fmadd(p, vc[c], acc[g * CC + c]);
       }
     }
   }
-  for (int j = 0; j < G * C; ++j) out[j] = acc[j];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CC; ++c) out[g * C + c0 + c] = acc[g * CC + c];
 }
 
-template <int C, typename T>
-bool values_fixed_c(int64_t G, const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* out, bool pf) {
-  switch (G) {
-    case 1: values_fixed_impl<1, C>(V, L, d, s, Lp, out, pf); return true;
-    case 2: values_fixed_impl<2, C>(V, L, d, s, Lp, out, pf); return true;
-    case 3: values_fixed_impl<3, C>(V, L, d, s, Lp, out, pf); return true;
-    case 4: values_fixed_impl<4, C>(V, L, d, s, Lp, out, pf); return true;
-    case 5: values_fixed_impl<5, C>(V, L, d, s, Lp, out, pf); return true;
-    case 6: values_fixed_impl<6, C>(V, L, d, s, Lp, out, pf); return true;
-    case 7: values_fixed_impl<7, C>(V, L, d, s, Lp, out, pf); return true;
-    case 8: values_fixed_impl<8, C>(V, L, d, s, Lp, out, pf); return true;
-    default: return false;
+template <int G, typename T>
+void values_g(int64_t cc, int64_t C, const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* out,
+              bool pf) {
+  for (int64_t c0 = 0; c0 < C; c0 += cc) {
+    if (cc == 8)
+      values_cols<G, 8>(V, L, d, c0, C, s, Lp, out, pf);
+    else if (cc == 4)
+      values_cols<G, 4>(V, L, d, c0, C, s, Lp, out, pf);
+    else
+      values_cols<G, 2>(V, L, d, c0, C, s, Lp, out, pf);
   }
 }
 
-// head_dim 64 (and 128 with AVX-512) with up to 8 query heads per key/value head
+// Up to 8 query heads a key/value head, and C (vectors a head) a multiple of 2: the columns in chunks of cc vectors,
+// cc as large as fits the vector registers (G * cc accumulators, cc values, one weight; 32 registers with
+// AVX-512, 16 with AVX2), so a chunk's pass over the values never spills; false otherwise.
 template <typename T>
 bool values_fixed(int64_t G, int64_t C, const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* out,
                   bool pf) {
-  if (C == 64 / VL) return values_fixed_c<64 / VL>(G, V, L, d, s, Lp, out, pf);
-  if (VL == 16 && C == 8) return values_fixed_c<8>(G, V, L, d, s, Lp, out, pf);
-  return false;
+  if (G < 1 || G > 8 || C % 2 != 0) return false;
+  const int64_t regs = VL == 16 ? 32 : 17;
+  int64_t cc = 2;
+  for (int64_t x : {8, 4})
+    if (C % x == 0 && G * x + x + 1 <= regs) {
+      cc = x;
+      break;
+    }
+  switch (G) {
+    case 1: values_g<1>(cc, C, V, L, d, s, Lp, out, pf); break;
+    case 2: values_g<2>(cc, C, V, L, d, s, Lp, out, pf); break;
+    case 3: values_g<3>(cc, C, V, L, d, s, Lp, out, pf); break;
+    case 4: values_g<4>(cc, C, V, L, d, s, Lp, out, pf); break;
+    case 5: values_g<5>(cc, C, V, L, d, s, Lp, out, pf); break;
+    case 6: values_g<6>(cc, C, V, L, d, s, Lp, out, pf); break;
+    case 7: values_g<7>(cc, C, V, L, d, s, Lp, out, pf); break;
+    default: values_g<8>(cc, C, V, L, d, s, Lp, out, pf); break;
+  }
+  return true;
 }
 
 template <typename T>
@@ -213,6 +233,7 @@ void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* o
 #else
   const bool use_dp = false;
 #endif
+  const bool pf = true;  // keys two blocks ahead, values ahead of their pass (see below)
   // the jobs split into one contiguous range per thread by their slots (rows' lengths differ several-fold, so
   // equal numbers of jobs are unequal work)
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), b * nk));
@@ -244,9 +265,9 @@ void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* o
           for (int64_t c = 0; c < C; ++c) qv[g * C + c] = load_f(q + (i * nh + h * G + g) * d + c * VL) * fVec(scale);
       const int64_t Lp = (L + VL - 1) / VL * VL;
       sc.resize(G * Lp);
+      for (int64_t t = 0; pf && t < std::min<int64_t>(L, 2 * VL); ++t) prefetch(K + t * d);
 #if defined(DRAFTSMITH_AVX512_BF16)
       if (use_dp) {
-        for (int64_t t = 0; t < std::min<int64_t>(L, 2 * VL); ++t) prefetch(K + t * d);
         for (int64_t g = 0; g < G; ++g)
           for (int64_t c = 0; c < d / 32; ++c)
             qb[g * (d / 32) + c] = (__m512bh)_mm512_loadu_si512((const void*)(q + (i * nh + h * G + g) * d + c * 32));
@@ -254,9 +275,10 @@ void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* o
 #endif
       for (int64_t t0 = 0; t0 < L; t0 += VL) {
         const int64_t n = std::min<int64_t>(VL, L - t0);
-        // the dot-product path (bound by memory): keys two blocks ahead and this block's values (read after the
-        // softmax), a cache line at a time (measured: no gain, and slower from cache, for the float32 path)
-        for (int64_t j = 0; use_dp && j < VL && t0 + j < L; ++j)
+        // keys two blocks ahead and this block's values (read after the softmax), a cache line at a time: every path
+        // since the value pass holds its accumulators in registers (before, float32 gained nothing from it and
+        // lost 30% from cache; now 1.16-1.23x cold on 30 layers' caches, float32 and the AVX2 build's bfloat16)
+        for (int64_t j = 0; pf && j < VL && t0 + j < L; ++j)
           for (int64_t x = 0; x < d * (int64_t)sizeof(T); x += 64) {
             if (t0 + 2 * VL + j < L) prefetch((const char*)(K + (t0 + 2 * VL + j) * d) + x);
             prefetch((const char*)(V + (t0 + j) * d) + x);
@@ -304,7 +326,7 @@ void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* o
         }
         inv[g] = 1.f / at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, sv);
       }
-      if (!values_fixed(G, C, V, L, d, sc.data(), Lp, acc.data(), use_dp)) values_any(G, C, V, L, d, sc.data(), Lp, acc.data(), use_dp);
+      if (!values_fixed(G, C, V, L, d, sc.data(), Lp, acc.data(), pf)) values_any(G, C, V, L, d, sc.data(), Lp, acc.data(), pf);
       for (int64_t g = 0; g < G; ++g) {
         T* o = out + (i * nh + h * G + g) * d;
         for (int64_t c = 0; c < C; ++c) (acc[g * C + c] * fVec(inv[g])).store(tmp.data() + c * VL);
