@@ -182,8 +182,9 @@ void values_g(int64_t cc, int64_t C, const T* V, int64_t L, int64_t d, const flo
 }
 
 // Up to 8 query heads a key/value head, and C (vectors a head) a multiple of 2: the columns in chunks of cc vectors,
-// cc as large as fits the vector registers (G * cc accumulators, cc values, one weight; 32 registers with
-// AVX-512, 16 with AVX2), so a chunk's pass over the values never spills; false otherwise.
+// cc as large as fits the vector registers (G * cc accumulators, cc values, one weight: 32 registers with AVX-512;
+// 16 with AVX2, where one over is allowed so that 3 heads take chunks of 4, half the passes over the values of
+// chunks of 2, which timed no better); false otherwise.
 template <typename T>
 bool values_fixed(int64_t G, int64_t C, const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* out,
                   bool pf) {
@@ -233,7 +234,7 @@ void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* o
 #else
   const bool use_dp = false;
 #endif
-  const bool pf = true;  // keys two blocks ahead, values ahead of their pass (see below)
+  const bool pf = true;  // prefetch keys and values ahead (below), in every build and dtype
   // the jobs split into one contiguous range per thread by their slots (rows' lengths differ several-fold, so
   // equal numbers of jobs are unequal work)
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), b * nk));
