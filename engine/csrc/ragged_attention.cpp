@@ -145,14 +145,13 @@ inline void prefetch_values(const T* V, int64_t t, int64_t L, int64_t d) {
 }
 
 template <int G, int CC, typename T>
-void values_cols(const T* V, int64_t L, int64_t d, int64_t c0, int64_t C, const float* s, int64_t Lp, fVec* out,
-                 bool pf) {
+void values_cols(const T* V, int64_t L, int64_t d, int64_t c0, int64_t C, const float* s, int64_t Lp, fVec* out) {
   // columns [c0, c0 + CC) of every head's accumulator: G * CC vectors, held in registers
   fVec acc[G * CC];
   for (int j = 0; j < G * CC; ++j) acc[j] = fVec(0.f);
   const T* Vc = V + c0 * VL;
   for (int64_t t0 = 0; t0 < L; t0 += VL) {
-    if (pf && c0 == 0) prefetch_values(V, t0, L, d);
+    if (c0 == 0) prefetch_values(V, t0, L, d);
     const int64_t t1 = std::min<int64_t>(L, t0 + VL);
     for (int64_t t = t0; t < t1; ++t) {
       const T* vt = Vc + t * d;
@@ -169,15 +168,14 @@ void values_cols(const T* V, int64_t L, int64_t d, int64_t c0, int64_t C, const 
 }
 
 template <int G, typename T>
-void values_g(int64_t cc, int64_t C, const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* out,
-              bool pf) {
+void values_g(int64_t cc, int64_t C, const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* out) {
   for (int64_t c0 = 0; c0 < C; c0 += cc) {
     if (cc == 8)
-      values_cols<G, 8>(V, L, d, c0, C, s, Lp, out, pf);
+      values_cols<G, 8>(V, L, d, c0, C, s, Lp, out);
     else if (cc == 4)
-      values_cols<G, 4>(V, L, d, c0, C, s, Lp, out, pf);
+      values_cols<G, 4>(V, L, d, c0, C, s, Lp, out);
     else
-      values_cols<G, 2>(V, L, d, c0, C, s, Lp, out, pf);
+      values_cols<G, 2>(V, L, d, c0, C, s, Lp, out);
   }
 }
 
@@ -186,8 +184,7 @@ void values_g(int64_t cc, int64_t C, const T* V, int64_t L, int64_t d, const flo
 // 16 with AVX2, where one over is allowed so that 3 heads take chunks of 4, half the passes over the values of
 // chunks of 2, which timed no better); false otherwise.
 template <typename T>
-bool values_fixed(int64_t G, int64_t C, const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* out,
-                  bool pf) {
+bool values_fixed(int64_t G, int64_t C, const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* out) {
   if (G < 1 || G > 8 || C % 2 != 0) return false;
   const int64_t regs = VL == 16 ? 32 : 17;
   int64_t cc = 2;
@@ -197,24 +194,23 @@ bool values_fixed(int64_t G, int64_t C, const T* V, int64_t L, int64_t d, const 
       break;
     }
   switch (G) {
-    case 1: values_g<1>(cc, C, V, L, d, s, Lp, out, pf); break;
-    case 2: values_g<2>(cc, C, V, L, d, s, Lp, out, pf); break;
-    case 3: values_g<3>(cc, C, V, L, d, s, Lp, out, pf); break;
-    case 4: values_g<4>(cc, C, V, L, d, s, Lp, out, pf); break;
-    case 5: values_g<5>(cc, C, V, L, d, s, Lp, out, pf); break;
-    case 6: values_g<6>(cc, C, V, L, d, s, Lp, out, pf); break;
-    case 7: values_g<7>(cc, C, V, L, d, s, Lp, out, pf); break;
-    default: values_g<8>(cc, C, V, L, d, s, Lp, out, pf); break;
+    case 1: values_g<1>(cc, C, V, L, d, s, Lp, out); break;
+    case 2: values_g<2>(cc, C, V, L, d, s, Lp, out); break;
+    case 3: values_g<3>(cc, C, V, L, d, s, Lp, out); break;
+    case 4: values_g<4>(cc, C, V, L, d, s, Lp, out); break;
+    case 5: values_g<5>(cc, C, V, L, d, s, Lp, out); break;
+    case 6: values_g<6>(cc, C, V, L, d, s, Lp, out); break;
+    case 7: values_g<7>(cc, C, V, L, d, s, Lp, out); break;
+    default: values_g<8>(cc, C, V, L, d, s, Lp, out); break;
   }
   return true;
 }
 
 template <typename T>
-void values_any(int64_t G, int64_t C, const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* acc,
-                bool pf) {
+void values_any(int64_t G, int64_t C, const T* V, int64_t L, int64_t d, const float* s, int64_t Lp, fVec* acc) {
   for (int64_t j = 0; j < G * C; ++j) acc[j] = fVec(0.f);
   for (int64_t t = 0; t < L; ++t) {
-    if (pf && t % VL == 0) prefetch_values(V, t, L, d);
+    if (t % VL == 0) prefetch_values(V, t, L, d);
     const T* vt = V + t * d;
     fVec vc[16];
     for (int64_t c = 0; c < C; ++c) vc[c] = load_f(vt + c * VL);
@@ -234,7 +230,6 @@ void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* o
 #else
   const bool use_dp = false;
 #endif
-  const bool pf = true;  // prefetch keys and values ahead (below), in every build and dtype
   // the jobs split into one contiguous range per thread by their slots (rows' lengths differ several-fold, so
   // equal numbers of jobs are unequal work)
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), b * nk));
@@ -266,7 +261,7 @@ void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* o
           for (int64_t c = 0; c < C; ++c) qv[g * C + c] = load_f(q + (i * nh + h * G + g) * d + c * VL) * fVec(scale);
       const int64_t Lp = (L + VL - 1) / VL * VL;
       sc.resize(G * Lp);
-      for (int64_t t = 0; pf && t < std::min<int64_t>(L, 2 * VL); ++t) prefetch(K + t * d);
+      for (int64_t t = 0; t < std::min<int64_t>(L, 2 * VL); ++t) prefetch(K + t * d);
 #if defined(DRAFTSMITH_AVX512_BF16)
       if (use_dp) {
         for (int64_t g = 0; g < G; ++g)
@@ -276,10 +271,8 @@ void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* o
 #endif
       for (int64_t t0 = 0; t0 < L; t0 += VL) {
         const int64_t n = std::min<int64_t>(VL, L - t0);
-        // keys two blocks ahead and this block's values (read after the softmax), a cache line at a time: every path
-        // since the value pass holds its accumulators in registers (before, float32 gained nothing from it and
-        // lost 30% from cache; now 1.16-1.23x cold on 30 layers' caches, float32 and the AVX2 build's bfloat16)
-        for (int64_t j = 0; pf && j < VL && t0 + j < L; ++j)
+        // keys two blocks ahead and this block's values (read after the softmax), a cache line at a time
+        for (int64_t j = 0; j < VL && t0 + j < L; ++j)
           for (int64_t x = 0; x < d * (int64_t)sizeof(T); x += 64) {
             if (t0 + 2 * VL + j < L) prefetch((const char*)(K + (t0 + 2 * VL + j) * d) + x);
             prefetch((const char*)(V + (t0 + j) * d) + x);
@@ -327,7 +320,7 @@ void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* o
         }
         inv[g] = 1.f / at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, sv);
       }
-      if (!values_fixed(G, C, V, L, d, sc.data(), Lp, acc.data(), pf)) values_any(G, C, V, L, d, sc.data(), Lp, acc.data(), pf);
+      if (!values_fixed(G, C, V, L, d, sc.data(), Lp, acc.data())) values_any(G, C, V, L, d, sc.data(), Lp, acc.data());
       for (int64_t g = 0; g < G; ++g) {
         T* o = out + (i * nh + h * G + g) * d;
         for (int64_t c = 0; c < C; ++c) (acc[g * C + c] * fVec(inv[g])).store(tmp.data() + c * VL);
