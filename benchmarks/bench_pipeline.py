@@ -104,17 +104,17 @@ def _more_pairs(d: dict, args, target, convs, names, vpath: Path, dtype: str) ->
     """Pairs 2..N of (our engines, vLLM), each run as the first pair was; every pair's ratio into ``d["pairs"]``."""
     import statistics
     key = "batched" if "batched" in names else names[-1]
-    pairs = [{"ours": d[f"{key}_tokens_per_s"], "vllm": d["vllm"]["tokens_per_s"]}]
+    def pair(ours: float, vllm: float) -> dict:
+        return {"ours": ours, "vllm": vllm, "ratio": ours / vllm}
+
+    pairs = [pair(d[f"{key}_tokens_per_s"], d["vllm"]["tokens_per_s"])]
     for r in range(1, args.pairs):
         o = _data_path(target, convs, args.data_new_tokens, args.hf_batch, args.rows, 1, names, args.forward)
-        o.pop("outputs")
         v = _vllm_data(target, convs, args.data_new_tokens, None, vpath.with_name(f"{vpath.stem}.pair{r}.json"),
                        torch.get_num_threads(), dtype)
-        pairs.append({"ours": o[f"{key}_tokens_per_s"], "vllm": v["tokens_per_s"]})
+        pairs.append(pair(o[f"{key}_tokens_per_s"], v["tokens_per_s"]))
         print(f"pair {r + 1}: {key} {pairs[-1]['ours']:.1f}, vLLM {pairs[-1]['vllm']:.1f} response tok/s: "
-              f"{pairs[-1]['ours'] / pairs[-1]['vllm']:.2f}x", flush=True)
-    for p in pairs:
-        p["ratio"] = p["ours"] / p["vllm"]
+              f"{pairs[-1]['ratio']:.2f}x", flush=True)
     ratios = [p["ratio"] for p in pairs]
     d["pairs"] = pairs
     d["pairs_ratio_median"], d["pairs_ratio_min"] = statistics.median(ratios), min(ratios)
