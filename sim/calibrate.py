@@ -44,7 +44,8 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 class ForwardTimer:
-    """Times target forwards (body + LM head over every row) per (context, rows); `round` adds one timing
+    """Times target forwards (body + LM head over every row) per (context, rows), through the forward decoders
+    built on the target use (its ``fast_body`` when set, else the model's body); `round` adds one timing
     of every cell (cells interleaved), `table` gives the medians. Rounds can be spread over a run so
     that the table sees the same machine load as the decoding it prices."""
 
@@ -58,6 +59,8 @@ class ForwardTimer:
         model = target.model
         self.dev, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
         self.body, self.head = model.get_decoder(), model.get_output_embeddings()
+        # the forward decoders built on this target run: our static-shape one when `use_fast_forward` set it
+        self.fast = getattr(target, "fast_body", None)
         cmax, rmax = self.contexts[-1], self.rows[-1]
         self.cache = SlotCache.for_model(model, cmax + rmax + 1)
         g = torch.Generator().manual_seed(0)
@@ -81,9 +84,13 @@ class ForwardTimer:
         m = None if c == 0 or n == 1 else prefix_block_mask(
             c, torch.ones(n, n, dtype=torch.bool, device=dev).tril(), self.dtype)
         self.cache.set_write(c)
+        kw = dict(input_ids=self.ids[:, cmax:cmax + n], position_ids=torch.arange(c, c + n, device=dev)[None],
+                  attention_mask=m, use_cache=True)
         t0 = self.clock()
-        h = self.body(input_ids=self.ids[:, cmax:cmax + n], position_ids=torch.arange(c, c + n, device=dev)[None],
-                      attention_mask=m, **cache_arg(self.body, self.cache), use_cache=True).last_hidden_state[0]
+        if self.fast is not None:
+            h = self.fast(**kw, cache=self.cache, want_logits=False).last_hidden_state[0]
+        else:
+            h = self.body(**kw, **cache_arg(self.body, self.cache)).last_hidden_state[0]
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t1 = self.clock()

@@ -1,0 +1,859 @@
+"""One prepared check of draftsmith on a GPU: losslessness on CUDA, step costs as a simulator profile, training.
+
+Run it where a GPU is lent (``bash scripts/gpu_check.sh OUT``), or here first (``python -m benchmarks.gpu_check
+--device cpu --quick --out DIR``). Every case is recorded, failures with their error, and the run goes on:
+
+  * ``exact``: the decoder's exact output distribution (every draft draw and acceptance branch enumerated,
+    `draftsmith.eval.exact`) for every drafter with a decoder adapter (each trained kind built with random
+    weights through the registry, pruned vocabularies and RDK, and the decoder-only drafters: first-layers,
+    early exit, SuffixDecoding, prompt lookup), in chains, static trees and dynamic trees, at T=0.8, with
+    top-k/top-p and greedy; on a tiny float64 model (reference: cache-free forwards of the target, TV < 1e-9,
+    and the forwards' own rows) and on the same tiny model in bf16 (reference: the rows the verification
+    forwards computed, docs/methods.md §16). Medusa's typical acceptance is run too and must be caught.
+  * ``shape``: a random model of the default target's exact shape (SmolLM2-135M: 30 layers, 576 wide,
+    49152 ids), fp32 and bf16: exact enumeration under top-k 3, Monte Carlo chi-square, greedy equality with
+    plain decoding.
+  * ``costs``: the target's forward by rows x context (the model's own forward and our static-shape one,
+    each kind's draft pass fitted from real decoding runs (`draftsmith.sim.calibrate`), written as a
+    ``draftsmith simulate`` profile (gpu_profile.yaml).
+  * ``train``: each kind's recipe trained for a few steps on a cache of random sequences written by the
+    default-shape model: positions/s and peak memory; then one ``accelerate launch`` of ``draftsmith train``.
+
+Writes OUT/gpu_check.json (after every case, so a run cut short keeps what it did) and OUT/gpu_profile.yaml,
+and prints a summary table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from draftsmith import registry
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.engine.fastpath import use_fast_forward
+from draftsmith.engine.policies import FixedLength
+from draftsmith.engine.sampling import SamplingParams
+from draftsmith.engine.trees import DynamicTree
+from draftsmith.eval.exact import (exact_distribution, forwards_distribution, record_forwards, target_distribution,
+                                   total_variation)
+from draftsmith.target import Target, fingerprint
+
+SECTIONS = ("exact", "shape", "costs", "train", "launch")
+# SmolLM2-135M-Instruct's architecture (the default target), with random weights
+DEFAULT_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+                     rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+STATIC = [(0,), (1,), (0, 0)]
+MODES = {"chain": dict(policy=FixedLength(2)), "static": dict(tree=STATIC),
+         "dynamic": dict(tree=DynamicTree(budget=3, max_depth=2, width=2, expand_batch=1))}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# ------------------------------------------------------------------------------------------------ the report
+class Check:
+    """Cases by section, each with a status (pass, fail, error, n/a, skipped), its figures and seconds; the JSON
+    is rewritten after every case. ``budget_s`` bounds the whole run: a section whose share is spent skips the
+    rest of its cases (recorded as skipped, not run)."""
+
+    SHARES = {"exact": 0.25, "shape": 0.25, "costs": 0.2, "train": 0.2, "launch": 0.1}
+
+    def __init__(self, out: Path, budget_s: float, device: str):
+        self.out, self.budget_s, self.t0 = out, budget_s, time.perf_counter()
+        self.data: dict = {"device": device, "budget_s": budget_s, "cases": [], "sections": {}}
+        self.section = ""
+        self.section_end = math.inf
+        out.mkdir(parents=True, exist_ok=True)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def begin(self, section: str, remaining: list[str]) -> None:
+        """Start a section: it may use its share of what is left, in proportion to the sections still to run."""
+        left = self.budget_s - self.elapsed()
+        share = self.SHARES[section] / sum(self.SHARES[s] for s in remaining)
+        self.section, self.section_end = section, self.elapsed() + max(0.0, left) * share
+        self.data["sections"][section] = {"started_s": round(self.elapsed(), 1), "allowed_s": round(left * share, 1)}
+        print(f"\n== {section} (up to {left * share:.0f} s)", flush=True)
+
+    def end(self) -> None:
+        self.data["sections"][self.section]["took_s"] = round(
+            self.elapsed() - self.data["sections"][self.section]["started_s"], 1)
+        self.save()
+
+    def time_left(self) -> float:
+        return self.section_end - self.elapsed()
+
+    @contextmanager
+    def case(self, name: str, need_s: float = 0.0, force: bool = False, **info):
+        """Record one case: the body fills the yielded dict (``status`` defaults to pass when it returns, error
+        when it raises; ``ok`` False makes it a fail). A case with no time left is skipped (the body gets None),
+        unless ``force``."""
+        rec = {"section": self.section, "name": name, **info}
+        if not force and (self.time_left() < need_s or self.time_left() <= 0):
+            rec.update(status="skipped", why=f"section time spent ({self.time_left():.0f} s left, needs {need_s:.0f})")
+            self._add(rec)
+            yield None
+            return
+        t0 = time.perf_counter()
+        try:
+            yield rec
+            if "status" not in rec:
+                rec["status"] = "pass" if rec.get("ok", True) else "fail"
+        except NotApplicable as e:
+            rec.update(status="n/a", why=str(e))
+        except Exception as e:  # noqa: BLE001 -- every failure is recorded and the check goes on
+            rec.update(status="error", error=f"{type(e).__name__}: {e}",
+                       traceback=traceback.format_exc(limit=-6))
+        rec["seconds"] = round(time.perf_counter() - t0, 3)
+        self._add(rec)
+
+    def _add(self, rec: dict) -> None:
+        self.data["cases"].append(rec)
+        figs = {k: v for k, v in rec.items() if k not in ("section", "name", "status", "traceback", "seconds", "ok")}
+        short = ", ".join(f"{k}={_fmt(v)}" for k, v in figs.items() if not isinstance(v, (dict, list)))
+        print(f"  [{rec['status']:>7}] {rec['name']}  {short[:220]}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        self.data["elapsed_s"] = round(self.elapsed(), 1)
+        tmp = self.out / "gpu_check.json.tmp"
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(self.out / "gpu_check.json")
+
+
+class NotApplicable(Exception):
+    """The combination does not exist (a chain-only drafter asked for a tree): n/a, not a failure."""
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+# ------------------------------------------------------------------------------------------------ models
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def tiny_target(dev: torch.device, dtype: torch.dtype) -> Target:
+    """The exact-enumeration target of the test suite: 6 ids (EOS among them), 4 layers, peaky random weights."""
+    from tests.tiny import make_tiny_target
+    t = make_tiny_target(vocab_size=6, seed=0, init_std=0.5, layers=4)
+    t.model.to(device=dev, dtype=dtype)
+    return t
+
+
+def shape_target(dev: torch.device, dtype: torch.dtype, layers: int | None = None, seed: int = 0,
+                 embed_std: float = 0.1) -> Target:
+    """A random model of the default target's exact shape (``layers`` fewer for a quick CPU run). The tied
+    embeddings get std ``embed_std`` (not the usual 0.02) so that next-token distributions are peaked as a
+    trained model's are: with near-uniform ones over 49152 ids, top-k cells would be near-ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny import make_tokenizer
+    cfg = dict(DEFAULT_SHAPE)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg, initializer_range=0.02)).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0, embed_std)
+    model.to(device=dev, dtype=dtype)
+    tok = make_tokenizer(96)
+    return Target(model=model, tokenizer=tok, name="smollm2-135m-shape-random", path=Path("<random-default-shape>"),
+                  fingerprint=fingerprint(model, tok))
+
+
+def _randomize(module: torch.nn.Module, seed: int, std: float = 0.5) -> None:
+    """Every trainable matrix random (fan-in scaled), so that every path through the drafter matters."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.normal_(0, std * 3 / p.shape[1] ** 0.5)
+
+
+def _kind(target: Target, kind: str, seed: int, keep: int | None = None, randomize: bool = True, **fields):
+    """A registered kind's module for ``target`` (random weights), pruned to ``keep`` ids when given, on the
+    target's device and dtype, as the decoder's drafter."""
+    p = next(target.model.parameters())
+    m = registry.get(kind).for_target(target, **({"vocab_keep": keep} if keep else {}), **fields)
+    if randomize:
+        _randomize(m, seed)
+    if keep:
+        g = torch.Generator().manual_seed(seed)
+        m.set_draft_vocab(torch.randperm(target.vocab_size, generator=g)[:keep].sort().values)
+    m = m.to(device=p.device, dtype=p.dtype).eval()
+    return m
+
+
+def drafters(target: Target, which: list[str] | None = None) -> dict:
+    """Every decoder drafter, by name: name -> builder() (built lazily, so one that fails is one failed case)."""
+    from draftsmith.drafters.kangaroo.decode import early_exit_drafter
+    from draftsmith.drafters.suffix.drafter import PromptLookupDrafter, SuffixDrafter
+    from draftsmith.drafters.suffix.index import SuffixConfig, SuffixIndex
+
+    L = int(target.config.num_hidden_layers)
+    V = target.vocab_size
+    keep = max(4, V // 6) if V > 6 else 4  # tiny: 4 of 6 ids; default shape: 8192 of 49152, as the recipes
+    aux = [1, L // 2, L - 1] if L >= 4 else [0, 1, L - 1]
+
+    def fp(m, name, **kw):
+        return m.decoder_drafter(target, target.fingerprint, name, **kw)
+
+    def suffix():
+        cfg = SuffixConfig(max_spec_factor=3, min_token_prob=0.05, tree=True)
+        g = SuffixIndex(cfg)
+        plain = SpeculativeDecoder(target, sampling=SamplingParams(1.0))
+        for i in range(6):  # the target's own sampled answers: drafts often, not always, accepted
+            g.add_response(plain.generate([1, 3, 4, 3], 6, seed=100 + i).tokens)
+        return SuffixDrafter(cfg, g)
+
+    def own_tokenizer():
+        from draftsmith.drafters.own_tokenizer.decode import TLIDrafter
+        from draftsmith.drafters.own_tokenizer.model import VocabBridge
+        from tests.test_own_tokenizer import hand_tokenizer
+        from tests.tiny import make_tiny_model
+        tk = hand_tokenizer()
+        m = make_tiny_model(vocab_size=tk.get_vocab_size(), seed=7, init_std=0.5, layers=1)
+        p = next(target.model.parameters())
+        m.to(device=p.device, dtype=p.dtype)
+        return TLIDrafter(m, VocabBridge(target.tokenizer, tk, V), target.fingerprint, "own-tokenizer TLI")
+
+    def standalone_rdk():
+        m = _kind(target, "standalone", 5, keep=keep, randomize=True, init="scratch", num_layers=1, rdk=True)
+        kept = m.draft_head.kept_ids.cpu()
+        pruned = [i for i in range(V) if i not in set(kept.tolist())][:2]
+        parent = torch.full((V,), -1, dtype=torch.long)
+        weight = torch.zeros(V)
+        for j, i in enumerate(pruned):  # a fixed, non-trivial affinity: pruned ids attached to a kept id
+            parent[i], weight[i] = int(kept[0]), 0.3 - 0.1 * j
+        m.rdk.set(kept, parent, weight)
+        return fp(m.to(next(target.model.parameters()).device), "standalone-rdk")
+
+    out = {
+        "medusa": lambda: fp(_kind(target, "medusa", 3, num_heads=2, num_layers=1), "medusa"),
+        "medusa-pruned": lambda: fp(_kind(target, "medusa", 3, keep=keep, num_heads=2, num_layers=1), "medusa"),
+        "hydra": lambda: fp(_kind(target, "hydra", 4, num_heads=2, num_layers=1), "hydra"),
+        "hydra++": lambda: fp(_kind(target, "hydra", 4, keep=keep, num_heads=2, num_layers=2, prefix_layer=True),
+                              "hydra++"),
+        "kangaroo": lambda: fp(_kind(target, "kangaroo", 6, exit_layer=1, adapter_mlp=True), "kangaroo"),
+        "kangaroo-pruned": lambda: fp(_kind(target, "kangaroo", 6, keep=keep, exit_layer=1), "kangaroo"),
+        "standalone": lambda: fp(_kind(target, "standalone", 5, randomize=False, init="target", num_layers=1),
+                                 "standalone"),
+        "standalone-rdk": standalone_rdk,
+        "eagle3": lambda: fp(_kind(target, "eagle3", 1, keep=keep, aux_layers=aux), "eagle3"),
+        "own-tokenizer": own_tokenizer,
+        "first-layers:1": lambda: first_layers_drafter(target, 1),
+        "early-exit:1": lambda: early_exit_drafter(target, 1),
+        "suffix": suffix,
+        "prompt-lookup": lambda: PromptLookupDrafter(k=2, max_ngram=2),
+    }
+    return {k: v for k, v in out.items() if which is None or k in which}
+
+
+def decoder(target: Target, drafter, mode: str, sampling: SamplingParams, acceptance: str = "exact"):
+    kw = dict(MODES[mode])
+    try:
+        return SpeculativeDecoder(target, drafter, sampling=sampling, acceptance=acceptance, **kw)
+    except ValueError as e:
+        if "chains only" in str(e) or "not supported" in str(e):
+            raise NotApplicable(str(e)) from None
+        raise
+
+
+# ------------------------------------------------------------------------------------------------ losslessness
+def _bound(spread: float, n_new: int, temperature: float) -> float:
+    """TV the forwards' own disagreement allows (tests/test_dtype.py): n positions, each within e^(2 eps/T) - 1."""
+    if spread == 0.0:
+        return 1e-9
+    if temperature == 0.0:
+        return math.inf  # greedy with disagreeing rows: the reference is ambiguous (reported, not judged)
+    return 1e-9 + 2 * n_new * (math.exp(2 * spread / temperature) - 1)
+
+
+@torch.no_grad()
+def enumerate_case(target: Target, dec, prompt: list[int], n_new: int, cache_free_ref: dict | None) -> dict:
+    """The decoder's exact distribution against (a) the distribution of the rows its own verification forwards
+    computed (lossless in the forward's dtype: within the rounding bound of their disagreement) and (b) when
+    given, the cache-free float64 reference (TV < 1e-9 on CPU; a GPU's float64 kernels may sum in another
+    order, so < 1e-6 there, three orders under what a lossy rule gives)."""
+    rows = record_forwards(dec)
+    got = exact_distribution(dec, prompt, n_new)
+    s = dec.sampling
+    ref, spread, missing = forwards_distribution(
+        rows, prompt, n_new, s, dec.eos,
+        lambda seq: target.model(torch.tensor([list(seq)], device=dec.device)).logits[0, -1])
+    tv_own = total_variation(got, ref)
+    bound = _bound(spread, n_new, s.temperature)
+    if dec.dtype == torch.float64:  # `record_forwards` keeps the rows in float32: their rounding, ~1e-7 relative
+        bound = max(bound, 1e-6)
+    out = {"outcomes": len(got), "mass": round(sum(got.values()), 12), "tv_own": tv_own, "bound": bound,
+           "spread": spread, "missing": missing, "forward_rows": sum(len(v) for v in rows.values())}
+    ok = abs(sum(got.values()) - 1) < 1e-9 and missing == 0 and tv_own <= bound
+    if cache_free_ref is not None:
+        out["tv_cache_free"] = total_variation(got, cache_free_ref)
+        ok = ok and out["tv_cache_free"] < (1e-9 if dec.device.type == "cpu" else 1e-6)
+    out["ok"] = ok
+    return out
+
+
+class Lazy:
+    """Targets and drafters by key, built on first use (one that fails to build fails the cases that need it)."""
+
+    def __init__(self):
+        self.made: dict = {}
+
+    def get(self, key, build):
+        if key not in self.made:
+            self.made[key] = build()
+        return self.made[key]
+
+
+def section_exact(ck: Check, dev: torch.device, quick: bool, dtypes: list[str]) -> None:
+    """Exact enumeration on the tiny model, in tiers so that a short budget still covers every drafter: (1) every
+    drafter in every mode at T=0.8 in the first dtype, (2) every drafter's chain and the head kinds' trees in the
+    others, (3) greedy and top-k/top-p."""
+    prompt, n_new = [1, 3, 4, 3], 3
+    samplings = {"T0.8": SamplingParams(0.8), "topk4-topp0.95": SamplingParams(1.0, top_k=4, top_p=0.95),
+                 "greedy": SamplingParams(0.0)}
+    names = list(drafters(tiny_target(torch.device("cpu"), torch.float32)))
+    first, rest = dtypes[0], dtypes[1:]
+    plan = [(first, n, m, "T0.8") for n in names for m in MODES] + [(first, "typical", "static", "T0.8")]
+    for d in rest:
+        plan += [(d, n, "chain", "T0.8") for n in names]
+        plan += [(d, n, m, "T0.8") for n in ("medusa", "hydra++", "eagle3") for m in ("static", "dynamic")]
+        plan += [(d, "typical", "static", "T0.8")]
+    for d in dtypes:
+        plan += [(d, n, "chain", "greedy") for n in names]
+        plan += [(d, n, m, "greedy") for n in ("medusa-pruned", "eagle3") for m in ("static", "dynamic")]
+        plan += [(d, n, "chain", "topk4-topp0.95") for n in ("medusa-pruned", "eagle3", "standalone-rdk",
+                                                             "own-tokenizer", "suffix", "kangaroo")]
+        plan += [(d, n, m, "topk4-topp0.95") for n in ("hydra++", "eagle3") for m in ("static", "dynamic")]
+    if quick:
+        plan = [p for p in plan if p[3] == "T0.8" and p[1] in ("medusa", "hydra++", "eagle3", "suffix", "typical")]
+        plan = plan[:8] + [p for p in plan if p[1] == "typical"]
+    targets, refs, built = Lazy(), {}, Lazy()
+    for dname, name, mode, sname in plan:
+        control = name == "typical"  # Medusa's typical acceptance: lossy at T > 0, and must be caught
+        title = (f"exact {dname} typical-acceptance is caught (negative control)" if control
+                 else f"exact {dname} {name} {mode} {sname}")
+        with ck.case(title, kind="medusa" if control else name, mode=mode, sampling=sname, dtype=dname) as rec:
+            if rec is None:
+                continue
+            target = targets.get(dname, lambda: tiny_target(dev, DTYPES[dname]))
+            ref = None
+            if DTYPES[dname] == torch.float64:
+                if (dname, sname) not in refs:
+                    s = samplings[sname]
+                    refs[(dname, sname)] = target_distribution(target, prompt, n_new, s.temperature, s.top_k, s.top_p)
+                ref = refs[(dname, sname)]
+            builders = drafters(target)
+            d = built.get((dname, "medusa" if control else name), builders["medusa" if control else name])
+            dec = decoder(target, d, mode, samplings[sname], acceptance="typical" if control else "exact")
+            r = enumerate_case(target, dec, prompt, n_new, ref)
+            if control:
+                rec.update({k: v for k, v in r.items() if k != "ok"})
+                rec["ok"] = not r["ok"] and r["tv_own"] > 1e-3
+            else:
+                rec.update(r)
+    # the decoders' default forward (`--forward compile`, inductor) on this device, losslessness through it
+    with ck.case(f"exact {dtypes[0]} compiled forward: medusa static T0.8", kind="medusa", mode="static",
+                 sampling="T0.8", dtype=dtypes[0], forward="compile", need_s=30) as rec:
+        if rec is not None:
+            target = tiny_target(dev, DTYPES[dtypes[0]])
+            use_fast_forward(target, "compile", autotune=False)
+            dec = decoder(target, drafters(target)["medusa"](), "static", samplings["T0.8"])
+            ref = refs.get((dtypes[0], "T0.8"))
+            t0 = time.perf_counter()
+            rec.update(enumerate_case(target, dec, prompt, n_new, ref), compile_s=target.fast_body.compile_s)
+            rec["compiled_used"] = dec.fast is target.fast_body and bool(target.fast_body._seen)
+            rec["enumerate_s"] = time.perf_counter() - t0
+            if ref is not None:  # compiled norms round like fp32 ones (tests/test_decoder_enumeration.py): 8.7e-7
+                # measured on an AVX2 EPYC; 1e-5 is two orders under what a lossy rule gives (> 1e-3)
+                rec["ok"] = rec["tv_own"] <= rec["bound"] and rec["tv_cache_free"] < 1e-5 and rec["compiled_used"]
+            else:
+                rec["ok"] = rec["ok"] and rec["compiled_used"]
+
+
+def section_shape(ck: Check, dev: torch.device, quick: bool, dtypes: list[str], samples: int) -> None:
+    """The default target's shape, random weights: exact enumeration under top-k 3 (27 outcomes of 3 tokens),
+    Monte Carlo chi-square at T=0.8, greedy equality; in tiers across the dtypes."""
+    from draftsmith.eval.mc_lossless import mc_lossless
+
+    layers = 4 if quick else None
+    prompt = [1, 40, 41, 42, 43, 44, 45, 1, 46]  # any ids: the tokenizer is a stand-in
+    names = ["medusa", "hydra++", "eagle3", "first-layers:1", "standalone", "kangaroo", "suffix"]
+    enum1 = [("medusa", "dynamic"), ("hydra++", "static"), ("eagle3", "chain")]
+    enum2 = [("eagle3", "static"), ("first-layers:1", "chain"), ("kangaroo", "chain"), ("standalone", "static"),
+             ("suffix", "chain")]
+    mc = [("first-layers:1", "chain"), ("eagle3", "dynamic"), ("hydra++", "static")]
+    plan = []
+    for d in dtypes:
+        plan += [(d, "exact", n, m) for n, m in enum1] + [(d, "mc", n, m) for n, m in mc[:2]] + [(d, "greedy", "", "")]
+    for d in dtypes:
+        plan += [(d, "exact", n, m) for n, m in enum2] + [(d, "mc", n, m) for n, m in mc[2:]]
+    if quick:
+        plan = [p for p in plan if p in [(dtypes[0], "exact", *enum1[0]), (dtypes[0], "mc", *mc[0]),
+                                         (dtypes[-1], "greedy", "", "")]]
+    targets, built = Lazy(), Lazy()
+    topk = SamplingParams(1.0, top_k=3)
+    n_mc = 60 if quick else samples
+    for dname, what, name, mode in plan:
+        title = {"exact": f"shape {dname} exact top-k3 {name} {mode}", "mc": f"shape {dname} Monte Carlo T0.8 "
+                 f"{name} {mode} ({n_mc} samples)", "greedy": f"shape {dname} greedy equality with plain decoding"}
+        with ck.case(title[what], kind=name or None, mode=mode or None, dtype=dname, need_s=5) as rec:
+            if rec is None:
+                continue
+            target = targets.get(dname, lambda: shape_target(dev, DTYPES[dname], layers=layers))
+            builders = drafters(target, names)
+            if what == "exact":
+                dec = decoder(target, built.get((dname, name), builders[name]), mode, topk)
+                rec.update(enumerate_case(target, dec, prompt, 3, None))
+            elif what == "mc":
+                dec = decoder(target, built.get((dname, name), builders[name]), mode, SamplingParams(0.8))
+                r = mc_lossless(dec, prompt, 3, n_mc, seed=0)
+                rec.update(r)
+                rec["ok"] = r["p_value"] > 1e-3 and r["drafted"] > 0
+            else:
+                rec.update(greedy_equality(target, {k: built.get((dname, k), builders[k]) for k in names}, prompt,
+                                           24 if quick else 48))
+    del targets, built
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def greedy_equality(target: Target, drafters_by_name: dict, prompt: list[int], n_new: int) -> dict:
+    """Greedy speculative decoding against plain greedy decoding, per drafter and mode: equal tokens, or the
+    first divergence with the top-2 logit gap plain decoding saw there (a near-tie that rounding decides is
+    not a loss in this dtype: the decoder is lossless w.r.t. its own verification forwards)."""
+    plain = SpeculativeDecoder(target, sampling=SamplingParams(0.0)).generate(prompt, n_new)
+    ref = plain.tokens
+    res, worst_gap = {}, 0.0
+    max_logit = float(target.model(torch.tensor([prompt + ref], device=next(target.model.parameters()).device)
+                                   ).logits[0].float().abs().max())
+    for name, d in drafters_by_name.items():
+        for mode in MODES:
+            try:
+                dec = decoder(target, d, mode, SamplingParams(0.0))
+            except NotApplicable:
+                continue
+            got = dec.generate(prompt, n_new)
+            acc = sum(s.accepted for s in got.steps)
+            if got.tokens == ref:
+                res[f"{name} {mode}"] = f"equal ({acc} accepted)"
+                continue
+            i = next(j for j, (a, b) in enumerate(zip(got.tokens + [-1], ref + [-2])) if a != b)
+            lg = target.model(torch.tensor([prompt + ref[:i]], device=dec.device)).logits[0, -1].float()
+            top = torch.topk(lg, 2).values
+            gap = float(top[0] - top[1])
+            worst_gap = max(worst_gap, gap)
+            res[f"{name} {mode}"] = f"diverges at {i} (top-2 gap {gap:.3g})"
+    equal = sum(v.startswith("equal") for v in res.values())
+    # a divergence is a failure unless plain decoding's own top-2 gap there is a tie that rounding decides: a few
+    # units in the last place of the logits' magnitude in the model's dtype (bf16: 2^-8 relative)
+    dt = next(target.model.parameters()).dtype
+    ulp = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}.get(dt, 2.0 ** -20)
+    tie = 4 * ulp * max(1.0, max_logit)
+    return {"equal": equal, "runs": len(res), "results": res, "largest_divergence_gap": worst_gap, "tie_gap": tie,
+            "ok": equal == len(res) or worst_gap <= tie}
+
+
+# ------------------------------------------------------------------------------------------------ step costs
+RECIPES = ("quickstart", "compare-medusa", "compare-hydra-pp", "eagle3", "kangaroo", "standalone",
+           "standalone-pruned")
+
+
+def recipe_drafter(name: str, target: Target, seed: int = 0):
+    """The drafter a recipe trains, built for ``target`` with its initial weights (a pruned one keeps random ids):
+    its cost is its shape's, whatever the weights."""
+    from draftsmith.recipe import load_recipe
+    from draftsmith.train.trainer import build_drafter
+    from draftsmith.common.vocab import draft_head
+    r = load_recipe(name)
+    m = build_drafter(r, target)
+    dh = draft_head(m)
+    if dh is not None:
+        g = torch.Generator().manual_seed(seed)
+        m.set_draft_vocab(torch.randperm(target.vocab_size, generator=g)[: len(dh.kept_ids)].sort().values)
+    p = next(target.model.parameters())
+    m = m.to(device=p.device, dtype=p.dtype).eval()
+    return r, m.decoder_drafter(target, target.fingerprint, name)
+
+
+@torch.no_grad()
+def graph_forward_times(target: Target, rows: list[int], capacity: int, repeats: int) -> dict:
+    """Our static-shape forward (body only) captured once per row count as a CUDA graph and replayed: what a
+    decoder step would cost without the CPU's kernel launches. Every shape is static as in the compiled path: the
+    rows attend over the cache's whole capacity (slots past the live length masked out), so one graph per row
+    count serves every context. Returns {rows: median seconds of a replay}."""
+    from draftsmith.engine.kvcache import SlotCache
+    fb = target.fast_body
+    core, dev = fb.core, next(target.model.parameters()).device
+    cache = SlotCache.for_model(target.model, capacity)
+    kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    pool = torch.cuda.graph_pool_handle()
+    out = {}
+    for n in rows:
+        c = capacity - n  # the live context: everything before these rows
+        ids = torch.randint(3, target.vocab_size, (1, n), device=dev)
+        cos, sin = core.rope(torch.arange(c, c + n, device=dev)[None])
+        mask = torch.zeros(1, 1, n, capacity, dtype=fb.dtype, device=dev)
+        mask[0, 0, :, c:] = torch.finfo(fb.dtype).min
+        mask[0, 0, :, c:] = mask[0, 0, :, c:].triu(1)  # causal among the n rows
+        slots = torch.arange(c, c + n, device=dev)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                core(ids, cos, sin, mask, slots, kv, logits=False)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            core(ids, cos, sin, mask, slots, kv, logits=False)
+        times = []
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        out[n] = sorted(times)[len(times) // 2]
+        del g
+    return out
+
+
+def section_costs(ck: Check, dev: torch.device, quick: bool, dtypes: list[str], out: Path, hardware: str,
+                  command: str) -> None:
+    from draftsmith.sim.calibrate import Calibrator, ForwardTimer
+    from draftsmith.sim.profile import Profile
+
+    rows = [1, 2, 4, 8, 16, 32] if quick else [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    contexts = [0, 64] if quick else [0, 128, 512, 1024, 2048]
+    repeats = 2 if quick else 5
+    # the calibration decoders' forwards: prefills of these prompts (<= 32 rows) and steps of <= 8 rows
+    cal_rows = [r for r in rows if r <= 32]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 96, (int(n),), generator=g).tolist() for n in ([12, 16] if quick else [24, 28, 32])]
+    for dname in dtypes:
+        try:
+            target = shape_target(dev, DTYPES[dname], layers=4 if quick else None)
+        except Exception as e:  # noqa: BLE001
+            with ck.case(f"costs {dname} build", force=True):
+                raise e
+            continue
+        tables = {}
+        for forward in ("eager", "fast"):  # the model's own forward | our static-shape forward, eagerly
+            use_fast_forward(target, forward)
+            with ck.case(f"costs {dname} forward table ({forward})", dtype=dname, forward=forward) as rec:
+                if rec is None:
+                    continue
+                timer = ForwardTimer(target, rows, contexts)
+                for _ in range(repeats):
+                    timer.round()
+                tables[forward] = timer.table()
+                t = tables[forward]
+                one = t.seconds[0][0] + t.head_seconds[0]
+                rec.update(one_row_ms=1e3 * one, **{
+                    f"rows{r}_ctx{c}_x": (t.seconds[ci][ri] + t.head_seconds[ri]) / one
+                    for ci, c in enumerate(t.contexts) for ri, r in enumerate(t.rows)
+                    if r in (4, 8, 16, 64, 256) and c in (0, contexts[-1])},
+                    table={"rows": t.rows, "contexts": t.contexts, "seconds": t.seconds,
+                           "head_seconds": t.head_seconds})
+        use_fast_forward(target, "fast")
+        with ck.case(f"costs {dname} forward (fast, CUDA graph replay, body only)", dtype=dname) as rec:
+            if rec is not None:
+                if dev.type != "cuda":
+                    raise NotApplicable("CUDA graphs need a CUDA device")
+                gr = graph_forward_times(target, [r for r in rows if r <= 32], contexts[-1] + 32, 20)
+                t = tables.get("fast")
+                rec.update(body_s={str(k): v for k, v in gr.items()}, one_row_ms=1e3 * gr[1])
+                if t is not None:  # the same rows eagerly (body only), at the largest context
+                    rec["eager_over_graph"] = {str(r): t.seconds[-1][t.rows.index(r)] / v for r, v in gr.items()}
+        # each recipe's drafter: chains of several lengths, a tree for the heads, batched chains; fitted
+        profile, overhead = None, None
+        for name in (RECIPES[:2] if quick else RECIPES) if dname == dtypes[0] else ():
+            with ck.case(f"costs {dname} drafter {name}", dtype=dname, drafter=name, need_s=5) as rec:
+                if rec is None:
+                    continue
+                recipe, dd = recipe_drafter(name, target)
+                tree = [(0,), (1,), (0, 0), (2,), (0, 1), (0, 0, 0), (1, 0)] if getattr(dd, "supports_trees", True) \
+                    and recipe.drafter.kind in ("hydra", "medusa", "eagle3") else None
+                try:
+                    cal = Calibrator(target, name=f"gpu-{dname}", hardware=hardware, drafter=dd, drafter_name=name,
+                                     tree=tree, tree_depth=3 if tree else None, ks=(1, 2, 4), batch_sizes=(2, 4),
+                                     max_new_tokens=16 if quick else 32, rows=cal_rows, contexts=contexts[:2])
+                    batched = True
+                except ValueError as e:  # a drafter the batched decoder does not take
+                    cal = Calibrator(target, name=f"gpu-{dname}", hardware=hardware, drafter=dd, drafter_name=name,
+                                     tree=tree, tree_depth=3 if tree else None, ks=(1, 2, 4), batch_sizes=(),
+                                     max_new_tokens=16 if quick else 32, rows=cal_rows, contexts=contexts[:2])
+                    batched, rec["batched"] = False, f"not measured: {e}"
+                for i in range(2 if quick else 3):
+                    cal.round(prompts, i)
+                prof, rep = cal.fit()
+                d = prof.drafters.get(name)
+                rec.update(pass_ms=1e3 * d.pass_s if d else None, step_ms=1e3 * d.step_s if d else None,
+                           node_ms=1e3 * d.node_s if d else None, overhead_step_ms=1e3 * prof.overhead.step_s,
+                           residual_rms_ms=1e3 * rep["residual_rms_s"], runs=rep["runs"], batched_fit=batched)
+                if d is not None:
+                    if profile is None:
+                        profile, overhead = {}, prof.overhead
+                    profile[name] = d
+        if "fast" in tables:
+            prof = Profile(
+                name=f"{_gpu_slug(hardware)}-smollm2-shape-{dname}", hardware=hardware, source=command,
+                assumptions=[
+                    "MEASURED on the machine named in hardware, with a random model of SmolLM2-135M-Instruct's exact "
+                    "shape (weights do not change a step's cost); forward times: medians of interleaved rounds, "
+                    "our static-shape forward run eagerly (engine/fastpath.py, --forward fast); contexts beyond the "
+                    "table are clamped to its largest",
+                    "drafters: each recipe's drafter with its initial weights, cost fitted by least squares on "
+                    "decoding runs (draftsmith.sim.calibrate); host overheads from the first recipe's fit"],
+                target={"name": "smollm2-135m-instruct", "vocab_size": int(target.vocab_size),
+                        "shape": "random weights of the default target's shape"},
+                forward=tables["fast"], overhead=overhead or Profile.model_fields["overhead"].default,
+                drafters=profile or {})
+            path = prof.save(out / f"gpu_profile_{dname}.yaml")
+            ck.data.setdefault("profiles", {})[dname] = str(path)
+            print(f"  profile written: {path}", flush=True)
+        del target
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _gpu_slug(hardware: str) -> str:
+    s = "".join(c if c.isalnum() else "-" for c in hardware.lower())
+    return "-".join(w for w in s.split("-") if w)[:40]
+
+
+# ------------------------------------------------------------------------------------------------ training
+def random_sequences(n: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
+    """Token rows for a training cache: random ids (the costs do not depend on them), the first eighth a prompt."""
+    g = torch.Generator().manual_seed(seed)
+    p = max(1, length // 8)
+    return [{"ids": torch.randint(3, vocab, (length,), generator=g).tolist(), "mask": [0] * p + [1] * (length - p)}
+            for _ in range(n)]
+
+
+def section_train(ck: Check, dev: torch.device, quick: bool, work: Path) -> None:
+    from draftsmith.recipe import load_recipe, parse_recipe
+    from draftsmith.train.cache import build_cache
+    from draftsmith.train.trainer import train
+
+    target = shape_target(dev, torch.float32, layers=4 if quick else None)
+    L = int(target.config.num_hidden_layers)
+    recipes = {}
+    for name in RECIPES:
+        r = load_recipe(name)
+        raw = r.model_dump(mode="json")
+        raw["drafter"] = {k: v for k, v in raw["drafter"].items() if v is not None}
+        if raw["drafter"]["kind"] == "eagle3" and L < 30:  # the quick run's shallower model
+            raw["drafter"]["aux_layers"] = [1, L // 2, L - 1]
+        recipes[name] = raw
+    if not quick:
+        bf = json.loads(json.dumps(recipes["quickstart"]))
+        bf["train"]["mixed_precision"] = "bf16"
+        recipes["quickstart (bf16 autocast)"] = bf
+    needs = []
+    for raw in recipes.values():
+        for nd in registry.get(raw["drafter"]["kind"]).cache_needs(raw["drafter"]):
+            if nd not in needs:
+                needs.append(nd)
+    n, length = (6, 128) if quick else (48, 1024)
+    cache_dir = work / "train-cache"
+    with ck.case("train cache of random sequences", needs=needs, sequences=n, length=length) as rec:
+        if rec is None:
+            return
+        t0 = time.perf_counter()
+        build_cache(target, random_sequences(n, length, target.vocab_size), needs, cache_dir, dtype="float16")
+        sync(dev)
+        rec.update(tokens=n * length, tokens_per_s=n * length / (time.perf_counter() - t0),
+                   disk_mb=round(sum(f.stat().st_size for f in cache_dir.rglob("*") if f.is_file()) / 2**20, 1))
+    if rec.get("status") != "pass":
+        return
+    steps = 3 if quick else 12
+    for i, (name, raw) in enumerate(recipes.items()):
+        with ck.case(f"train {name}", kind=raw["drafter"]["kind"], need_s=8) as rec:
+            if rec is None:
+                continue
+            raw = json.loads(json.dumps(raw))
+            raw.update(name=f"gpucheck-{i}", output_dir=str(work / f"train-{i}"))
+            raw.pop("shared_data", None)
+            raw["train"].update(max_steps=steps, tracker="none", save_every=10_000, log_every=steps)
+            if quick:
+                raw["train"].update(batch_size=2, chunk_len=min(raw["train"]["chunk_len"], 64), grad_accum=1)
+            recipe = parse_recipe(raw)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+            _, timing = train(recipe, target, cache_dir, recipe.out, resume=False)
+            sync(dev)
+            t = recipe.train
+            rec.update(steps=timing["steps"], batch=f"{t.batch_size}x{t.chunk_len}x{t.grad_accum}",
+                       positions=timing["positions"], wall_s=timing["wall_s"],
+                       positions_per_s=timing["positions"] / timing["wall_s"],
+                       math_share=timing["math_s"] / timing["wall_s"], mixed_precision=t.mixed_precision or "no")
+            if dev.type == "cuda":
+                rec.update(peak_mem_mb=round(torch.cuda.max_memory_allocated(dev) / 2**20),
+                           peak_over_target_mb=round((torch.cuda.max_memory_allocated(dev) - base) / 2**20))
+            shutil.rmtree(recipe.out, ignore_errors=True)
+    del target
+
+
+def section_launch(ck: Check, dev: torch.device, quick: bool, work: Path) -> None:
+    """One ``accelerate launch -m draftsmith.cli train RECIPE`` on a saved random default-shape target (a local
+    Hugging Face directory, as users bring) and a cache written for it."""
+    from draftsmith.target import load_target
+    from draftsmith.train.cache import build_cache
+
+    tdir, run = work / "launch-target", work / "launch-run"
+    with ck.case("launch: save the random default-shape target as a local model directory") as rec:
+        if rec is None:
+            return
+        t = shape_target(torch.device("cpu"), torch.float32, layers=4 if quick else None)
+        t.model.save_pretrained(tdir)
+        t.tokenizer.save_pretrained(tdir)
+        loaded = load_target(tdir, device=dev)
+        build_cache(loaded, random_sequences(8, 128, loaded.vocab_size, seed=3), ["final"], run / "cache" / "train",
+                    dtype="float16")
+        rec.update(target=str(tdir), fingerprint=loaded.fingerprint)
+        del t, loaded
+    if rec is None or rec.get("status") != "pass":
+        return
+    recipe = {"name": "launch", "target": str(tdir), "output_dir": str(run),
+              "drafter": {"kind": "hydra", "num_heads": 2, "num_layers": 1},
+              "train": {"max_steps": 2, "batch_size": 4, "chunk_len": 64, "tracker": "none", "save_every": 2,
+                        "log_every": 1, "warmup_steps": 1, "calibration_every": 0}}
+    rpath = work / "launch.yaml"
+    import yaml
+    rpath.write_text(yaml.safe_dump(recipe))
+    base = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+            "--dynamo_backend", "no"]
+    if dev.type == "cuda":
+        variants = {"gpu_ddp.yaml, 1 process": base[:3] + ["--config_file", "recipes/launch/gpu_ddp.yaml",
+                                                             "--num_processes", "1"]}
+    else:
+        variants = {"cpu_single.yaml": base[:3] + ["--config_file", "recipes/launch/cpu_single.yaml"]}
+    for what, cmd in variants.items():
+        with ck.case(f"launch: accelerate launch ({what}) -m draftsmith.cli train", need_s=20) as rec:
+            if rec is None:
+                continue
+            shutil.rmtree(run / "checkpoints", ignore_errors=True)
+            full = cmd + ["-m", "draftsmith.cli", "train", str(rpath), "--fresh"]
+            t0 = time.perf_counter()
+            p = subprocess.run(full, capture_output=True, text=True, timeout=max(30, ck.time_left()))
+            rec.update(rc=p.returncode, wall_s=time.perf_counter() - t0, command=" ".join(full),
+                       tail=(p.stdout + p.stderr)[-1500:])
+            rec["checkpoint"] = (run / "final" / "model.safetensors").exists()
+            rec["ok"] = p.returncode == 0 and rec["checkpoint"]
+
+
+# ------------------------------------------------------------------------------------------------ main
+def environment(dev: torch.device) -> dict:
+    import transformers
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    if dev.type == "cuda":
+        pr = torch.cuda.get_device_properties(dev)
+        env.update(gpu=torch.cuda.get_device_name(dev), gpu_memory_gb=round(pr.total_memory / 2**30, 1),
+                   sms=pr.multi_processor_count, cuda=torch.version.cuda, bf16=torch.cuda.is_bf16_supported())
+        try:
+            import accelerate
+            env["accelerate"] = accelerate.__version__
+        except ImportError:
+            env["accelerate"] = None
+    return env
+
+
+def summary(data: dict) -> str:
+    cases = data["cases"]
+    by: dict = {}
+    for c in cases:
+        by.setdefault(c["section"], {}).setdefault(c["status"], 0)
+        by[c["section"]][c["status"]] += 1
+    lines = ["", f"gpu_check on {data['env'].get('gpu') or data['env']['cpu']} ({data['device']}), "
+             f"{data['elapsed_s']:.0f} s:"]
+    lines += [f"  {s:7s} " + ", ".join(f"{n} {k}" for k, n in sorted(v.items())) for s, v in by.items()]
+    bad = [c for c in cases if c["status"] in ("fail", "error")]
+    for c in bad[:30]:
+        what = c.get("error") or {k: c[k] for k in c if k.startswith("tv") or k in ("p_value", "results", "tail")}
+        lines.append(f"  {c['status'].upper()}: {c['name']}: {str(what)[:400]}")
+    tr = [c for c in cases if c["section"] == "train" and c.get("positions_per_s")]
+    if tr:
+        lines.append("  training positions/s (peak MB): " + ", ".join(
+            f"{c['name'][6:]} {c['positions_per_s']:.0f} ({c.get('peak_mem_mb', '-')})" for c in tr))
+    for c in cases:
+        if c["section"] == "costs" and "one_row_ms" in c:
+            lines.append(f"  {c['name']}: 1 row {c['one_row_ms']:.2f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    ap.add_argument("--quick", action="store_true", help="small shapes and few cases: the CPU rehearsal")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="the whole run's time; sections share it")
+    ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    ap.add_argument("--samples", type=int, default=600, help="Monte Carlo samples per method (default shape)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = Path(a.out)
+    ck = Check(out, a.budget_s, str(dev))
+    ck.data["env"] = environment(dev)
+    ck.data["command"] = " ".join([Path(sys.executable).name, "-m", "benchmarks.gpu_check", *(argv or sys.argv[1:])])
+    ck.data["quick"] = a.quick
+    print(json.dumps(ck.data["env"]), flush=True)
+    hardware = ck.data["env"].get("gpu") or f"CPU {ck.data['env']['cpu']}"
+    bf16 = dev.type == "cpu" or torch.cuda.is_bf16_supported()
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 (the default; said once here)
+    try:
+        todo = list(a.sections)
+        for s in list(todo):
+            ck.begin(s, todo)
+            try:
+                if s == "exact":
+                    section_exact(ck, dev, a.quick, ["float64"] + (["bfloat16"] if bf16 else []))
+                elif s == "shape":
+                    section_shape(ck, dev, a.quick, ["float32"] + (["bfloat16"] if bf16 else []), a.samples)
+                elif s == "costs":
+                    section_costs(ck, dev, a.quick, (["bfloat16"] if bf16 else []) + ["float32"], out, hardware,
+                                  ck.data["command"])
+                elif s == "train":
+                    section_train(ck, dev, a.quick, work)
+                elif s == "launch":
+                    section_launch(ck, dev, a.quick, work)
+            except Exception as e:  # noqa: BLE001 -- a section that breaks outside a case is recorded too
+                with ck.case(f"{s}: section", force=True, section_error=True):
+                    raise e
+            ck.end()
+            todo.remove(s)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        ck.save()
+    print(summary(ck.data), flush=True)
+    return 0 if not any(c["status"] in ("fail", "error") for c in ck.data["cases"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
