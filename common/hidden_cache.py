@@ -50,10 +50,16 @@ def target_states(target: Target, ids: torch.Tensor, attn: torch.Tensor, needs: 
     return res
 
 
+def head_logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of ``hidden`` through ``head``, computed where the head lives and returned where the states
+    are: a target on a GPU projects states read from the cache on the CPU (the batch moves to the device later)."""
+    w = head.weight
+    return head(hidden.to(device=w.device, dtype=w.dtype)).float().to(hidden.device)
+
+
 def teacher_logits(target: Target, final_hidden: torch.Tensor) -> torch.Tensor:
-    """Target logits recomputed from cached final hidden states (fp32)."""
-    head = target.lm_head
-    return head(final_hidden.to(head.weight.dtype)).float()
+    """Target logits recomputed from cached final hidden states (fp32, on the states' device)."""
+    return head_logits(target.lm_head, final_hidden)
 
 
 @dataclass

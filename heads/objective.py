@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from draftsmith.common.vocab import draft_head
-from draftsmith.common.hidden_cache import HiddenCache, teacher_logits
+from draftsmith.common.hidden_cache import HiddenCache, head_logits, teacher_logits
 from draftsmith.common.chunks import make_chunks
 from draftsmith.common.losses import hard_ce, soft_ce, topk_hits
 
@@ -92,7 +92,7 @@ class HeadObjective:
         tl = None
         if teacher:
             tl = (teacher_logits(self.target, h) if self.teacher_head is None else
-                  self.teacher_head(h.to(self.teacher_head.weight.dtype)).float())  # rows lo .. hi+K-1
+                  head_logits(self.teacher_head, h))  # rows lo .. hi+K-1
             n = tl.shape[0]
             rows = []
             for k in range(1, self.K + 1):
