@@ -3,6 +3,7 @@
   draftsmith simulate calibrate CKPT --data TRAIN.jsonl --out PROFILE.yaml   measure this machine
   draftsmith simulate record CKPT --data TRAIN.jsonl --mode chain --out T.json  a step trace of real runs
   draftsmith simulate run TRACE.json --profile P                             a step trace under a profile
+  draftsmith simulate compare T1.json T2.json --plain P.json --profile P1 P2  speedups over plain, per profile
   draftsmith simulate replay TRACES_DIR --profile P [--drafter-cost NAME]    length policies on traces
   draftsmith simulate dsi [--heatmap PNG] [--point NAME:C:A]                 DSI vs SI vs plain
 
@@ -79,6 +80,13 @@ def add_parser(subparsers, name: str, summary: str) -> None:
     s.add_argument("--drafter-cost", default=None, help="the profile's drafter entry to price drafting with "
                    "(default: the trace's drafter name)")
     s.set_defaults(func=run_trace)
+
+    m = sub.add_parser("compare", help="step traces of several drafters under several profiles: speedups over plain")
+    m.add_argument("traces", nargs="+", help="step traces of drafters (draftsmith simulate record)")
+    m.add_argument("--plain", required=True, help="a step trace of plain decoding on the same prompts (--mode plain)")
+    m.add_argument("--profile", required=True, nargs="+", help="profiles (YAML or built-in names)")
+    m.add_argument("--out", default=None, help="JSON report")
+    m.set_defaults(func=run_compare)
 
     p = sub.add_parser("replay", help="length policies on acceptance traces (draftsmith traces) under a profile")
     p.add_argument("traces", help="trace directory written by `draftsmith traces`")
@@ -194,6 +202,66 @@ def run_trace(args) -> int:
     if "measured_cpu_tokens_per_s" in r:
         print(f"  measured (CPU time): {r['measured_cpu_tokens_per_s']:.2f} tokens/s, "
               f"error {100 * r['error_cpu']:+.1f}%")
+    return 0
+
+
+def drafter_entry(prof, trace) -> tuple[str, str]:
+    """The profile's drafter cost for a trace: its drafter's own entry, else the profile's only one (a published
+    profile's generic head), with a note saying which; an error naming the entries otherwise."""
+    if trace.drafter in prof.drafters:
+        return trace.drafter, ""
+    if len(prof.drafters) == 1:
+        only = next(iter(prof.drafters))
+        return only, f"{trace.drafter} priced as {prof.name}'s {only!r}"
+    raise ValueError(f"profile {prof.name} has no cost for drafter {trace.drafter!r} (it has "
+                     f"{sorted(prof.drafters) or 'none'}): calibrate it, or record the trace with --name ENTRY")
+
+
+def run_compare(args) -> int:
+    plain = load_step_trace(args.plain)
+    if plain.mode != "plain":
+        raise ValueError(f"--plain {args.plain} is a {plain.mode!r} trace; record one with --mode plain")
+    traces = [(t, load_step_trace(t)) for t in args.traces]
+    profiles = [load_profile(p) for p in args.profile]
+    out: dict = {"plain": args.plain, "profiles": {p.name: {"hardware": p.hardware, "source": p.source}
+                                                  for p in profiles}, "rows": []}
+    print("SIMULATED: each drafter's recorded steps (acceptance, shapes) priced by each profile, against plain "
+          "decoding's recorded steps under the same profile")
+    print("| drafter | mode | tau | " + " | ".join(f"{p.name}: tok/s, x plain, tau to break even" for p in profiles)
+          + " |")
+    print("|---|---|---|" + "---|" * len(profiles))
+    notes = set()
+    for path, tr in traces:
+        check_trace_for(tr, plain.target, f"step trace {path}")
+        steps = sum(len(r.steps) for r in tr.runs)
+        row = {"trace": path, "drafter": tr.drafter, "mode": tr.mode, "tau": tr.tokens / max(1, steps),
+               "profiles": {}}
+        cells = []
+        for prof in profiles:
+            check_trace_for(tr, prof.target, f"step trace {path}")
+            who, note = drafter_entry(prof, tr)
+            if note:
+                notes.add(note)
+            r = simulate_trace(tr, prof, who)
+            base = simulate_trace(plain, prof)
+            x = r["simulated_tokens_per_s"] / base["simulated_tokens_per_s"]
+            # the tau at which this drafter's steps (as recorded, priced here) would match plain decoding
+            even = (r["simulated_s"] / max(1, r["steps"])) / (base["simulated_s"] / max(1, base["tokens"]))
+            row["profiles"][prof.name] = {"drafter_cost": who, "tokens_per_s": r["simulated_tokens_per_s"],
+                                          "plain_tokens_per_s": base["simulated_tokens_per_s"], "speedup": x,
+                                          "break_even_tau": even}
+            cells.append(f"{r['simulated_tokens_per_s']:.1f}, {x:.2f}x, {even:.2f}")
+        out["rows"].append(row)
+        print(f"| {tr.drafter} | {tr.mode} | {row['tau']:.2f} | " + " | ".join(cells) + " |")
+    for prof in profiles:
+        print(f"plain under {prof.name}: {simulate_trace(plain, prof)['simulated_tokens_per_s']:.1f} tok/s "
+              f"({prof.hardware})")
+    for n in sorted(notes):
+        print(f"note: {n}")
+    out["notes"] = sorted(notes)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 
 

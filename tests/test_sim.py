@@ -281,3 +281,42 @@ def test_batch_aware_policy_under_a_profile():
     assert BatchAwareLength(bad, margin=0.0).choose(1) == 0  # nothing accepted: plain decoding
     pos, ratio = np.array([1, 1, 2, 2, 3]), np.array([1.0, 0.0, 1.0, 1.0, 0.5])
     assert acceptance_by_depth(pos, ratio, 4) == [0.5, 1.0, 0.5, 0.0]
+
+
+def test_cli_compare_prices_each_drafter_against_plain_under_each_profile(tmp_path, capsys):
+    from draftsmith.cli import main
+
+    lin = linear_profile()
+    lin.save(tmp_path / "lin.yaml")
+    # a second profile whose forward is twice as slow and whose only drafter entry has another name
+    slow = linear_profile(name="slow", forward=ForwardTable(rows=[1, 64], contexts=[0, 100],
+                                                            seconds=[[0.022, 0.148], [0.042, 0.168]]),
+                          drafters={"head": DrafterCost(pass_s=0.001)})
+    slow.save(tmp_path / "slow.yaml")
+    plain = [Step(rows=1, context=i, nodes=0, passes=0, accepted=0, emitted=1) for i in range(6)]
+    chain = [Step(rows=5, context=2 * i, nodes=4, passes=4, accepted=1, emitted=2) for i in range(3)]
+    StepTrace("plain", TID, None, [Run(plain, [], 6)]).save(tmp_path / "plain.json")
+    StepTrace("chain", TID, "d", [Run(chain, [], 6)]).save(tmp_path / "d.json")
+    rc = main(["simulate", "compare", str(tmp_path / "d.json"), "--plain", str(tmp_path / "plain.json"),
+               "--profile", str(tmp_path / "lin.yaml"), str(tmp_path / "slow.yaml"), "--out", str(tmp_path / "c.json")])
+    assert rc == 0
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    got = rows[0]["profiles"]
+    for prof, name in ((lin, "d"), (slow, "head")):
+        want = simulate_trace(StepTrace("chain", TID, "d", [Run(chain, [], 6)]), prof, name)["simulated_tokens_per_s"]
+        base = simulate_trace(StepTrace("plain", TID, None, [Run(plain, [], 6)]), prof)["simulated_tokens_per_s"]
+        assert got[prof.name]["drafter_cost"] == name
+        assert got[prof.name]["speedup"] == pytest.approx(want / base)
+    assert rows[0]["tau"] == pytest.approx(2.0)
+    out = capsys.readouterr().out
+    assert "d priced as slow's 'head'" in out and "| d | chain | 2.00 |" in out
+    # tau over the tau that breaks even is the speedup
+    assert all(v["speedup"] == pytest.approx(2.0 / v["break_even_tau"]) for v in got.values())
+    # a plain trace that is not plain, and a profile without the drafter among several entries, are refused
+    assert main(["simulate", "compare", str(tmp_path / "d.json"), "--plain", str(tmp_path / "d.json"),
+                 "--profile", str(tmp_path / "lin.yaml")]) != 0
+    two = linear_profile(name="two", drafters={"x": DrafterCost(pass_s=0.001), "y": DrafterCost(pass_s=0.002)})
+    two.save(tmp_path / "two.yaml")
+    assert main(["simulate", "compare", str(tmp_path / "d.json"), "--plain", str(tmp_path / "plain.json"),
+                 "--profile", str(tmp_path / "two.yaml")]) != 0
+    assert "has no cost for drafter 'd'" in capsys.readouterr().err
