@@ -347,7 +347,7 @@ class Lazy:
 def section_exact(ck: Check, dev: torch.device, quick: bool, dtypes: list[str]) -> None:
     """Exact enumeration on the tiny model, in tiers so that a short budget still covers every drafter: (1) every
     drafter in every mode at T=0.8 in the first dtype, (2) every drafter's chain and the head kinds' trees in the
-    others, (3) greedy and top-k/top-p."""
+    others, (3) greedy and top-k/top-p; then Monte Carlo chi-square on the same model, and the compiled forward."""
     prompt, n_new = [1, 3, 4, 3], 3
     samplings = {"T0.8": SamplingParams(0.8), "topk4-topp0.95": SamplingParams(1.0, top_k=4, top_p=0.95),
                  "greedy": SamplingParams(0.0)}
@@ -393,6 +393,21 @@ def section_exact(ck: Check, dev: torch.device, quick: bool, dtypes: list[str]) 
                 rec["ok"] = not r["ok"] and r["tv_own"] > 1e-3
             else:
                 rec.update(r)
+    # Monte Carlo on the tiny model too: the sampling path end to end (the decoder's own random draws), chi-square
+    from draftsmith.eval.mc_lossless import mc_lossless
+    mc_plan = [("medusa", "static"), ("eagle3", "dynamic"), ("standalone-rdk", "chain"), ("suffix", "static")]
+    for dname in dtypes:
+        for name, mode in mc_plan[:1] if quick else mc_plan:
+            n_mc = 200 if quick else 600
+            with ck.case(f"exact {dname} Monte Carlo T0.8 {name} {mode} ({n_mc} samples)", kind=name, mode=mode,
+                         sampling="T0.8", dtype=dname, need_s=10) as rec:
+                if rec is None:
+                    continue
+                target = targets.get(dname, lambda: tiny_target(dev, DTYPES[dname]))
+                d = built.get((dname, name), drafters(target)[name])
+                r = mc_lossless(decoder(target, d, mode, samplings["T0.8"]), prompt, n_new, n_mc, seed=0)
+                rec.update(r)
+                rec["ok"] = r["p_value"] > 1e-3 and r["drafted"] > 0
     # the decoders' default forward (`--forward compile`, inductor) on this device, losslessness through it
     with ck.case(f"exact {dtypes[0]} compiled forward: medusa static T0.8", kind="medusa", mode="static",
                  sampling="T0.8", dtype=dtypes[0], forward="compile", need_s=30) as rec:

@@ -81,7 +81,18 @@ def test_kept_states_equal_the_models_own_forward(wide, forward):
         caps[fwd] = got
     for i in range(len(prompts)):
         assert caps[forward][i][0] == caps["eager"][i][0]
-        torch.testing.assert_close(caps[forward][i][1].states, caps["eager"][i][1].states, atol=1e-5, rtol=1e-5)
+        _close_to_row_scale(caps[forward][i][1].states, caps["eager"][i][1].states)
+
+
+def _close_to_row_scale(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32 states of two forwards that sum in other orders (inductor's kernels are picked by timing, and
+    differ by CPU): each element within 2^-13 of its row's largest state. Measured: up to 6.3e-6 of the row's
+    scale (1.5e-5 absolute on states of magnitude 2-4) on an AVX2-only EPYC, about 50 float32 ulps; a state from
+    another position or a stale cache entry is off by the states' own magnitude."""
+    tol = 2.0 ** -13 * want.abs().amax(-1, keepdim=True)
+    bad = (got - want).abs() > tol
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} elements differ by more than 2^-13 of their row's "
+                           f"scale; largest difference {float((got - want).abs().max()):.3g}")
 
 
 @pytest.mark.parametrize("forward", ["fast", "compile"])
