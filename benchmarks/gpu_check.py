@@ -635,16 +635,13 @@ def section_costs(ck: Check, dev: torch.device, quick: bool, dtypes: list[str], 
                 recipe, dd = recipe_drafter(name, target)
                 tree = [(0,), (1,), (0, 0), (2,), (0, 1), (0, 0, 0), (1, 0)] if getattr(dd, "supports_trees", True) \
                     and recipe.drafter.kind in ("hydra", "medusa", "eagle3") else None
+                kw = dict(name=f"gpu-{dname}", hardware=hardware, drafter=dd, drafter_name=name, tree=tree,
+                          tree_depth=3 if tree else None, ks=(1, 2, 4), max_new_tokens=16 if quick else 32,
+                          rows=cal_rows, contexts=contexts[:2])
                 try:
-                    cal = Calibrator(target, name=f"gpu-{dname}", hardware=hardware, drafter=dd, drafter_name=name,
-                                     tree=tree, tree_depth=3 if tree else None, ks=(1, 2, 4), batch_sizes=(2, 4),
-                                     max_new_tokens=16 if quick else 32, rows=cal_rows, contexts=contexts[:2])
-                    batched = True
+                    cal, batched = Calibrator(target, batch_sizes=(2, 4), **kw), True
                 except ValueError as e:  # a drafter the batched decoder does not take
-                    cal = Calibrator(target, name=f"gpu-{dname}", hardware=hardware, drafter=dd, drafter_name=name,
-                                     tree=tree, tree_depth=3 if tree else None, ks=(1, 2, 4), batch_sizes=(),
-                                     max_new_tokens=16 if quick else 32, rows=cal_rows, contexts=contexts[:2])
-                    batched, rec["batched"] = False, f"not measured: {e}"
+                    cal, batched, rec["batched"] = Calibrator(target, batch_sizes=(), **kw), False, f"not measured: {e}"
                 for i in range(2 if quick else rounds):
                     cal.round(prompts, i)
                 prof, rep = cal.fit()
