@@ -9,18 +9,24 @@ Run it where a GPU is lent (``bash scripts/gpu_check.sh OUT``), or here first (`
     early exit, SuffixDecoding, prompt lookup), in chains, static trees and dynamic trees, at T=0.8, with
     top-k/top-p and greedy; on a tiny float64 model (reference: cache-free forwards of the target, TV < 1e-9,
     and the forwards' own rows) and on the same tiny model in bf16 (reference: the rows the verification
-    forwards computed, docs/methods.md §16). Medusa's typical acceptance is run too and must be caught.
+    forwards computed, docs/methods.md §16). Medusa's typical acceptance is run too and must be caught. Then
+    Monte Carlo chi-square on the same model, and the enumeration through the compiled forward.
   * ``shape``: a random model of the default target's exact shape (SmolLM2-135M: 30 layers, 576 wide,
     49152 ids), fp32 and bf16: exact enumeration under top-k 3, Monte Carlo chi-square, greedy equality with
     plain decoding.
-  * ``costs``: the target's forward by rows x context (the model's own forward and our static-shape one,
-    each kind's draft pass fitted from real decoding runs (`draftsmith.sim.calibrate`), written as a
-    ``draftsmith simulate`` profile (gpu_profile.yaml).
-  * ``train``: each kind's recipe trained for a few steps on a cache of random sequences written by the
-    default-shape model: positions/s and peak memory; then one ``accelerate launch`` of ``draftsmith train``.
+  * ``costs``: the target's forward by rows x context (the model's own forward, and our static-shape one,
+    which the profile holds) and each recipe's drafter cost fitted from real decoding runs
+    (`draftsmith.sim.calibrate`), written as a ``draftsmith simulate`` profile.
+  * ``train``: each recipe's drafter trained for a few steps on a cache of random sequences written by the
+    default-shape model: positions/s and peak memory.
+  * ``launch``: one ``accelerate launch -m draftsmith.cli train`` on the default-shape model saved as a local
+    model directory.
+  * ``graphs``: our static-shape forward replayed as CUDA graphs beside the same forward run eagerly (last: a
+    failed capture can spoil the process's CUDA generator).
 
-Writes OUT/gpu_check.json (after every case, so a run cut short keeps what it did) and OUT/gpu_profile.yaml,
-and prints a summary table last.
+Writes OUT/gpu_check.json (after every case, so a run cut short keeps what it did) and
+OUT/gpu_profile_<dtype>.yaml, and prints a summary last. ``--previous OLD.json`` takes the cases an earlier run
+passed (or found not applicable) and runs the rest.
 """
 
 from __future__ import annotations
