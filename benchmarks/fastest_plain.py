@@ -1,5 +1,5 @@
-"""Plain decoding on this machine: ours (compiled and not), Hugging Face ``generate`` and vLLM on CPU, and each
-drafter's speedup over the fastest of them.
+"""Plain decoding on this machine: ours (compiled and not), Hugging Face ``generate``, vLLM on CPU and llama.cpp on
+the target's GGUF files, and each drafter's speedup over the fastest of them.
 
     python -m benchmarks.fastest_plain [--prompts 80] [--max-new-tokens 128] [--threads 2] [--dtype float32]
         [--checkpoint CKPT --tree built:best ...] [--vllm-modes compiled,eager] [--batched] --out FILE
@@ -12,6 +12,9 @@ One process of ours runs its methods interleaved per prompt (a seeded shuffle pe
 Then vLLM (its own environment, .venv-vllm; scripts/vllm_env.sh) runs the same prompts, one request at a time,
 once per ``--vllm-modes`` entry (compiled = vLLM's default CPU compile mode, eager = enforce_eager), right after,
 with the same thread count. ``--batched``: also every prompt at once, vLLM against our batched decoder.
+Then llama.cpp (``scripts/llamacpp_env.sh`` builds it) through ``llama-server``, one request at a time, on the
+target's GGUF of each ``--llamacpp`` type (q4_1 is the file the default target ships as; the 4-bit file is not
+the fp32 model's arithmetic, so its greedy tokens may differ from ours at near-ties and beyond).
 
 Printed: tok/s of each method; greedy outputs equal to ours compiled (count, with the top-2 logit gap at each
 first divergence); per-token step time against the memory floor (the bytes of the weights one forward reads,
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import time
 from pathlib import Path
@@ -39,22 +41,9 @@ from draftsmith.eval.bench import hf_generate, ours
 from draftsmith.eval.greedy_equality import first_divergence, top2_gap
 from draftsmith.eval.mtbench import mtbench_prompts
 from draftsmith.engine.tree_build import parse_tree
+from draftsmith.export.llamacpp import LlamaServer, have_llamacpp, run_prompts, target_gguf
 from draftsmith.export.vllm_check import run_vllm, vllm_python
-from draftsmith.target import cpuinfo_flags, load_target, resolve_dtype
-
-
-def cpu_name() -> str:
-    """The CPU's model name and the vector extensions that matter here (flags from `cpuinfo_flags`)."""
-    name = platform.processor()
-    try:
-        name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                     if ln.startswith("model name")), name)
-    except OSError:
-        pass
-    flags = cpuinfo_flags()
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    extra = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({isa}{', ' + ', '.join(extra) if extra else ''})"
+from draftsmith.target import cpu_name, load_target, resolve_dtype
 
 
 def read_bandwidth(threads: int, mib: int = 1024, repeats: int = 5) -> float:
@@ -96,6 +85,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tree", action="append", default=None, help="trees for the checkpoints (default: chain)")
     ap.add_argument("--vllm-modes", default="compiled,eager", help="comma list of compiled, eager; '' = no vLLM")
     ap.add_argument("--vllm-python", default=None)
+    ap.add_argument("--llamacpp", default="q4_1,bf16,f32",
+                    help="llama.cpp plain decoding on the target's GGUF of these types (q4_1: the shipped file), "
+                         "through llama-server; '' = none (left out with the reason when there is no build)")
     ap.add_argument("--no-eager", action="store_true", help="leave out ours on the model's own forward")
     ap.add_argument("--no-hf", action="store_true", help="leave out Hugging Face generate")
     ap.add_argument("--batched", action="store_true", help="also all prompts at once: vLLM and our batched decoder")
@@ -190,6 +182,21 @@ def main(argv: list[str] | None = None) -> dict:
             report["methods"][f"vLLM batched ({mode})"] = {
                 "tokens": res["generated"], "wall_s": round(res["wall_s"], 2),
                 "tok_s": round(res["generated"] / res["wall_s"], 3)}
+    ll_types = [t for t in a.llamacpp.split(",") if t]
+    why = have_llamacpp() if ll_types else None
+    if why:
+        print(f"llama.cpp: left out ({why.splitlines()[0]})")
+        report["llamacpp"] = why
+    for t in ll_types if not why else []:
+        gguf = target_gguf(target, t)
+        with LlamaServer(gguf, threads=a.threads, log=Path(a.out).with_suffix(f".llamacpp-{t}.log")) \
+                as server:
+            res = run_prompts(server, ids, a.max_new_tokens)
+        name = f"llama.cpp plain ({t})"
+        report["methods"][name] = {"tokens": res["generated"], "wall_s": round(res["wall_s"], 2),
+                                   "tok_s": round(res["tok_s"], 3), "equal_to_ours_compiled": agree(res["tokens"]),
+                                   "weight_bytes": gguf.stat().st_size}
+        print(f"{name}: {res['tok_s']:.2f} tok/s", flush=True)
     if a.batched:
         from draftsmith.engine.batched import BatchedSpeculativeDecoder
         bd = BatchedSpeculativeDecoder(target)
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                       "tok_s": round(toks / wall, 3)}
 
     plain = {n: m for n, m in report["methods"].items()
-             if (n.startswith("plain") or n.startswith("HF generate") or n.startswith("vLLM plain"))}
+             if (n.startswith(("plain", "HF generate", "vLLM plain", "llama.cpp plain")))}
     fastest = max(plain, key=lambda n: plain[n]["tok_s"])
     report["fastest_plain"] = fastest
     for n, m in report["methods"].items():
@@ -214,9 +221,11 @@ def main(argv: list[str] | None = None) -> dict:
     report["memory_floor"] = {"weight_bytes_per_forward": nbytes, "read_GBps": round(bw / 1e9, 2),
                               "floor_ms_per_forward": round(floor_ms, 2)}
     for n, m in report["methods"].items():
-        if n.startswith("plain") or n.startswith("vLLM plain") or n == "HF generate":
+        if n.startswith(("plain", "vLLM plain", "llama.cpp plain")) or n == "HF generate":
             m["ms_per_token"] = round(1e3 / m["tok_s"], 2)
-            m["x_memory_floor"] = round(1e3 / m["tok_s"] / floor_ms, 2)
+            # a GGUF's floor is its own file's bytes (the whole file, an upper bound on what a forward reads)
+            floor = m["weight_bytes"] / bw * 1e3 if "weight_bytes" in m else floor_ms
+            m["x_memory_floor"] = round(1e3 / m["tok_s"] / floor, 2)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=1))
     print(f"\nmemory floor: {nbytes / 1e6:.0f} MB of weights per forward at {bw / 1e9:.1f} GB/s read = "

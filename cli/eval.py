@@ -27,7 +27,7 @@ from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
 from draftsmith.engine.drafters import SelfDrafter
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.tree_build import TREES, parse_tree
-from draftsmith.eval.bench import compile_seconds, default_methods, run_bench, table
+from draftsmith.eval.bench import add_llamacpp_plain, compile_seconds, default_methods, run_bench, table
 from draftsmith.eval.compare import self_drafter_methods, tree_specs_for
 from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
 from draftsmith.eval.report import write_report
@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --suffix: leave Hugging Face's prompt lookup out")
     ap.add_argument("--prompt-lookup", type=int, default=10, metavar="K",
                     help="prompt lookup's draft length (ours and HF's prompt_lookup_num_tokens) with --suffix")
+    ap.add_argument("--llamacpp", default="", metavar="TYPES",
+                    help="also llama.cpp's plain decoding on the target's GGUF of these types, comma-separated "
+                         "(q4_1 = the default target's shipped file; bf16, f32 converted), through llama-server after "
+                         "our methods, greedy only; needs `bash scripts/llamacpp_env.sh`")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     add_dtype_arg(ap, None, "the first checkpoint's recipe dtype, else float32")
@@ -204,6 +208,10 @@ def eval_main(argv: list[str] | None = None) -> dict:
                                 compile_clock=lambda: compile_seconds(target, [d for d, _ in drafters]))
         if a.suffix:
             runs[label]["suffix"] = suffix_stats(members)
+        add_llamacpp_plain(runs[label], target, prompts, a.max_new_tokens,
+                           [t for t in a.llamacpp.split(",") if t], sampling=sampling)
+        if runs[label].get("llamacpp"):
+            print(f"llama.cpp: left out ({runs[label]['llamacpp'].splitlines()[0]})")
         print(table(runs[label]), flush=True)
     config = {k: v for k, v in vars(a).items()}
     config["cpu_layout"] = layout

@@ -24,7 +24,7 @@ from pathlib import Path
 from draftsmith import paths, registry
 from draftsmith.checkpoint import command_line, environment, load_checkpoint, update_metrics
 from draftsmith.train import predictors as classifier_stage
-from draftsmith.eval.bench import compile_seconds, default_methods, run_bench, table
+from draftsmith.eval.bench import add_llamacpp_plain, compile_seconds, default_methods, run_bench, table
 from draftsmith.eval.suffix import suffix_methods, suffix_stats
 from draftsmith.drafters.suffix import SuffixConfig
 from draftsmith.train.suffix_seed import save_index_from_data
@@ -494,6 +494,8 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
                         log=None, compile_clock=lambda: compile_seconds(target, [drafter]))
     if seeded is not None:
         figures["suffix_index"], figures["suffix"] = seeded, suffix_stats(members)
+    add_llamacpp_plain(figures, target, mtbench_prompts(target.tokenizer, e.prompts, spread=True), e.max_new_tokens,
+                       e.llamacpp)
     figures["table"] = table(figures)
     figures["forward"] = dict(forward, compile_s=round(getattr(target.fast_body, "compile_s", 0.0), 1),
                               drafter_compile_s=round(getattr(drafter, "compile_s", 0.0), 1))

@@ -144,7 +144,10 @@ def run(args: argparse.Namespace) -> int:
                       f"{sum(si['skipped'].values())} rows {si['skipped'] or ''}".rstrip())
             ms = b["methods"]
             plain = ms.get("plain (ours)")
-            drafted = {n: m for n, m in ms.items() if n not in ("plain (ours)", "HF generate")}
+            drafted = {n: m for n, m in ms.items() if n not in ("plain (ours)", "HF generate")
+                       and not n.startswith("llama.cpp plain")}
+            if b.get("llamacpp"):
+                print(f"llama.cpp: left out of the table ({b['llamacpp'].splitlines()[0]})")
             if plain and drafted:
                 best = max(drafted, key=lambda n: drafted[n]["tokens_per_s"])
                 hf = ms.get("HF generate")
@@ -156,6 +159,11 @@ def run(args: argparse.Namespace) -> int:
                       + (f"; drafting compiled in {fw['drafter_compile_s']:.0f} s" if fw.get("drafter_compile_s")
                          else "") + ")"
                       + (f", {drafted[best]['tokens_per_s'] / hf['tokens_per_s']:.2f}x HF generate" if hf else ""))
+                fastest = b.get("fastest_plain")
+                if fastest and fastest != "plain (ours)":
+                    print(f"the fastest plain decoding measured here is {fastest} ({ms[fastest]['tokens_per_s']:.2f} "
+                          f"tok/s): the best drafter in our decoder is "
+                          f"{drafted[best]['tokens_per_s'] / ms[fastest]['tokens_per_s']:.2f}x it")
         times[st] = round(time.time() - t0, 1)
     print(f"stage seconds: {times}; total {time.time() - t_all:.1f} s; outputs in {recipe.out}")
     return 0

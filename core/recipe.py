@@ -157,6 +157,9 @@ class EvalConfig(StrictModel):
     max_new_tokens: int = Field(64, ge=1)
     trees: list[str] = Field(["chain", "built:8"], description="chain | built:BUDGET | dynamic[:B,D,W] | JSON paths")
     hf_generate: bool = Field(True, description="also time Hugging Face generate (speedup baseline)")
+    llamacpp: list[str] = Field(["q4_1"], description="also time llama.cpp's plain decoding on the target's GGUF of "
+                                "these types (q4_1 = the default target's shipped file) when a llama.cpp build "
+                                "exists (scripts/llamacpp_env.sh); [] = never. Every speedup then names it too")
     suffix_from_data: bool = Field(
         False, description="also bench SuffixDecoding alone and beside the trained drafter (the hybrid), its global "
         "index seeded with the training split's answers (data/train.jsonl; the held-out MT-Bench answers never), "

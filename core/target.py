@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,6 +241,20 @@ class DtypeChoice:
     dtype: torch.dtype
     name: str
     reason: str
+
+
+def cpu_name() -> str:
+    """The CPU's model name and the vector extensions that matter here (flags from `cpuinfo_flags`)."""
+    name = platform.processor()
+    try:
+        name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                     if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    flags = cpuinfo_flags()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    extra = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({isa}{', ' + ', '.join(extra) if extra else ''})"
 
 
 def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device = "cpu",

