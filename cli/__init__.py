@@ -8,7 +8,7 @@
   draftsmith quickstart [...]                `run quickstart` on the default target
   draftsmith info PATH                       describe a checkpoint, cache or recipe
   draftsmith eval CHECKPOINT [...]           decode MT-Bench with the lossless decoder
-  draftsmith export CKPT --to FMT --out DIR  vllm-eagle3 | eagle3 | vllm-medusa | hf | draftsmith, checked by reload
+  draftsmith export CKPT --to FMT --out DIR  vllm-eagle3 | eagle3 | vllm-medusa | hf | draftsmith | gguf, reloaded
   draftsmith import SRC --out CKPT           an engine-layout dir (EAGLE-3, Medusa) -> checkpoint
   draftsmith traces RECIPE [--checkpoint C]  acceptance traces of a chain drafter on training prompts
   draftsmith predictors TRACES               DISCO and SpecDec++ trained and tuned on those traces

@@ -215,7 +215,7 @@ def target_gguf(target, gguf_type: str = "f32", ll: LlamaCpp | None = None, out:
             return out
         return shipped_gguf()
     ll = ll or find_llamacpp()
-    final = out or paths.home() / "gguf" / target.fingerprint / f"{target.name}-{t}.gguf"
+    final = out or paths.home() / "gguf" / target.fingerprint.split(":")[-1] / f"{target.name}-{t}.gguf"
     if final.exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -477,7 +477,7 @@ def run_prompts(server: LlamaServer, prompts: list[list[int]], n_predict: int, w
     steps = after.get("spec_decode_num_drafts_total", 0) - before.get("spec_decode_num_drafts_total", 0)
     generated = sum(map(len, toks))
     return {"tokens": toks, "generated": generated, "wall_s": wall, "tok_s": generated / wall if wall else 0.0,
-            "decode_tok_s": generated / (pred_ms / 1e3) if pred_ms else None,
+            "decode_tok_s": generated / (pred_ms / 1e3) if pred_ms else None, "decode_ms": pred_ms,
             "drafted": drafted, "accepted": accepted, "drafts": int(steps),
             "accepted_per_position": [per_pos[k] for k in sorted(per_pos)]}
 

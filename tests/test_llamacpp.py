@@ -169,3 +169,15 @@ def test_a_drafter_is_refused_against_another_targets_gguf(tiny_gguf_target, tmp
     with pytest.raises(LlamaCppError, match="does not draft for"):
         lc.export_gguf("first-layers:1", tmp_path / "d", t, "f32", target_file=lc.target_gguf(other, "q4_1"))
     assert not (tmp_path / "d").exists() and not (tmp_path / "d.tmp").exists()
+
+
+def test_the_recommendation_is_plain_decoding_unless_a_drafter_beats_it():
+    from draftsmith.export.llamacpp_check import recommend
+
+    def run(t, x):
+        return {"target_file": t, "x_llamacpp_plain": x, "ms_per_step": 30.0, "mean_acceptance_length": 1.2,
+                "ms_per_plain_token": 13.0}
+    rec = recommend({"runs": {"a on q4": run("q4", 0.6), "b on q4": run("q4", 0.9), "a on f32": run("f32", 1.1),
+                              "b on f32": run("f32", 1.4)}})
+    assert rec["q4"]["choice"] == "no drafter (plain decoding)" and "b on q4" in rec["q4"]["why"]
+    assert rec["f32"]["choice"] == "b on f32" and rec["f32"]["x_llamacpp_plain"] == 1.4
