@@ -174,10 +174,11 @@ def test_a_drafter_is_refused_against_another_targets_gguf(tiny_gguf_target, tmp
 def test_the_recommendation_is_plain_decoding_unless_a_drafter_beats_it():
     from draftsmith.export.llamacpp_check import recommend
 
-    def run(t, x):
+    def run(t, x, equal=80):
         return {"target_file": t, "x_llamacpp_plain": x, "ms_per_step": 30.0, "mean_acceptance_length": 1.2,
-                "ms_per_plain_token": 13.0}
+                "ms_per_plain_token": 13.0, "equal_to_llamacpp_plain": {"equal": equal, "of": 80}}
     rec = recommend({"runs": {"a on q4": run("q4", 0.6), "b on q4": run("q4", 0.9), "a on f32": run("f32", 1.1),
-                              "b on f32": run("f32", 1.4)}})
+                              "b on f32": run("f32", 1.4), "c on f32": run("f32", 1.6, equal=40)}})
     assert rec["q4"]["choice"] == "no drafter (plain decoding)" and "b on q4" in rec["q4"]["why"]
     assert rec["f32"]["choice"] == "b on f32" and rec["f32"]["x_llamacpp_plain"] == 1.4
+    assert "c on f32 (50%)" in rec["f32"]["why"]
