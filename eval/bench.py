@@ -228,6 +228,8 @@ def add_llamacpp_plain(figures: dict, target, prompts: list, max_new_tokens: int
         name = f"llama.cpp plain ({t})"
         figures["methods"][name] = {"tokens_per_s": r["tok_s"], "tau": 1.0, "mean_draft_len": 0.0,
                                     "family": "llama.cpp", "acceptance_by_position": [], "time_shares": None,
+                                    "tau_by_category": {c: 1.0 for c in sorted({getattr(p, "category", "all")
+                                                                                for p in prompts})},
                                     "tokens": r["generated"], "wall_s": r["wall_s"], "threads": threads}
         added.append(name)
     if failed:

@@ -182,3 +182,20 @@ def test_the_recommendation_is_plain_decoding_unless_a_drafter_beats_it():
     assert rec["q4"]["choice"] == "no drafter (plain decoding)" and "b on q4" in rec["q4"]["why"]
     assert rec["f32"]["choice"] == "b on f32" and rec["f32"]["x_llamacpp_plain"] == 1.4
     assert "c on f32 (50%)" in rec["f32"]["why"]
+
+
+@needs_build
+def test_llamacpp_plain_joins_a_bench_report_and_its_plots(tiny_gguf_target, tmp_path):
+    from draftsmith.eval.bench import add_llamacpp_plain, ours, run_bench, table
+    from draftsmith.eval.mtbench import Prompt
+    from draftsmith.eval.report import write_report
+    from draftsmith.engine.decoder import SpeculativeDecoder
+    t = tiny_gguf_target
+    prompts = [Prompt(i, "writing" if i else "coding", x, ids) for i, (x, ids) in enumerate(zip(PROMPTS, _prompts(t)))]
+    figs = run_bench([ours("plain (ours)", SpeculativeDecoder(t))], prompts, 12)
+    assert add_llamacpp_plain(figs, t, prompts, 12, ["f32"]) == ["llama.cpp plain (f32)"]
+    assert figs["fastest_plain"] in figs["methods"]
+    assert any(x["baseline"] == "llama.cpp plain (f32)" for x in figs["methods"]["plain (ours)"]["speedup"])
+    assert "llama.cpp plain (f32)" in table(figs)
+    write_report(tmp_path, {"greedy": figs}, {"prompts": 3, "max_new_tokens": 12}, "cmd", {})
+    assert (tmp_path / "report.json").exists()
