@@ -23,21 +23,11 @@ trap 'echo "llamacpp_env.sh: FAILED at step \"$STEP\" (exit $?)" >&2' ERR
 step() { STEP=$*; echo "llamacpp_env: $*"; }
 [ -x "$PY" ] || { echo "llamacpp_env.sh: $PY not found; run scripts/setup.sh first" >&2; exit 2; }
 mkdir -p "$DEST"
-STAMP=$("$PY" - "$VERSION" "$CMAKE_OPTS" "$TARGETS" <<'EOF'
+STAMP=$("$PY" -c '
 import json, sys
-from pathlib import Path
-model, flags = "", []
-for line in Path("/proc/cpuinfo").read_text().splitlines():
-    key, _, value = line.partition(":")
-    if key.strip() == "model name" and not model:
-        model = value.strip()
-    if key.strip() == "flags" and not flags:
-        flags = sorted(value.split())
-isa = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4", "bmi"))]
+from draftsmith.export.llamacpp import cpu_stamp
 print(json.dumps({"sdist": f"llama-cpp-python=={sys.argv[1]}", "cmake": sys.argv[2].split(),
-                  "targets": sys.argv[3].split(), "cpu_model": model, "cpu_isa": isa}, sort_keys=True))
-EOF
-)
+                  "targets": sys.argv[3].split(), **cpu_stamp()}, sort_keys=True))' "$VERSION" "$CMAKE_OPTS" "$TARGETS")
 if [ -z "${LLAMACPP_FORCE:-}" ] && [ -f "$DEST/BUILD.json" ] && [ "$(cat "$DEST/BUILD.json")" = "$STAMP" ]; then
   echo "llamacpp_env: up to date ($DEST/BUILD.json matches this CPU and pin); LLAMACPP_FORCE=1 rebuilds"
   exit 0
