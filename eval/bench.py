@@ -21,7 +21,6 @@ import dataclasses
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -195,55 +194,6 @@ def bench_figures(methods: list[Method], prompts: list, per: dict[str, list[Deco
                      "tau": per[m.name][i].tau} for m in methods}}
         for i, p in enumerate(prompts)]
     return figures
-
-
-def add_llamacpp_plain(figures: dict, target, prompts: list, max_new_tokens: int, types: list[str],
-                       threads: int | None = None, sampling: SamplingParams | None = None) -> list[str]:
-    """llama.cpp's plain decoding (llama-server on the target's GGUF of each type; q4_1 is the default target's
-    shipped file) on the same prompts, after ours (not interleaved: another process), as more methods in
-    ``figures``; every method's speedups then name it too. Returns the names added; with no llama.cpp build,
-    none (``figures["llamacpp"]`` says why). Greedy only (sampled runs differ by design)."""
-    from draftsmith.export.llamacpp import (LlamaCppError, LlamaServer, have_llamacpp, run_prompts,  # noqa: PLC0415
-                                            target_gguf)
-    if not types:
-        return []
-    why = have_llamacpp()
-    if why is None and sampling is not None and not sampling.greedy:
-        why = "llama.cpp plain decoding is measured greedy only"
-    if why is None and not (Path(str(target.path)) / "config.json").exists():
-        why = f"the target {target.name} is not a model directory llama.cpp's converter can read"
-    if why:
-        figures["llamacpp"] = why
-        return []
-    threads = threads or torch.get_num_threads()
-    ids = [p.ids if hasattr(p, "ids") else list(p) for p in prompts]
-    added, failed = [], []
-    for t in types:
-        try:  # a target llama.cpp cannot convert or run costs its column, not the benchmark
-            with LlamaServer(target_gguf(target, t), threads=threads) as server:
-                r = run_prompts(server, ids, max_new_tokens)
-        except LlamaCppError as e:
-            failed.append(f"{t}: {str(e).splitlines()[0]}")
-            continue
-        name = f"llama.cpp plain ({t})"
-        figures["methods"][name] = {"tokens_per_s": r["tok_s"], "tau": 1.0, "mean_draft_len": 0.0,
-                                    "family": "llama.cpp", "acceptance_by_position": [], "time_shares": None,
-                                    "tau_by_category": {c: 1.0 for c in sorted({getattr(p, "category", "all")
-                                                                                for p in prompts})},
-                                    "tokens": r["generated"], "wall_s": r["wall_s"], "threads": threads}
-        added.append(name)
-    if failed:
-        figures["llamacpp"] = "; ".join(failed)
-    if not added:
-        return []
-    fastest = max((n for n in figures["methods"] if n == BASELINE or n == "HF generate" or n in added),
-                  key=lambda n: figures["methods"][n]["tokens_per_s"])
-    figures["fastest_plain"] = fastest
-    for s in figures["methods"].values():
-        s["speedup"] = [x for x in s.get("speedup", []) if x["baseline"] in (BASELINE, "HF generate")]
-        for b in added:
-            s["speedup"].append(speedup(s["tokens_per_s"], figures["methods"][b]["tokens_per_s"], b))
-    return added
 
 
 def table(figures: dict) -> str:

@@ -201,7 +201,7 @@ def _check_type(gguf_type: str) -> str:
 
 
 def _is_default_target(target) -> bool:
-    from draftsmith.target import DEFAULT_TARGET, default_target_dir
+    from draftsmith.target import DEFAULT_TARGET, default_target_dir  # torch: only when asked
     return target.name == DEFAULT_TARGET or Path(target.path).resolve() == default_target_dir().resolve()
 
 
@@ -243,13 +243,13 @@ def check_pair(draft: dict, target: dict, expected_fingerprint: str | None = Non
     t_embd = target["kv"].get(f"{ta}.embedding_length")
     t_layers = target["kv"].get(f"{ta}.block_count")
     da = draft["architecture"]
-    if da == "eagle3":
-        d_embd = draft["kv"].get("eagle3.target_hidden_size")
+    if draft["kv"].get(f"{da}.target_hidden_size") is not None:  # a drafter that reads the target's states
+        d_embd = draft["kv"].get(f"{da}.target_hidden_size")
         if d_embd is not None and t_embd is not None and int(d_embd) != int(t_embd):
             problems.append(f"hidden size: the drafter reads {d_embd}-wide target states, the target's are {t_embd}")
-        layers = draft["kv"].get("eagle3.extract_layers") or draft["kv"].get("eagle3.target_layers")
-        if isinstance(layers, list) and t_layers is not None and max(layers) >= int(t_layers):
-            problems.append(f"layer count: the drafter reads target layers {layers}, the target has {t_layers}")
+    layers = draft["kv"].get(f"{da}.extract_layers") or draft["kv"].get(f"{da}.target_layers")
+    if isinstance(layers, list) and t_layers is not None and max(layers) >= int(t_layers):
+        problems.append(f"layer count: the drafter reads target layers {layers}, the target has {t_layers}")
     fp_d = draft["kv"].get("draftsmith.target_fingerprint")
     fp_t = target["kv"].get("draftsmith.target_fingerprint") or expected_fingerprint
     if fp_d and fp_t and fp_d != fp_t:
@@ -261,10 +261,10 @@ def check_pair(draft: dict, target: dict, expected_fingerprint: str | None = Non
 # ---------------------------------------------------------------- drafters
 def _intermediate(src, tmp: Path, target) -> tuple[Path, Path | None, str]:
     """Our Hugging Face layout of the drafter llama.cpp's converter reads; (dir, --target-model-dir, spec type)."""
-    from draftsmith.export import export, formats_for
+    from draftsmith.export import export, formats_for  # cycle: draftsmith.export imports this module
     kind = src.kind
     fmts = formats_for(src)
-    if kind == "eagle3" and "vllm-eagle3" in fmts:
+    if "vllm-eagle3" in fmts:
         export(src.path, "vllm-eagle3", tmp / "hf", target)
         return tmp / "hf", Path(target.path), SPEC_TYPES["eagle3"]
     if "hf" in fmts:
@@ -283,7 +283,7 @@ def export_gguf(spec: str, out: str | Path, target, gguf_type: str = "f32", *, t
     """Export a drafter checkpoint (or ``target``) to GGUF in ``out``; the drafter is reloaded by llama.cpp against
     ``target_file`` (default: the target's GGUF of the same type, the shipped file for the default target's
     q4_1). Returns a report: files, sizes, the reload check's counters."""
-    from draftsmith.export import CARD, ExportError, load_source, provenance
+    from draftsmith.export import CARD, ExportError, load_source, provenance  # cycle: export imports this
     t = _check_type(gguf_type)
     ll = find_llamacpp()
     out = Path(out)
@@ -339,7 +339,7 @@ def export_gguf(spec: str, out: str | Path, target, gguf_type: str = "f32", *, t
 
 def shipped_fingerprint() -> str:
     """The default target's fingerprint (the model the shipped file holds)."""
-    from draftsmith.target import DEFAULT_TARGET, load_target
+    from draftsmith.target import DEFAULT_TARGET, load_target  # torch: only when asked
     return load_target(DEFAULT_TARGET).fingerprint
 
 
@@ -482,5 +482,57 @@ def run_prompts(server: LlamaServer, prompts: list[list[int]], n_predict: int, w
             "accepted_per_position": [per_pos[k] for k in sorted(per_pos)]}
 
 
-__all__ = ["GGUF_TYPES", "LlamaCpp", "LlamaCppError", "LlamaServer", "check_pair", "export_gguf", "find_llamacpp",
+def add_llamacpp_plain(figures: dict, target, prompts: list, max_new_tokens: int, types: list[str],
+                       threads: int | None = None, sampling=None) -> list[str]:
+    """llama.cpp's plain decoding (llama-server on the target's GGUF of each type; q4_1 is the default target's
+    shipped file) on the same prompts, after ours (not interleaved: another process), as more methods in
+    ``figures``; every method's speedups then name it too. Returns the names added; with no llama.cpp build,
+    none (``figures["llamacpp"]`` says why). Greedy only (sampled runs differ by design)."""
+    import torch  # noqa: PLC0415
+
+    from draftsmith.engine.metrics import speedup  # noqa: PLC0415
+    from draftsmith.eval.bench import BASELINE  # noqa: PLC0415
+    if not types:
+        return []
+    why = have_llamacpp()
+    if why is None and sampling is not None and not sampling.greedy:
+        why = "llama.cpp plain decoding is measured greedy only"
+    if why is None and not (Path(str(target.path)) / "config.json").exists():
+        why = f"the target {target.name} is not a model directory llama.cpp's converter can read"
+    if why:
+        figures["llamacpp"] = why
+        return []
+    threads = threads or torch.get_num_threads()
+    ids = [p.ids if hasattr(p, "ids") else list(p) for p in prompts]
+    added, failed = [], []
+    for t in types:
+        try:  # a target llama.cpp cannot convert or run costs its column, not the benchmark
+            with LlamaServer(target_gguf(target, t), threads=threads) as server:
+                r = run_prompts(server, ids, max_new_tokens)
+        except LlamaCppError as e:
+            failed.append(f"{t}: {str(e).splitlines()[0]}")
+            continue
+        name = f"llama.cpp plain ({t})"
+        figures["methods"][name] = {"tokens_per_s": r["tok_s"], "tau": 1.0, "mean_draft_len": 0.0,
+                                    "family": "llama.cpp", "acceptance_by_position": [], "time_shares": None,
+                                    "tau_by_category": {c: 1.0 for c in sorted({getattr(p, "category", "all")
+                                                                                for p in prompts})},
+                                    "tokens": r["generated"], "wall_s": r["wall_s"], "threads": threads}
+        added.append(name)
+    if failed:
+        figures["llamacpp"] = "; ".join(failed)
+    if not added:
+        return []
+    fastest = max((n for n in figures["methods"] if n == BASELINE or n == "HF generate" or n in added),
+                  key=lambda n: figures["methods"][n]["tokens_per_s"])
+    figures["fastest_plain"] = fastest
+    for s in figures["methods"].values():
+        s["speedup"] = [x for x in s.get("speedup", []) if x["baseline"] in (BASELINE, "HF generate")]
+        for b in added:
+            s["speedup"].append(speedup(s["tokens_per_s"], figures["methods"][b]["tokens_per_s"], b))
+    return added
+
+
+__all__ = ["add_llamacpp_plain",
+           "GGUF_TYPES", "LlamaCpp", "LlamaCppError", "LlamaServer", "check_pair", "export_gguf", "find_llamacpp",
            "gguf_info", "have_llamacpp", "run_prompts", "shipped_gguf", "target_gguf"]

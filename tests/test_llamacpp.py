@@ -186,7 +186,8 @@ def test_the_recommendation_is_plain_decoding_unless_a_drafter_beats_it():
 
 @needs_build
 def test_llamacpp_plain_joins_a_bench_report_and_its_plots(tiny_gguf_target, tmp_path):
-    from draftsmith.eval.bench import add_llamacpp_plain, ours, run_bench, table
+    from draftsmith.eval.bench import ours, run_bench, table
+    from draftsmith.export.llamacpp import add_llamacpp_plain
     from draftsmith.eval.mtbench import Prompt
     from draftsmith.eval.report import write_report
     from draftsmith.engine.decoder import SpeculativeDecoder
