@@ -41,7 +41,8 @@ from draftsmith.eval.bench import hf_generate, ours
 from draftsmith.eval.greedy_equality import first_divergence, top2_gap
 from draftsmith.eval.mtbench import mtbench_prompts
 from draftsmith.engine.tree_build import parse_tree
-from draftsmith.export.llamacpp import LlamaServer, have_llamacpp, run_prompts, target_gguf
+from draftsmith.export.llamacpp import have_llamacpp, target_gguf
+from draftsmith.export.llamacpp_server import LlamaServer, run_prompts
 from draftsmith.export.vllm_check import run_vllm, vllm_python
 from draftsmith.target import cpu_name, load_target, resolve_dtype
 

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.checkpoint import command_line, environment
-from draftsmith.export.llamacpp import LlamaServer, find_llamacpp, target_gguf
+from draftsmith.export.llamacpp import find_llamacpp, target_gguf
+from draftsmith.export.llamacpp_server import LlamaServer
 from draftsmith.target import DEFAULT_TARGET, cpu_name, load_target
 from draftsmith.train import generate, remote, sources
 

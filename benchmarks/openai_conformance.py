@@ -6,7 +6,7 @@ fields each returned, and what the OpenAI API defines. Both serve the same conve
 with the drafter current in ``--publish`` (if any) and ``--tree``, vLLM plain.
 
     OMP_NUM_THREADS=1 taskset -c 1 python -m benchmarks.openai_conformance \\
-        --publish /tmp/pub31 --tree built:4 --out runs/conformance
+        --publish runs/pub --tree built:4 --out runs/conformance
 
 vLLM is started from ``--vllm-python`` (default .venv-vllm/bin/python) with libiomp5 preloaded, or reached at
 ``--vllm-url`` when one is already running. Writes OUT/conformance.json and OUT/conformance.md.

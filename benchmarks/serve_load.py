@@ -12,7 +12,7 @@ connection. Afterwards:
   * the server's RSS is sampled every ``--rss-every`` seconds (peak, first and last minute).
 Reports requests, failures, p50/p99 latency, completion tokens/s, disconnects, log lines vs answers, RSS.
 
-    OMP_NUM_THREADS=1 taskset -c 1 python -m benchmarks.serve_load --publish /tmp/pub31 --tree built:4 \\
+    OMP_NUM_THREADS=1 taskset -c 1 python -m benchmarks.serve_load --publish runs/pub --tree built:4 \\
         --clients 32 --duration 600 --out runs/load32
 """
 

@@ -27,7 +27,7 @@ from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
 from draftsmith.engine.drafters import SelfDrafter
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.tree_build import TREES, parse_tree
-from draftsmith.export.llamacpp import add_llamacpp_plain
+from draftsmith.export.llamacpp_server import add_llamacpp_plain
 from draftsmith.eval.bench import compile_seconds, default_methods, run_bench, table
 from draftsmith.eval.compare import self_drafter_methods, tree_specs_for
 from draftsmith.eval.mtbench import mtbench_prompts, user_prompts

@@ -24,7 +24,7 @@ from pathlib import Path
 from draftsmith import paths, registry
 from draftsmith.checkpoint import command_line, environment, load_checkpoint, update_metrics
 from draftsmith.train import predictors as classifier_stage
-from draftsmith.export.llamacpp import add_llamacpp_plain
+from draftsmith.export.llamacpp_server import add_llamacpp_plain
 from draftsmith.eval.bench import compile_seconds, default_methods, run_bench, table
 from draftsmith.eval.suffix import suffix_methods, suffix_stats
 from draftsmith.drafters.suffix import SuffixConfig

@@ -13,6 +13,7 @@ other exports carry, as ``draftsmith.*`` string keys, and the target's fingerpri
 against the target GGUF before use: vocabulary (token list hash), hidden size, layer count (EAGLE-3's
 auxiliary layers must exist) and, where the target GGUF carries one, the fingerprint. The export is reloaded
 by llama.cpp itself (``llama-speculative-simple`` drafts with it against the target GGUF) before it returns.
+``export/llamacpp_server.py`` runs ``llama-server`` for measurement.
 
 The default target's GGUF as shipped (``SmolLM2-135M-Instruct.Q4_1.gguf``) is the model our fp32 target is
 dequantised from, so ``--gguf-type q4_1`` of the default target is that file, byte for byte.
@@ -20,18 +21,15 @@ dequantised from, so ``--gguf-type q4_1`` of the default target is that file, by
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,7 +86,6 @@ class LlamaCpp:
         """Environment for the converter and gguf_tool: the build's gguf-py first."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(self.src / "gguf-py"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        env.setdefault("NO_LOCAL_GGUF", "")
         return env
 
     @property
@@ -177,14 +174,6 @@ def quantize(ll: LlamaCpp, src: Path, out: Path, qtype: str, threads: int = 2) -
 def shipped_gguf() -> Path:
     """The default target's GGUF as its package ships it (Q4_1)."""
     return paths.package_dir(SHIPPED_PACKAGE) / SHIPPED_FILE
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def target_provenance(target, gguf_type: str) -> dict:
@@ -337,6 +326,7 @@ def export_gguf(spec: str, out: str | Path, target, gguf_type: str = "f32", *, t
     return report
 
 
+@functools.lru_cache(maxsize=1)
 def shipped_fingerprint() -> str:
     """The default target's fingerprint (the model the shipped file holds)."""
     from draftsmith.target import DEFAULT_TARGET, load_target  # torch: only when asked
@@ -361,178 +351,5 @@ def reload_check(ll: LlamaCpp, draft: Path, target_file: Path, spec_type: str, t
     return got
 
 
-# ---------------------------------------------------------------- the server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LlamaServer:
-    """``llama-server`` on a GGUF target (with a drafter, or n-gram drafting, or none), one slot, for
-    measurement: greedy completions of token-id prompts, with llama.cpp's own timings and draft counters."""
-
-    def __init__(self, model: str | Path, *, threads: int = 2, ctx: int = 2048, draft: str | Path | None = None,
-                 spec_type: str | None = None, draft_max: int = 3, parallel: int = 1, extra: list | None = None,
-                 ll: LlamaCpp | None = None, log: Path | None = None):
-        self.ll = ll or find_llamacpp()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [self.ll.bin("llama-server"), "-m", model, "-t", threads, "-tb", threads, "-c", ctx * parallel,
-               "-np", parallel, "--host", "127.0.0.1", "--port", self.port, "--metrics", "--no-webui"]
-        if draft is not None:
-            cmd += ["-md", draft, "-td", threads, "-tbd", threads]
-        if spec_type:
-            cmd += ["--spec-type", spec_type, "--spec-draft-n-max", draft_max, "--spec-draft-n-min", 0,
-                    "--spec-draft-p-min", 0]
-        cmd += list(extra or [])
-        self.cmd = [str(c) for c in cmd]
-        self.log = log or Path(tempfile.mkstemp(suffix=".llama-server.log")[1])
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> "LlamaServer":
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self._logf = open(self.log, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._logf, stderr=subprocess.STDOUT)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise LlamaCppError(f"llama-server exited ({self.proc.returncode}) while loading; "
-                                    f"{self.log} ends with:\n{self.log.read_text()[-2500:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.3)
-        self.__exit__(None, None, None)
-        raise LlamaCppError(f"llama-server did not come up in 300 s; log {self.log}")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        if getattr(self, "_logf", None):
-            self._logf.close()
-
-    def post(self, path: str, body: dict, timeout: float = 600) -> dict:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-
-    def complete(self, ids: list[int], n_predict: int, temperature: float = 0.0, seed: int = 0) -> dict:
-        """One completion of a token-id prompt (greedy at temperature 0): tokens, wall seconds, llama.cpp's
-        timings."""
-        body = {"prompt": ids, "n_predict": n_predict, "temperature": temperature, "return_tokens": True,
-                "cache_prompt": False, "seed": seed}
-        if temperature == 0:
-            body["top_k"] = 1
-        t0 = time.perf_counter()
-        r = self.post("/completion", body)
-        wall = time.perf_counter() - t0
-        return {"tokens": list(r.get("tokens") or []), "wall_s": wall, "timings": r.get("timings", {}),
-                "stop_type": r.get("stop_type")}
-
-    def metrics(self) -> dict:
-        """The Prometheus counters (draft tokens, accepted, per position)."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out: dict = {"accepted_per_position": {}}
-        for line in text.splitlines():
-            if line.startswith("#") or not line.strip():
-                continue
-            m = re.match(r'llamacpp:spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\}\s+(\S+)', line)
-            if m:
-                out["accepted_per_position"][int(m.group(1))] = float(m.group(2))
-                continue
-            name, _, val = line.rpartition(" ")
-            try:
-                out[name.removeprefix("llamacpp:")] = float(val)
-            except ValueError:
-                pass
-        return out
-
-
-def run_prompts(server: LlamaServer, prompts: list[list[int]], n_predict: int, warmup: bool = True,
-                temperature: float = 0.0) -> dict:
-    """Every prompt once, in order (request i seeded i); tokens, wall time, llama.cpp's draft counters summed."""
-    if warmup:
-        server.complete(prompts[0], 8)
-    before = server.metrics()
-    toks, wall, drafted, accepted, pred_ms = [], 0.0, 0, 0, 0.0
-    for i, p in enumerate(prompts):
-        r = server.complete(p, n_predict, temperature, seed=i)
-        toks.append(r["tokens"])
-        wall += r["wall_s"]
-        drafted += int(r["timings"].get("draft_n", 0) or 0)
-        accepted += int(r["timings"].get("draft_n_accepted", 0) or 0)
-        pred_ms += float(r["timings"].get("predicted_ms", 0) or 0)
-    after = server.metrics()
-    per_pos = {k: v - before["accepted_per_position"].get(k, 0) for k, v in after["accepted_per_position"].items()}
-    steps = after.get("spec_decode_num_drafts_total", 0) - before.get("spec_decode_num_drafts_total", 0)
-    generated = sum(map(len, toks))
-    return {"tokens": toks, "generated": generated, "wall_s": wall, "tok_s": generated / wall if wall else 0.0,
-            "decode_tok_s": generated / (pred_ms / 1e3) if pred_ms else None, "decode_ms": pred_ms,
-            "drafted": drafted, "accepted": accepted, "drafts": int(steps),
-            "accepted_per_position": [per_pos[k] for k in sorted(per_pos)]}
-
-
-def add_llamacpp_plain(figures: dict, target, prompts: list, max_new_tokens: int, types: list[str],
-                       threads: int | None = None, sampling=None) -> list[str]:
-    """llama.cpp's plain decoding (llama-server on the target's GGUF of each type; q4_1 is the default target's
-    shipped file) on the same prompts, after ours (not interleaved: another process), as more methods in
-    ``figures``; every method's speedups then name it too. Returns the names added; with no llama.cpp build,
-    none (``figures["llamacpp"]`` says why). Greedy only (sampled runs differ by design)."""
-    import torch  # noqa: PLC0415
-
-    from draftsmith.engine.metrics import speedup  # noqa: PLC0415
-    from draftsmith.eval.bench import BASELINE  # noqa: PLC0415
-    if not types:
-        return []
-    why = have_llamacpp()
-    if why is None and sampling is not None and not sampling.greedy:
-        why = "llama.cpp plain decoding is measured greedy only"
-    if why is None and not (Path(str(target.path)) / "config.json").exists():
-        why = f"the target {target.name} is not a model directory llama.cpp's converter can read"
-    if why:
-        figures["llamacpp"] = why
-        return []
-    threads = threads or torch.get_num_threads()
-    ids = [p.ids if hasattr(p, "ids") else list(p) for p in prompts]
-    added, failed = [], []
-    for t in types:
-        try:  # a target llama.cpp cannot convert or run costs its column, not the benchmark
-            with LlamaServer(target_gguf(target, t), threads=threads) as server:
-                r = run_prompts(server, ids, max_new_tokens)
-        except LlamaCppError as e:
-            failed.append(f"{t}: {str(e).splitlines()[0]}")
-            continue
-        name = f"llama.cpp plain ({t})"
-        figures["methods"][name] = {"tokens_per_s": r["tok_s"], "tau": 1.0, "mean_draft_len": 0.0,
-                                    "family": "llama.cpp", "acceptance_by_position": [], "time_shares": None,
-                                    "tau_by_category": {c: 1.0 for c in sorted({getattr(p, "category", "all")
-                                                                                for p in prompts})},
-                                    "tokens": r["generated"], "wall_s": r["wall_s"], "threads": threads}
-        added.append(name)
-    if failed:
-        figures["llamacpp"] = "; ".join(failed)
-    if not added:
-        return []
-    fastest = max((n for n in figures["methods"] if n == BASELINE or n == "HF generate" or n in added),
-                  key=lambda n: figures["methods"][n]["tokens_per_s"])
-    figures["fastest_plain"] = fastest
-    for s in figures["methods"].values():
-        s["speedup"] = [x for x in s.get("speedup", []) if x["baseline"] in (BASELINE, "HF generate")]
-        for b in added:
-            s["speedup"].append(speedup(s["tokens_per_s"], figures["methods"][b]["tokens_per_s"], b))
-    return added
-
-
-__all__ = ["add_llamacpp_plain",
-           "GGUF_TYPES", "LlamaCpp", "LlamaCppError", "LlamaServer", "check_pair", "export_gguf", "find_llamacpp",
-           "gguf_info", "have_llamacpp", "run_prompts", "shipped_gguf", "target_gguf"]
+__all__ = ["GGUF_TYPES", "LlamaCpp", "LlamaCppError", "check_pair", "export_gguf", "find_llamacpp", "gguf_info",
+           "have_llamacpp", "shipped_gguf", "target_gguf"]

@@ -35,8 +35,8 @@ from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environ
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
 from draftsmith.export import source_target
-from draftsmith.export.llamacpp import (LlamaCppError, LlamaServer, export_gguf, find_llamacpp, run_prompts,
-                                        target_gguf)
+from draftsmith.export.llamacpp import LlamaCppError, export_gguf, find_llamacpp, target_gguf
+from draftsmith.export.llamacpp_server import LlamaServer, run_prompts
 from draftsmith.export.vllm_check import compare, ours
 from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
 from draftsmith.eval.humaneval import humaneval_prompt_ids

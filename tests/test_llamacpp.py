@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from draftsmith.export import llamacpp as lc
+from draftsmith.export import llamacpp_server as srv
 from draftsmith.export.llamacpp import LlamaCppError, check_pair
 
 WHY = lc.have_llamacpp()
@@ -124,8 +125,8 @@ def test_target_f32_gguf_decodes_what_we_decode(tiny_gguf_target, tmp_path):
     assert meta["kv"]["draftsmith.target_fingerprint"] == t.fingerprint
     assert meta["n_tokens"] == len(t.tokenizer)
     prompts = _prompts(t)
-    with lc.LlamaServer(f, threads=2, ctx=512) as s:
-        theirs = lc.run_prompts(s, prompts, 24)
+    with srv.LlamaServer(f, threads=2, ctx=512) as s:
+        theirs = srv.run_prompts(s, prompts, 24)
     assert theirs["generated"] > 0
     _near_tie_free_equal(t, prompts, theirs["tokens"], _plain_ours(t, prompts, 24))
 
@@ -153,10 +154,10 @@ def test_drafter_gguf_loads_drafts_and_keeps_llamacpp_greedy_tokens(tiny_gguf_ta
     assert lc.gguf_info(draft)["kv"]["draftsmith.target_fingerprint"] == t.fingerprint
     prompts = _prompts(t)
     tf = lc.target_gguf(t, "f32")
-    with lc.LlamaServer(tf, threads=2, ctx=512) as s:
-        plain = lc.run_prompts(s, prompts, 24)
-    with lc.LlamaServer(tf, threads=2, ctx=512, draft=draft, spec_type=rep["spec_type"]) as s:
-        spec_run = lc.run_prompts(s, prompts, 24)
+    with srv.LlamaServer(tf, threads=2, ctx=512) as s:
+        plain = srv.run_prompts(s, prompts, 24)
+    with srv.LlamaServer(tf, threads=2, ctx=512, draft=draft, spec_type=rep["spec_type"]) as s:
+        spec_run = srv.run_prompts(s, prompts, 24)
     assert spec_run["drafted"] > 0
     assert spec_run["tokens"] == plain["tokens"]
 
@@ -187,7 +188,7 @@ def test_the_recommendation_is_plain_decoding_unless_a_drafter_beats_it():
 @needs_build
 def test_llamacpp_plain_joins_a_bench_report_and_its_plots(tiny_gguf_target, tmp_path):
     from draftsmith.eval.bench import ours, run_bench, table
-    from draftsmith.export.llamacpp import add_llamacpp_plain
+    from draftsmith.export.llamacpp_server import add_llamacpp_plain
     from draftsmith.eval.mtbench import Prompt
     from draftsmith.eval.report import write_report
     from draftsmith.engine.decoder import SpeculativeDecoder
