@@ -50,6 +50,7 @@ from draftsmith.engine.batch_policy import BatchAwareLength, GoodputTable, calib
 from draftsmith.engine.batched_drafters import HeadRows, ModelRows, batch_adapter
 from draftsmith.engine.decoder import DecodeState
 from draftsmith.engine.drafters import project
+from draftsmith.engine.fast_batch import batch_body
 from draftsmith.engine.metrics import DecodeResult, StepStats, tau, tokens_per_second
 from draftsmith.engine.ragged import RowsCache, ragged_forward
 from draftsmith.engine.sampling import RandomSource, SamplingParams, TorchRandom, WithoutReplacement, greedy_ids
@@ -62,6 +63,21 @@ __all__ = ["BatchedSpeculativeDecoder", "BatchResult", "BatchStep", "BatchAwareL
 
 # on_step(row, new_ids, stats, stop_reason): see `BatchedSpeculativeDecoder.generate`
 OnStep = Callable[[int, list[int], StepStats, "str | None"], None]
+
+
+@dataclass
+class NewRow:
+    """A sequence that joins a running batch (continuous batching: `BatchedSpeculativeDecoder.generate`'s
+    ``admit``): its prompt, budget, own random source and logits processing (or None)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    rng: RandomSource
+    processing: Any = None
+
+
+# admit(free_rows) -> the rows that join before the next step (at most free_rows; [] for none)
+Admit = Callable[[int], "list[NewRow]"]
 
 
 @dataclass
@@ -148,6 +164,11 @@ class BatchedSpeculativeDecoder:
         p = next(self.model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.eos = frozenset(target.eos_token_ids)
+        # plain steps and prefills through the fused batched step (`fast_batch.FastBatchBody`, the data engine's)
+        # when the target decodes with our forward (`fastpath.use_fast_forward` put one on it): the same cache
+        # buffers, one token per row; draft verification keeps the model's own forward over the ragged cache
+        fb = getattr(target, "fast_body", None)
+        self.forward = "eager" if fb is None else "compile" if fb.compiled is not None else "fast"
         self.cache: RowsCache | None = None
         self.adapter = None
         self._drafting = False  # set per generate() call
@@ -209,6 +230,37 @@ class BatchedSpeculativeDecoder:
                                      f"block of {self.max_block} = {need} positions exceed the {who}'s context "
                                      f"length {ctx}")
         return prompts, news
+
+    def _fast(self):
+        """The fused batched step, or None: the model's own forward (an eager target, or a step that must run
+        the model's own layers: a drafter that reads the target's layers through hooks)."""
+        if self.forward == "eager" or (self._drafting and not self.own_trees):
+            return None
+        return batch_body(self.model, self.forward)
+
+    def _kv(self) -> list[torch.Tensor]:
+        return [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
+
+    @torch.no_grad()
+    def _prefill_rows(self, rows: list[int], states: list[DecodeState], prefilled) -> None:
+        """Rows' committed prompt tokens into the target's cache: with the fused step, all in one flat forward
+        (no padding); else row by row. ``prefilled(row, state)``, if given, runs after each row's."""
+        fast = self._fast()
+        todo = [(r, st) for r, st in zip(rows, states) if st.length > 0]
+        if fast is not None and todo:
+            h, _, starts = fast.prefill([st.tokens[:st.length] for _, st in todo], [r for r, _ in todo], 0,
+                                        self._kv())
+            for i, (_, st) in enumerate(todo):
+                st.fresh_hidden = h[starts[i]:starts[i + 1]]
+                st.hidden, st.cached = st.fresh_hidden[-1:], st.length
+            if prefilled is not None:
+                for r, st in zip(rows, states):
+                    prefilled(r, st)
+            return
+        for r, st in zip(rows, states):  # an adapter's ``prefilled`` reads the hooks of its row's own forward
+            self._prefill(r, st)
+            if prefilled is not None:
+                prefilled(r, st)
 
     @torch.no_grad()
     def _prefill(self, row: int, st: DecodeState) -> None:
@@ -334,6 +386,10 @@ class BatchedSpeculativeDecoder:
         L = torch.tensor([s.length for s in states], device=dev)
         if m == 1:
             ids = torch.stack([t.tokens() for t in trees])
+            fast = self._fast()
+            if fast is not None:  # a plain step: one token per row, the fused step
+                h, lg = fast.step(ids[:, 0], L, self._kv())
+                return list(lg[:, None]), h[:, None]
             block = torch.ones((n, 1, 1), dtype=torch.bool, device=dev)
             h = ragged_forward(self.body, self.cache, ids, L, L[:, None], L, block, L, 0)
             return list(project(self.lm_head, h[:, 0])[:, None]), h
@@ -381,7 +437,8 @@ class BatchedSpeculativeDecoder:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 128, *,
                  seeds: Sequence[int] | None = None, rngs: Sequence[RandomSource] | None = None,
                  seed: int = 0, on_step: OnStep | None = None,
-                 processing: Sequence[Any] | None = None) -> BatchResult:
+                 processing: Sequence[Any] | None = None, admit: Admit | None = None,
+                 max_rows: int | None = None, capacity: int | None = None) -> BatchResult:
         """Decode every prompt at once; each row has its own random source (``rngs``, else ``TorchRandom``
         seeded by ``seeds[i]``, else ``seed + i``). Rows come back in input order.
 
@@ -391,47 +448,70 @@ class BatchedSpeculativeDecoder:
         only observes (streaming, per-row logging): the outputs are the same with or without it, except that a
         true return value ends that row now (stop reason ``"stop"``: the caller found a stop sequence).
 
-        ``processing``: per row, a `processors.RequestProcessing` (penalties, logit bias, logprobs) or None."""
+        ``processing``: per row, a `processors.RequestProcessing` (penalties, logit bias, logprobs) or None.
+
+        Continuous batching: ``admit(free)``, if given, is called before every step while fewer than
+        ``max_rows`` rows are live, and the `NewRow` s it returns join the batch at once (prefilled, then decoded
+        with the others; row indices continue after the prompts'). The call returns when no row is live and
+        ``admit`` gives none. Every row's prompt, new tokens and draft block must fit ``capacity`` positions (the
+        cache is allocated once, for ``max_rows`` rows): ``admit`` should hold back what does not fit
+        (`fits`); an admitted row that does not fit is a ValueError. Each row follows the same rules whether
+        it started the call or joined it, so its output does not depend on when it joined."""
         prompts, news = self._rows(prompts, max_new_tokens)
         B = len(prompts)
         if processing is not None and len(processing) != B:
             raise ValueError(f"{B} prompts but {len(processing)} processing entries")
-        self._procs = list(processing) if processing is not None else None
+        self._procs = list(processing) if processing is not None else ([None] * B if admit is not None else None)
         if rngs is None:
             seeds = list(seeds) if seeds is not None else [seed + i for i in range(B)]
             rngs = [TorchRandom(s) for s in seeds]
         elif len(rngs) != B:
             raise ValueError(f"{B} prompts but {len(rngs)} random sources")
+        rngs = list(rngs)
         t0 = time.perf_counter()
         states = [DecodeState(tokens=list(p), prompt_len=len(p), length=len(p) - 1, hidden=None, max_new_tokens=n)
                   for p, n in zip(prompts, news)]
-        results: list[DecodeResult | None] = [None] * B
         live = [i for i in range(B) if news[i] > 0]
         for i in range(B):
             if news[i] == 0:
                 states[i].done, states[i].stop_reason = True, "max_new_tokens"
-        capacity = max(len(p) + n for p, n in zip(prompts, news)) + 2 * self.max_block + 2
-        if self.cache is None or self.cache.capacity < capacity or self.cache.n_rows < len(live):
-            self.cache = RowsCache.for_model(self.model, max(len(live), 1), max(capacity, 256))
+        need = max(self.positions(len(p), n) for p, n in zip(prompts, news))
+        if capacity is not None and need > capacity:
+            raise ValueError(f"the batch needs {need} cache positions per row; capacity is {capacity}")
+        capacity = max(capacity or need, 256)
+        rows_cap = max(max_rows or len(live), len(live), 1)
+        if self.cache is None or self.cache.capacity < capacity or self.cache.n_rows < rows_cap:
+            self.cache = RowsCache.for_model(self.model, rows_cap, capacity)
         live_states = [states[i] for i in live]
-        # Live rows only leave the batch, so when the length policy picks K = 0 for every batch size up to
-        # this one the drafter can never run in this call: no drafter state is kept (plain decoding's cost).
+        # Without admission, live rows only leave the batch, so when the length policy picks K = 0 for every
+        # batch size up to this one the drafter can never run in this call: no drafter state is kept (plain
+        # decoding's cost).
         self._drafting = self.adapter is not None and (
-            self.tree is not None or any(self._k_for(m) > 0 for m in range(1, len(live) + 1)))
+            self.tree is not None or any(self._k_for(m) > 0 for m in range(1, rows_cap + 1)))
         # an adapter that reads more of the target's prefill than its last hidden states (EAGLE-3: three layers'
         # outputs, caught by hooks) takes them right after each row's prefill forward
         prefilled = getattr(self.adapter, "prefilled", None) if self._drafting else None
-        for r, st in enumerate(live_states):
-            self._prefill(r, st)
-            if prefilled is not None:
-                prefilled(r, st)
+        self._prefill_rows(list(range(len(live_states))), live_states, prefilled)
         if self._drafting:
-            self.adapter.start(self, live_states, self.cache.capacity)
+            self.adapter.start(self, live_states, self.cache.capacity, rows_cap)
         t1 = time.perf_counter()
         batch = BatchResult(rows=[])
         row_steps: dict[int, list[StepStats]] = {i: [] for i in range(B)}
-        while live:
+        while True:
+            if admit is not None and len(live) < rows_cap:
+                joined = [self._join(row, live, states, rngs, news, row_steps)
+                          for row in admit(rows_cap - len(live))[:rows_cap - len(live)]]
+                joined = [j for j in joined if j is not None]
+                if joined:
+                    self._prefill_rows([r for r, _ in joined], [st for _, st in joined], prefilled)
+                    if self._drafting:
+                        for _, st in joined:
+                            self.adapter.join(self, st)
+            if not live:
+                break
             self._step(live, states, rngs, batch, row_steps, on_step)
+        B = len(states)
+        results = [None] * B
         finish = getattr(self.drafter, "finish", None) if self._drafting else None
         if finish is not None:  # e.g. a global suffix index learns from the finished responses, in row order
             for i in range(B):
@@ -445,6 +525,37 @@ class BatchedSpeculativeDecoder:
                                       stop_reason=st.stop_reason or "max_new_tokens")
         batch.rows, batch.prefill_s, batch.wall_s = results, t1 - t0, t2 - t0
         return batch
+
+    def positions(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Cache positions a row needs: its prompt, its new tokens and two draft blocks (the one being verified
+        and the rejected tail it overwrites)."""
+        return prompt_len + max_new_tokens + 2 * self.max_block + 2
+
+    def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
+        """Whether a row can join the running batch's cache (`generate`'s ``admit``)."""
+        return self.cache is not None and self.positions(prompt_len, max_new_tokens) <= self.cache.capacity
+
+    def _join(self, row: NewRow, live: list[int], states: list[DecodeState], rngs: list, news: list[int],
+              row_steps: dict) -> tuple[int, DecodeState] | None:
+        """A row admitted into the running batch: checked as `generate` checks its prompts and given the next free
+        cache row; returns (cache row, state) for the caller to prefill, or None (nothing to decode)."""
+        (prompt,), (n,) = self._rows([row.prompt], [row.max_new_tokens])
+        if not self.fits(len(prompt), n):
+            raise ValueError(f"an admitted row needs {self.positions(len(prompt), n)} cache positions; the running "
+                             f"batch's cache has {self.cache.capacity}")
+        i = len(states)
+        st = DecodeState(tokens=list(prompt), prompt_len=len(prompt), length=len(prompt) - 1, hidden=None,
+                         max_new_tokens=n)
+        states.append(st)
+        rngs.append(row.rng)
+        news.append(n)
+        self._procs.append(row.processing)
+        row_steps[i] = []
+        if n == 0:
+            st.done, st.stop_reason = True, "max_new_tokens"
+            return None
+        live.append(i)
+        return len(live) - 1, st
 
     def _k_for(self, n: int) -> int:
         """The chain's draft length for n live rows: the policy's choice, else the fixed K."""

@@ -40,9 +40,12 @@ class HeadRows:
         self.drafter = drafter
         self.heads = drafter.heads
 
-    def start(self, dec, states: list, capacity: int) -> None:
+    def start(self, dec, states: list, capacity: int, rows: int) -> None:
         for s in states:
-            s.drafter_state = self.drafter.start(dec, s)
+            self.join(dec, s)
+
+    def join(self, dec, state) -> None:
+        state.drafter_state = self.drafter.start(dec, state)
 
     @torch.no_grad()
     def begin_step(self, states: list) -> None:
@@ -136,13 +139,16 @@ class ModelRows:
         self.drafter = drafter
         self.cache: RowsCache | None = None
 
-    def start(self, dec, states: list, capacity: int) -> None:
+    def start(self, dec, states: list, capacity: int, rows: int) -> None:
+        """``rows``: the most rows live at once (continuous batching admits rows up to it)."""
         m = self.drafter.model
-        if self.cache is None or self.cache.capacity < capacity or self.cache.n_rows < len(states):
-            self.cache = RowsCache.for_model(m, max(len(states), 1), capacity)
+        if self.cache is None or self.cache.capacity < capacity or self.cache.n_rows < rows:
+            self.cache = RowsCache.for_model(m, max(rows, 1), capacity)
         for s in states:
-            s.drafter_state = _RowModel()
-        # the committed prompts are fed with each row's first proposal (catch-up), no separate prefill
+            self.join(dec, s)
+
+    def join(self, dec, state) -> None:
+        state.drafter_state = _RowModel()  # its prompt is fed with its first proposal (catch-up), no prefill
 
     def begin_step(self, states: list) -> None:
         pass

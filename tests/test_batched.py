@@ -13,9 +13,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from draftsmith.engine.batched import (BatchAwareLength, BatchedSpeculativeDecoder, GoodputTable, calibrate,
+from draftsmith.engine.batched import (BatchAwareLength, BatchedSpeculativeDecoder, GoodputTable, NewRow, calibrate,
                                        expected_tokens, plain_batched_decoder)
+from draftsmith.drafters.suffix import SuffixConfig, SuffixDrafter, SuffixIndex
 from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.engine.drafters import HeadDrafter, first_layers_drafter
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams, TorchRandom
@@ -153,6 +155,68 @@ def test_on_step_hook_streams_each_row_and_changes_nothing(tgt, sampling):
     assert [seen[i] for i in range(len(PROMPTS))] == [r.tokens for r in res.rows]
     assert [stats[i] for i in range(len(PROMPTS))] == [r.steps for r in res.rows]
     assert [stops[i] for i in range(len(PROMPTS))] == [[r.stop_reason] for r in res.rows]
+
+
+
+@pytest.mark.parametrize("kind", [None, "first-layers", "other-model", "hydra++"])
+@pytest.mark.parametrize("sampling", [None, SamplingParams(0.9, top_k=10)], ids=["greedy", "sampled"])
+def test_rows_admitted_mid_batch_decode_as_alone(tgt, reference, kind, sampling):
+    """Continuous batching: rows that join a running batch (``admit``) give, row for row, what the same rows
+    give when they all start together (greedy: batch-1 decoding; sampling: the same seeds' draws), and a row
+    that joins sees no other row change."""
+    drafter = _drafters(tgt)[kind]() if kind else None
+    dec = BatchedSpeculativeDecoder(tgt, drafter, k=3, sampling=sampling)
+    seeds = [7, 8, 9, 10, 11]
+    together = dec.generate(PROMPTS, N_NEW, seeds=seeds)
+    if sampling is None:
+        assert [r.tokens for r in together.rows] == [r.tokens for r in reference]
+    queue = [NewRow(PROMPTS[i], N_NEW[i], TorchRandom(seeds[i])) for i in range(2, 5)]
+    calls = []
+
+    def admit(free):
+        calls.append(free)
+        take, queue[:] = queue[:1], queue[1:]  # one row per step: rows join at different steps
+        return take
+
+    res = dec.generate(PROMPTS[:2], N_NEW[:2], seeds=seeds[:2], admit=admit, max_rows=3, capacity=256)
+    assert [r.tokens for r in res.rows] == [r.tokens for r in together.rows]
+    assert [r.stop_reason for r in res.rows] == [r.stop_reason for r in together.rows]
+    assert max(s.live for s in res.steps) == 3 and all(f >= 1 for f in calls)
+    assert not queue
+
+
+
+@pytest.mark.parametrize("mode", ["fast", "compile"])
+def test_plain_steps_through_the_fused_batched_step_equal_batch_one(mode, tgt, reference):
+    """With our forward on the target (`use_fast_forward`), plain batched steps and prefills run the data
+    engine's fused step over the same cache: rows still equal batch-1 greedy decoding, including rows that
+    join mid-batch, and SuffixDecoding's rows (drafts verified by the model's own forward) too."""
+    t = tiny(dtype=torch.float64)  # the same weights as ``tgt``, which keeps the model's own forward
+    t.model.generation_config.eos_token_id = list(tgt.model.generation_config.eos_token_id)
+    use_fast_forward(t, mode)
+    dec = plain_batched_decoder(t)
+    assert dec.forward == mode
+    res = dec.generate(PROMPTS, N_NEW)
+    assert [r.tokens for r in res.rows] == [r.tokens for r in reference]
+    assert dec._fast() is not None
+    queue = [NewRow(PROMPTS[i], N_NEW[i], TorchRandom(0)) for i in range(1, 5)]
+    res = dec.generate(PROMPTS[:1], N_NEW[:1], admit=lambda free: [queue.pop(0)] if queue else [], max_rows=3,
+                       capacity=256)
+    assert [r.tokens for r in res.rows] == [r.tokens for r in reference]
+    sfx = BatchedSpeculativeDecoder(t, SuffixDrafter(SuffixConfig(), SuffixIndex(SuffixConfig()), learn=True))
+    first = sfx.generate(PROMPTS, N_NEW)
+    again = sfx.generate(PROMPTS, N_NEW)  # the index now holds these responses: drafts, verified, accepted
+    assert [r.tokens for r in first.rows] == [r.tokens for r in again.rows] == [r.tokens for r in reference]
+    assert sum(s.accepted for s in again.steps) > 0
+
+
+def test_admission_refuses_a_row_that_does_not_fit(tgt):
+    dec = plain_batched_decoder(tgt)
+    long = NewRow([1] * 200, 60, TorchRandom(0))
+    assert dec.generate([[1, 2]], 4, capacity=256).rows[0].tokens  # the cache for the next call exists
+    assert not dec.fits(200, 60) and dec.fits(100, 60)
+    with pytest.raises(ValueError, match="cache positions"):
+        dec.generate([[1, 2]], 4, admit=lambda free: [long], max_rows=2, capacity=256)
 
 
 # ---------------------------------------------------------------------------------------------- sampling

@@ -262,8 +262,11 @@ class Eagle3Rows:
     def prefilled(self, row: int, state) -> None:
         state.drafter_state = self.drafter.start(None, state)
 
-    def start(self, dec, states: list, capacity: int) -> None:
+    def start(self, dec, states: list, capacity: int, rows: int) -> None:
         pass  # each row was started by `prefilled`, right after its prefill forward
+
+    def join(self, dec, state) -> None:
+        pass  # as `start`: `prefilled` started it
 
     def begin_step(self, states: list) -> None:
         pass

@@ -176,9 +176,12 @@ class ModelFreeRows:
     def __init__(self, drafter):
         self.drafter = drafter
 
-    def start(self, dec, states: list, capacity: int) -> None:
+    def start(self, dec, states: list, capacity: int, rows: int) -> None:
         for s in states:
-            s.drafter_state = self.drafter.start(dec, s)
+            self.join(dec, s)
+
+    def join(self, dec, state) -> None:
+        state.drafter_state = self.drafter.start(dec, state)
 
     def begin_step(self, states: list) -> None:
         pass
