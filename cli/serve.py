@@ -3,6 +3,8 @@
     draftsmith serve [--target NAME|DIR] [--publish DIR] [--logs DIR] [--host 127.0.0.1] [--port 8000]
                      [--tree chain] [--model-name NAME] [--max-log-mb 64] [--max-batch 8]
                      [--suffix [--suffix-state DIR] [--suffix-save-every 100] [--suffix-min-score 2 ...]]
+                     [--api-key KEY] [--max-queue 256] [--max-body-mb 1] [--max-prompt-tokens N]
+                     [--max-tokens-limit N] [--no-log-bodies]
 
 Serves ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming and not) and ``GET /v1/models``
 on loopback unless ``--host`` says otherwise, decoding with the lossless decoder
@@ -21,16 +23,25 @@ hybrid, one request at a time) otherwise. The index is saved to
 ``--suffix-save-every`` responses and at shutdown, and loaded at start; a
 missing or unusable state is rebuilt from the request logs. ``GET /health``
 reports its size and memory.
+
+Exposed beyond loopback, as vLLM's server is: ``--api-key`` (or ``DRAFTSMITH_API_KEY``) is required on every
+route but ``/health`` (401 otherwise); at most ``--max-queue`` requests wait (429 with Retry-After past it);
+a body over ``--max-body-mb`` is a 413 before it is parsed; ``--max-prompt-tokens`` and ``--max-tokens-limit``
+bound what one request may ask (400 naming the field); ``--no-log-bodies`` keeps messages, prompts and texts out
+of the request log (token ids stay: the online job trains on them). A request whose client goes away stops at
+the next step.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import uvicorn
 
 from draftsmith.cli.shared import add_dtype_arg, add_suffix_args, load_target_as, suffix_config
+from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
 from draftsmith.serve.app import DecodingService, create_app
 from draftsmith.target import default_device
 
@@ -57,7 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "LOGS/suffix-index with --logs, else not saved); rebuilt from the logs when unusable")
     ap.add_argument("--suffix-save-every", type=int, default=100, metavar="N",
                     help="SuffixDecoding: save the index after every N indexed responses (0: at shutdown only)")
+    ap.add_argument("--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                         "$DRAFTSMITH_API_KEY; none: open to whoever reaches the port)")
+    ap.add_argument("--max-queue", type=int, default=256,
+                    help="requests that may wait; past it a request gets 429 with Retry-After")
+    ap.add_argument("--max-body-mb", type=float, default=1.0, help="largest request body (413 beyond)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=None,
+                    help="longest prompt a request may send, in tokens (400 beyond; default: the context)")
+    ap.add_argument("--max-tokens-limit", type=int, default=None,
+                    help="largest max_tokens a request may ask for (400 beyond; default: the context)")
+    ap.add_argument("--no-log-bodies", action="store_true",
+                    help="leave messages, prompts and response texts out of the request log (ids stay)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_forward_arg(ap)
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="skip decoding a short prompt at start (then the first requests pay for compiling)")
     ap.add_argument("--device", default=None)
     add_dtype_arg(ap, "float32", "float32")
     return ap
@@ -96,19 +122,27 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     target = load_target_as(a.target, a.dtype, default_device(a.device))
+    use_fast_forward(target, a.forward)  # the single-sequence decoder's forward; batched plain steps follow it
     service = DecodingService(target, publish_dir=a.publish, log_dir=a.logs, tree=a.tree, model_name=a.model_name,
                               max_log_bytes=int(a.max_log_mb * (1 << 20)), default_max_tokens=a.max_tokens,
                               max_batch=a.max_batch, suffix=suffix_config(a) if a.suffix else None,
-                              suffix_state=a.suffix_state, suffix_save_every=a.suffix_save_every)
+                              suffix_state=a.suffix_state, suffix_save_every=a.suffix_save_every,
+                              max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens,
+                              max_tokens_limit=a.max_tokens_limit, log_bodies=not a.no_log_bodies)
     plain = "none (SuffixDecoding alone)" if a.suffix else "none (plain)"
     print(f"serving {service.model_name} ({target.fingerprint}) with drafter {service.version or plain} "
-          f"on http://{a.host}:{a.port}/v1, up to {a.max_batch} request(s) per batch", flush=True)
+          f"on http://{a.host}:{a.port}/v1, up to {a.max_batch} request(s) per batch, {a.max_queue} waiting; "
+          f"{'API key required' if a.api_key else 'no API key (anyone who reaches the port may use it)'}",
+          flush=True)
     if a.suffix:
         print(suffix_summary(service.suffix_report()), flush=True)
+    if not a.no_warmup:
+        print(f"warm-up ({a.forward} forward) took {service.warmup():.1f} s", flush=True)
     if service.version is None:
         print(publish_hint(a.publish, a.tree, a.suffix), flush=True)
     try:
-        uvicorn.run(create_app(service), host=a.host, port=a.port, log_level="warning")
+        uvicorn.run(create_app(service, api_key=a.api_key, max_body_bytes=int(a.max_body_mb * (1 << 20))),
+                    host=a.host, port=a.port, log_level="warning")
     finally:
         service.close()
     return 0

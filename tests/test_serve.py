@@ -184,7 +184,7 @@ def test_uvicorn_loopback_concurrent_clients_with_openai(target, tmp_path, servi
         assert done == [True] * 12
         lines = [x for f in (tmp_path / "logs").glob("*.jsonl") for x in f.read_text().splitlines()]
         assert len(lines) == 12
-        assert sum(svc.batch_sizes) == (0 if max_batch == 1 else 12)
+        assert sum(svc.batch_sizes) + svc.admitted == (0 if max_batch == 1 else 12)
     finally:
         server.should_exit = True
         th.join(10)
@@ -261,7 +261,7 @@ def test_max_batch_1_decodes_one_at_a_time_under_the_lock(target, tmp_path, serv
     store = PublishStore(tmp_path / "pub")
     store.publish(medusa_checkpoint(target, tmp_path / "c1", seed=1))
     svc = service(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", max_batch=1)
-    assert svc._thread is None and svc.batched is None
+    assert svc.scheduler is None and svc.batched is None
     client = TestClient(create_app(svc))
     results, threads = {}, []
     with svc.lock:  # nothing can be decoded while the test holds the lock
@@ -269,7 +269,7 @@ def test_max_batch_1_decodes_one_at_a_time_under_the_lock(target, tmp_path, serv
             threads.append(_post_in_thread(client, {"messages": MSGS[i], "max_tokens": 16, "temperature": 0,
                                                     "stream": i == 1}, results, i))
         threads[0].join(0.5)
-        assert not results and svc.served == 0 and svc.queued() == 0
+        assert not results and svc.served == 0 and svc.queued() == 3  # all three wait for the lock
     for th in threads:
         th.join(120)
     for i in range(3):
@@ -350,7 +350,7 @@ def test_unbatchable_drafter_falls_back_to_one_at_a_time(target, tmp_path, servi
         store.publish(kangaroo_checkpoint(target, tmp_path / "k1"))
     else:
         store.publish(medusa_checkpoint(target, tmp_path / "c1", seed=1))
-    with caplog.at_level(logging.WARNING, logger="draftsmith.serve.app"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.serve"):
         svc = service(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", max_batch=4, start=False,
                       tree="chain" if case == "kangaroo" else "dynamic:6,3,2")
     assert svc.version == "v000001" and svc.batched is None

@@ -96,7 +96,7 @@ def test_restart_loads_the_saved_index_else_rebuilds_from_the_logs(target, tmp_p
 
     def rebuilt(expect_used=3, expect_skipped=0):
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="draftsmith.serve.app"):
+        with caplog.at_level(logging.INFO, logger="draftsmith.serve"):
             s = start()
         st = s.suffix_start
         assert st["source"] == "logs" and st["used"] == expect_used and st["skipped"] == expect_skipped, st
@@ -152,7 +152,7 @@ def test_batched_requests_feed_the_index(target, tmp_path, service):
 def test_republish_keeps_the_index_hybrid(target, tmp_path, service, caplog, max_batch):
     store = PublishStore(tmp_path / "pub")
     store.publish(medusa_checkpoint(target, tmp_path / "c1", seed=1))
-    with caplog.at_level(logging.WARNING, logger="draftsmith.serve.app"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.serve"):
         svc = service(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", suffix=CFG,
                       max_batch=max_batch)
     client = TestClient(create_app(svc))
@@ -192,7 +192,7 @@ def test_a_drafter_that_cannot_be_a_hybrid_member_is_served_alone_and_the_index_
                                                                                         caplog):
     store = PublishStore(tmp_path / "pub")
     store.publish(test_serve.kangaroo_checkpoint(target, tmp_path / "k1"))  # replaces the verification forward
-    with caplog.at_level(logging.WARNING, logger="draftsmith.serve.app"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.serve"):
         svc = service(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", suffix=CFG)
     assert "cannot draft beside SuffixDecoding" in caplog.text and svc.version == "v000001"
     r = _ask(TestClient(create_app(svc)), MSGS[0], 16)
