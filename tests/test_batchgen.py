@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draftsmith.train import generate
-from draftsmith.train.batch_sampling import inverse_cdf, pick_tokens
+from draftsmith.engine.sampling import inverse_cdf_rows, pick_tokens
 from draftsmith.train.batchgen import BatchGenerator, Job
 from draftsmith.train.batchgen_cache import RaggedCache
 from draftsmith.train.sources import Conversation
@@ -293,7 +293,7 @@ def test_the_inverse_cdf_reaches_every_token_at_its_boundaries():
             continue
         lo = 0.0 if tok == 0 else float(cdf[tok - 1])
         for u in (lo + 1e-6, (lo + float(cdf[tok])) / 2):
-            assert int(inverse_cdf(p, torch.tensor([u], dtype=torch.float64), block=4)[0]) == tok, (tok, u)
+            assert int(inverse_cdf_rows(p, torch.tensor([u], dtype=torch.float64), block=4)[0]) == tok, (tok, u)
 
 
 def _with_prefix(prompts, prefix):

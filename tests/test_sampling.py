@@ -5,7 +5,7 @@ import torch
 
 from draftsmith.eval.exact import BranchingSource, enumerate_branches
 from draftsmith.engine.sampling import (SamplingParams, TorchRandom, UniformSource, WithoutReplacement, inverse_cdf,
-                                      processed_probs, verify_chain, verify_node, verify_node_greedy,
+                                      inverse_cdf_rows, processed_probs, verify_chain, verify_node, verify_node_greedy,
                                       verify_node_typical)
 
 P = torch.tensor([0.1, 0.2, 0.3, 0.4])
@@ -168,3 +168,20 @@ def test_greedy_ids_breaks_ties_as_argmax():
             assert torch.equal(greedy_ids(x), x.argmax(-1))
             assert torch.equal(greedy_ids(x[0]), x[0].argmax())
             assert (greedy_ids(x) <= vocab // 2).all()  # the first of the tied maxima, never the last
+
+
+def test_inverse_cdf_rows_never_takes_a_zero_probability_token_past_a_rounded_block_mass():
+    """A block's float32 mass can exceed its float64 total; a uniform landing in that gap once took the block's
+    last slot even at probability 0. It takes the last token of positive probability instead."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(10_000):  # a block of 4 whose float32 sum rounds above its float64 sum, last slot empty
+        p = torch.rand(4, generator=gen, dtype=torch.float32)
+        p[3] = 0.0
+        f32, f64 = float(p.sum()), float(p.double().sum())
+        if f32 > f64:
+            break
+    else:
+        raise AssertionError("no block with a float32 mass above its float64 total")
+    u = ((f32 + f64) / 2) / f32  # target = u * f32 lies between the float64 total and the float32 mass
+    assert int(inverse_cdf_rows(p[None], torch.tensor([u], dtype=torch.float64), block=4)[0]) == 2
+    assert inverse_cdf(p, u) == 2

@@ -49,7 +49,7 @@ import torch
 
 from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.fast_batch import batch_body
-from draftsmith.train.batch_sampling import pick_tokens
+from draftsmith.engine.sampling import pick_tokens
 from draftsmith.train.batchgen_cache import RaggedCache, row_attention
 
 ATTENTION_MODES = ("auto", "rows", "masked")
