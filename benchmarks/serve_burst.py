@@ -14,6 +14,10 @@ timed out pays for them in the next phase. Per phase: answered, failed (timeout,
 over the phase's wall time, p50/p99 latency of answers, Retry-After values, the server's RSS (peak and last,
 its whole process tree), and greedy consistency (answers to the same prompt and max_tokens that differ).
 
+``--data-engine`` also runs the data engine (`draftsmith.train.batchgen.BatchGenerator`, the fused compiled step)
+in this process on the same prompts, ``--max-batch`` rows, ``--tokens`` each, greedy: the tok/s the server's
+32-client phase is measured against.
+
 Servers:
   * ``ours``: ``draftsmith serve`` from this tree (``--publish`` / ``--suffix`` / ``--tree`` / ``--max-batch``);
   * ``ours@REV``: the same command from git revision REV (a temporary worktree; before/after in one run);
@@ -38,9 +42,13 @@ from pathlib import Path
 import httpx
 import openai
 
+import torch
+
 from benchmarks.common import add_common_args, free_port, parser, write_json
 from draftsmith.eval.mtbench import mtbench_questions_path
-from draftsmith.target import cpu_name, resolve_target_path
+from draftsmith.target import cpu_name, load_target, resolve_target_path
+from draftsmith.traffic import chat_prompt_ids
+from draftsmith.train.batchgen import BatchGenerator, Job
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -209,10 +217,30 @@ def phase(name: str, srv: Server, make, model: str, jobs: list[tuple[int, str, i
     return out, ok
 
 
+def data_engine(a, prompts: list[str]) -> dict:
+    """The data engine on the same prompts (chat template), ``max_batch`` rows, greedy: generated tok/s over
+    the wall time (prefills included), after a warm-up that compiles its step."""
+    torch.set_num_threads(a.threads)
+    target = load_target(a.target)
+    ids = [chat_prompt_ids(target.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    gen = BatchGenerator(target.model, target.eos_token_ids, max_rows=a.max_batch, capacity=2048,
+                         forward="compile")
+    gen.run([Job(0, ids[0], 4), Job(1, ids[1], 4)], lambda j, t, f: None)  # compiles the step
+    done: list[int] = []
+    t0 = time.perf_counter()
+    gen.run([Job(i, p, a.tokens) for i, p in enumerate(ids)], lambda j, t, f: done.append(len(t)))
+    wall = time.perf_counter() - t0
+    out = {"rows": a.max_batch, "prompts": len(ids), "tokens": sum(done), "wall_s": round(wall, 1),
+           "tok_s": round(sum(done) / wall, 2)}
+    print(f"  data engine ({a.max_batch} rows): {out['tokens']} tokens in {out['wall_s']} s = {out['tok_s']} tok/s",
+          flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = parser("serve_burst", __doc__)
     add_common_args(ap, threads=True, threads_default=2)
-    ap.add_argument("--servers", nargs="+", default=["ours"], help="ours, ours@REV, vllm")
+    ap.add_argument("--servers", nargs="*", default=["ours"], help="ours, ours@REV, vllm (none: --data-engine only)")
     ap.add_argument("--publish", default=None, help="ours: publish directory (a drafter)")
     ap.add_argument("--suffix", action="store_true", help="ours: SuffixDecoding")
     ap.add_argument("--tree", default="chain")
@@ -228,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--overload", type=int, default=0, help="requests sent at once past the queue (0: no phase)")
     ap.add_argument("--prompts", type=int, default=80)
     ap.add_argument("--ready-timeout", type=float, default=900)
+    ap.add_argument("--data-engine", action="store_true", help="also the data engine in-process (see above)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -249,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
                        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
             cmd = [str(vpy), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir),
                    "--served-model-name", model, "--port", str(port), "--dtype", "float32",
-                   "--max-model-len", "2048", "--max-num-seqs", str(a.max_batch), "--disable-log-requests"]
+                   "--max-model-len", "2048", "--max-num-seqs", str(a.max_batch), "--no-enable-log-requests"]
             cwd = work
         else:
             env, cwd = dict(env0), ROOT
@@ -257,10 +286,13 @@ def main(argv: list[str] | None = None) -> dict:
                 tree, extra = shim(spec.split("@", 1)[1], work)
                 env.update(extra)
                 cwd = tree
+            logs = out / f"{spec.replace('@', '_')}-logs"
+            shutil.rmtree(logs, ignore_errors=True)
             cmd = [sys.executable, "-m", "draftsmith.cli", "serve", "--target", a.target, "--port", str(port),
                    "--model-name", model, "--max-batch", str(a.max_batch), "--threads", str(a.threads),
-                   "--tree", a.tree] + (["--publish", str(Path(a.publish).resolve())] if a.publish else []) \
-                + (["--suffix"] if a.suffix else [])
+                   "--tree", a.tree, "--logs", str(logs)]
+            cmd += ["--publish", str(Path(a.publish).resolve())] if a.publish else []
+            cmd += ["--suffix"] if a.suffix else []
             if "@" not in spec:
                 cmd += ["--max-queue", str(a.max_queue)]
         print(f"{spec}: {' '.join(cmd)}", flush=True)
@@ -291,12 +323,21 @@ def main(argv: list[str] | None = None) -> dict:
                 texts.setdefault((r["prompt"], r["max_tokens"]), set()).add(r["text"])
             rec.update(phases=phases, greedy_keys=len(texts),
                        greedy_inconsistent=sum(len(v) > 1 for v in texts.values()))
+            if spec != "vllm":  # every answer logged once; a request whose client left is not (ours) or is
+                time.sleep(2)
+                ids = [json.loads(x)["id"] for f in sorted(logs.glob("*.jsonl")) for x in f.read_text().splitlines()
+                       if x.strip()]
+                rec["log"] = {"lines": len(ids), "distinct": len(set(ids)),
+                              "answered": len(answers) + 1}  # + the warm-up request
         except Exception as e:  # noqa: BLE001 (one server failing is a result; the others still run)
             rec["error"] = f"{type(e).__name__}: {e}"
             print(f"{spec}: FAILED {rec['error']}", flush=True)
         finally:
             srv.stop()
         report["servers"][spec] = rec
+        write_json(out / "serve_burst.json", report)
+    if a.data_engine:
+        report["data_engine"] = data_engine(a, prompts)
         write_json(out / "serve_burst.json", report)
     for spec in a.servers:
         if "@" in spec:

@@ -19,9 +19,9 @@ What is counted (each list entry carries its file; names match case-sensitively)
    number of ``.py`` files; per folder and in total. A file that fails to parse still counts here.
 2. ``kv_caches``: class definitions (at any nesting) whose name ends in ``Cache`` or ``KV``, except
    ``HiddenCache`` (the training cache of hidden states, not a KV cache).
-3. ``samplers``: function definitions (``def`` or ``async def``) named ``inverse_cdf``, ``pick_tokens``,
-   ``categorical`` or starting with ``sample``, at module level or in a class body (methods, also of nested
-   classes); functions nested inside functions are not counted; ``sample_anchors`` (it draws training
+3. ``samplers``: function definitions (``def`` or ``async def``) named ``inverse_cdf``, ``inverse_cdf_rows``,
+   ``pick_tokens``, ``categorical`` or starting with ``sample``, at module level or in a class body (methods,
+   also of nested classes); functions nested inside functions are not counted; ``sample_anchors`` (it draws training
    anchors, not tokens) is not a sampler.
 4. ``generation_loops``: class definitions (at any nesting) whose name ends in ``Decoder`` or ``Generator``,
    plus module-level functions whose name starts with ``generate``.
@@ -51,7 +51,7 @@ from pathlib import Path
 WORKTREE = "WORKTREE"
 EXCLUDED = ("tests", "benchmarks", "scripts", "docs")
 KIND_FOLDERS = ("heads", "drafters", "classifiers")
-SAMPLER_NAMES = ("inverse_cdf", "pick_tokens", "categorical")
+SAMPLER_NAMES = ("inverse_cdf", "inverse_cdf_rows", "pick_tokens", "categorical")
 SAMPLER_PREFIX = "sample"
 CACHE_SUFFIXES = ("Cache", "KV")
 NOT_KV_CACHES = ("HiddenCache",)

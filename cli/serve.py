@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import threading
 
 import torch
 import uvicorn
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     target = load_target_as(a.target, a.dtype, default_device(a.device))
     use_fast_forward(target, a.forward)  # the single-sequence decoder's forward; batched plain steps follow it
-    service = DecodingService(target, publish_dir=a.publish, log_dir=a.logs, tree=a.tree, model_name=a.model_name,
+    service = DecodingService(target, start=False, publish_dir=a.publish, log_dir=a.logs, tree=a.tree,
+                              model_name=a.model_name,
                               max_log_bytes=int(a.max_log_mb * (1 << 20)), default_max_tokens=a.max_tokens,
                               max_batch=a.max_batch, suffix=suffix_config(a) if a.suffix else None,
                               suffix_state=a.suffix_state, suffix_save_every=a.suffix_save_every,
@@ -140,9 +143,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warm-up ({a.forward} forward) took {service.warmup():.1f} s", flush=True)
     if service.version is None:
         print(publish_hint(a.publish, a.tree, a.suffix), flush=True)
+    app = create_app(service, api_key=a.api_key, max_body_bytes=int(a.max_body_mb * (1 << 20)))
+    if a.max_batch == 1:  # requests decode in the server's worker threads, under the service's lock
+        try:
+            uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+        finally:
+            service.close()
+        return 0
+    # the batching loop owns the model in this (the main) thread (`DecodingService.run_forever` says why); the
+    # HTTP server runs in another, and either ending ends both
+    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning"))
+
+    def http():
+        try:
+            server.run()
+        finally:
+            service.stop()
+    web = threading.Thread(target=http, name="draftsmith-http", daemon=True)
+
+    def on_signal(signum, frame):
+        server.should_exit = True
+        service.stop()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    web.start()
     try:
-        uvicorn.run(create_app(service, api_key=a.api_key, max_body_bytes=int(a.max_body_mb * (1 << 20))),
-                    host=a.host, port=a.port, log_level="warning")
+        service.run_forever()
     finally:
+        server.should_exit = True
+        web.join(30)
         service.close()
     return 0

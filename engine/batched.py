@@ -438,7 +438,7 @@ class BatchedSpeculativeDecoder:
                  seeds: Sequence[int] | None = None, rngs: Sequence[RandomSource] | None = None,
                  seed: int = 0, on_step: OnStep | None = None,
                  processing: Sequence[Any] | None = None, admit: Admit | None = None,
-                 max_rows: int | None = None, capacity: int | None = None) -> BatchResult:
+                 max_rows: int | None = None, capacity: int | None = None, release: bool = False) -> BatchResult:
         """Decode every prompt at once; each row has its own random source (``rngs``, else ``TorchRandom``
         seeded by ``seeds[i]``, else ``seed + i``). Rows come back in input order.
 
@@ -456,7 +456,11 @@ class BatchedSpeculativeDecoder:
         ``admit`` gives none. Every row's prompt, new tokens and draft block must fit ``capacity`` positions (the
         cache is allocated once, for ``max_rows`` rows): ``admit`` should hold back what does not fit
         (`fits`); an admitted row that does not fit is a ValueError. Each row follows the same rules whether
-        it started the call or joined it, so its output does not depend on when it joined."""
+        it started the call or joined it, so its output does not depend on when it joined.
+
+        ``release``: a row's state, random source and processing are dropped as it leaves, and no step statistics
+        are kept (a call that admits rows for hours holds only its live rows); the result's ``rows`` are then
+        empty, and ``on_step`` is the only output."""
         prompts, news = self._rows(prompts, max_new_tokens)
         B = len(prompts)
         if processing is not None and len(processing) != B:
@@ -509,15 +513,25 @@ class BatchedSpeculativeDecoder:
                             self.adapter.join(self, st)
             if not live:
                 break
+            stepped = list(live)
             self._step(live, states, rngs, batch, row_steps, on_step)
+            if release:
+                batch.steps.clear()
+                for i in stepped:
+                    if states[i].done:
+                        states[i] = rngs[i] = self._procs[i] = None
+                        row_steps.pop(i)
         B = len(states)
         results = [None] * B
-        finish = getattr(self.drafter, "finish", None) if self._drafting else None
+        finish = getattr(self.drafter, "finish", None) if self._drafting and not release else None
         if finish is not None:  # e.g. a global suffix index learns from the finished responses, in row order
             for i in range(B):
                 if news[i] > 0:
                     finish(self, states[i])
         t2 = time.perf_counter()
+        if release:
+            batch.prefill_s, batch.wall_s = t1 - t0, t2 - t0
+            return batch
         for i in range(B):
             st = states[i]
             results[i] = DecodeResult(tokens=st.tokens[st.prompt_len:], prompt_len=st.prompt_len, steps=row_steps[i],

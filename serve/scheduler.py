@@ -97,6 +97,7 @@ class Scheduler:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._swap_checked = 0.0
+        self._current: list[Job | None] = []  # the running call's rows (None once finished)
 
     # ------------------------------------------------------------------ the callers' side
     def submit(self, job: Job) -> None:
@@ -119,11 +120,20 @@ class Scheduler:
             self._thread = threading.Thread(target=self._loop, name="draftsmith-batcher", daemon=True)
             self._thread.start()
 
-    def close(self, timeout: float | None = 30) -> None:
-        """Stop after the current call (its rows finish; requests still queued get an error)."""
+    def run_here(self) -> None:
+        """Run the batching loop in the calling thread until `stop` or `close` (``draftsmith serve`` runs it in
+        the process's main thread: see `draftsmith.serve.service.DecodingService.run_forever`)."""
+        self._loop()
+
+    def stop(self) -> None:
+        """Ask the loop to end after the current call, without waiting (safe in a signal handler)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+
+    def close(self, timeout: float | None = 30) -> None:
+        """Stop after the current call (its rows finish; requests still queued get an error)."""
+        self.stop()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -171,7 +181,7 @@ class Scheduler:
                     self._run_batch(svc.batched, jobs)
             except Exception as e:  # noqa: BLE001 (the thread must survive; the callers get the error)
                 log.exception("decoding a batch of %d requests failed", len(jobs))
-                for j in jobs:
+                for j in [*jobs, *(x for x in self._current if x is not None)]:  # rows that joined it too
                     if not j.finished:
                         j.finished = True
                         j.events.put({"error": e})
@@ -218,7 +228,8 @@ class Scheduler:
 
     def _run_batch(self, dec: BatchedSpeculativeDecoder, jobs: list[Job]) -> None:
         svc = self.service
-        rows = [j for j in jobs if self._ready(dec, j)]
+        rows: list[Job | None] = [j for j in jobs if self._ready(dec, j)]
+        self._current = rows
         if not rows:
             return
         sampling = dec.sampling = rows[0].spec.sampling
@@ -228,7 +239,7 @@ class Scheduler:
         capacity = max(max(dec.positions(len(j.spec.prompt), j.spec.max_tokens) for j in rows), svc.batch_positions)
 
         def admit(free: int) -> list[NewRow]:
-            if self._swap_due():
+            if self._closed or self._swap_due():
                 return []
             take = []
             with self._cv:
@@ -251,6 +262,7 @@ class Scheduler:
             if j.cancelled:  # the client left: end the row now, nothing logged
                 svc.aborted += 1
                 j.abandon()
+                rows[row] = None  # a call may run for hours: finished jobs are let go
                 return True
             j.ids.extend(new_ids)
             j.steps.append([st.accepted, st.attempted, st.drafted, st.emitted])
@@ -268,12 +280,14 @@ class Scheduler:
                 rec["_logprobs"] = j.proc.logprobs[:len(j.ids)] if j.proc is not None and j.proc.recording else None
                 j.finished = True
                 j.events.put({"done": rec})
+                rows[row] = None
                 return j.stream.stopped
             return False
 
         dec.generate([j.spec.prompt for j in rows], [j.spec.max_tokens for j in rows],
                      rngs=[TorchRandom(j.spec.seed) for j in rows], on_step=on_step,
-                     processing=[j.proc for j in rows], admit=admit, max_rows=self.max_batch, capacity=capacity)
+                     processing=[j.proc for j in rows], admit=admit, max_rows=self.max_batch, capacity=capacity,
+                     release=True)
 
 
 def retry_after_s(waiting: int, max_batch: int, latency_s: float) -> int:

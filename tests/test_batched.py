@@ -210,6 +210,20 @@ def test_plain_steps_through_the_fused_batched_step_equal_batch_one(mode, tgt, r
     assert sum(s.accepted for s in again.steps) > 0
 
 
+
+def test_release_drops_finished_rows_and_changes_no_output(tgt, reference):
+    """``release=True`` (a server's call that admits rows for hours): finished rows' states are let go and no
+    step statistics are kept; ``on_step`` still streams every row's tokens, equal to the kept results."""
+    dec = plain_batched_decoder(tgt)
+    seen = {}
+    queue = [NewRow(PROMPTS[i], N_NEW[i], TorchRandom(i)) for i in range(2, 5)]
+    res = dec.generate(PROMPTS[:2], N_NEW[:2], admit=lambda free: [queue.pop(0)] if queue else [], max_rows=2,
+                       capacity=256, release=True,
+                       on_step=lambda row, ids, st, stop: seen.setdefault(row, []).extend(ids))
+    assert res.rows == [] and res.steps == []
+    assert [seen[i] for i in range(5)] == [r.tokens for r in reference]
+
+
 def test_admission_refuses_a_row_that_does_not_fit(tgt):
     dec = plain_batched_decoder(tgt)
     long = NewRow([1] * 200, 60, TorchRandom(0))

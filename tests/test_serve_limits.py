@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from draftsmith.serve.app import create_app
-from draftsmith.serve.scheduler import Cancelled, QueueFull, retry_after_s
+from draftsmith.serve.scheduler import Cancelled, Job, QueueFull, retry_after_s
 from draftsmith.traffic import chat_prompt_ids
 from tests import test_serve
 from tests.test_serve import MSGS, _log_records, _plain, _post_in_thread, _wait_queued
@@ -159,3 +159,32 @@ def test_requests_arriving_mid_batch_join_it_and_equal_plain(target, tmp_path, s
 def test_queue_full_is_an_error_type_with_its_numbers():
     e = QueueFull(7, 3)
     assert e.waiting == 7 and e.retry_after == 3 and "7 requests" in str(e)
+
+
+def test_a_failing_call_errors_the_rows_that_joined_it_too(target, service, monkeypatch):
+    """A call that fails after admitting rows: every caller, those of the rows that joined included, gets the
+    error (none waits forever), and the thread goes on serving."""
+    svc = service(target, max_batch=4, start=False)
+    first = svc.run(svc.spec(*_parsed(BODY)), "a")
+    original = svc.batched.generate
+
+    def generate(*a, admit=None, **kw):
+        original([[1, 2]], 1, max_rows=kw["max_rows"], capacity=kw["capacity"])  # the call's cache, as it would be
+        svc.scheduler._waiting.append(joined)  # arrives while the call runs
+        assert len(admit(3)) == 1
+        raise RuntimeError("boom")
+
+    joined = _job(svc)
+    monkeypatch.setattr(svc.batched, "generate", generate)
+    svc.start()
+    with pytest.raises(RuntimeError, match="boom"):
+        next(first)
+    ev = joined.events.get(timeout=60)  # queue.Empty (a failure) if the joined row's caller was left waiting
+    assert isinstance(ev.get("error"), RuntimeError) and "boom" in str(ev["error"])
+    monkeypatch.setattr(svc.batched, "generate", original)
+    r = TestClient(create_app(svc)).post("/v1/chat/completions", json=BODY)
+    assert r.status_code == 200
+
+
+def _job(svc):
+    return Job(svc.spec(*_parsed(BODY)), "joined")
