@@ -45,6 +45,7 @@ import openai
 import torch
 
 from benchmarks.common import add_common_args, free_port, parser, write_json
+from benchmarks.serve_load import percentile
 from draftsmith.eval.mtbench import mtbench_questions_path
 from draftsmith.target import cpu_name, load_target, resolve_target_path
 from draftsmith.traffic import chat_prompt_ids
@@ -56,13 +57,6 @@ ROOT = Path(__file__).resolve().parent.parent
 def questions(n: int) -> list[str]:
     rows = [json.loads(x) for x in mtbench_questions_path().read_text().splitlines() if x.strip()]
     return [r["turns"][0] for r in rows[:n]]
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def tree_rss_mb(pid: int) -> float:
