@@ -1,4 +1,4 @@
-"""The server under load, as issue 45 asks: a burst of long requests, then 1, 8 and 32 clients, then overload.
+"""The server under load: a burst of long requests, then 1, 8 and 32 clients, then overload.
 
 Each server named by ``--servers`` runs as its own process on loopback, one after the other, on the same CPU
 threads, and meets the same client program (the OpenAI SDK, greedy, MT-Bench first turns, no retries):

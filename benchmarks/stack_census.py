@@ -1,4 +1,4 @@
-"""How many times the generation stack solves the same problem (issue 45, "one generation stack").
+"""How many times the generation stack solves the same problem (caches, samplers, loops, compiled steps, probes).
 
 Reads source text only (``ast`` and ``git``; it imports neither torch nor draftsmith), per revision:
 

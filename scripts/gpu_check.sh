@@ -3,7 +3,7 @@
 # training throughput per kind and one `accelerate launch`. Usage, from the repository root:
 #
 #   bash scripts/gpu_check.sh OUT_DIR [gpu_check options]        # e.g. --budget-s 360, --sections exact shape
-#   bash scripts/gpu_check.sh /tmp/gc --device cpu --quick        # the CPU rehearsal
+#   bash scripts/gpu_check.sh OUT_DIR --device cpu --quick        # the CPU rehearsal
 #
 # Runs with .venv's python when there is one; else with the machine's python3, which must have torch,
 # transformers, accelerate, peft and safetensors (a lent GPU machine has them): wheels of anything else it lacks
