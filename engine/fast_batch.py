@@ -31,7 +31,6 @@ import weakref
 
 import torch
 import torch._dynamo
-import torch.nn.functional as F
 
 from draftsmith.engine.fastpath import MODES, _Core, frozen_weights, unsupported
 from draftsmith.engine.native import native_for, ragged_decode_attention, ragged_prefill_attention
@@ -51,7 +50,7 @@ class _BatchCore(_Core):
         key and value buffers [rows >= b, kv_heads, capacity, head_dim], layer by layer."""
         rows = torch.arange(ids.shape[0], device=ids.device)
         h = self.layers(ids, cos, sin, rows, slots, kv, lambda q, k, v: self.attend(q, k, v, slots, self.scale))
-        return h, F.linear(h, self.head_w) if logits else None
+        return h, self.lin(h, self.head_w) if logits else None
 
     def prefill(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                 slots: torch.Tensor, kv: list[torch.Tensor], group: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -62,7 +61,7 @@ class _BatchCore(_Core):
         g_rows, starts, offs = group
         h = self.layers(ids, cos, sin, rows, slots, kv,
                         lambda q, k, v: ragged_prefill_attention(q, k, v, g_rows, starts, offs, self.scale))
-        return h, F.linear(h[last], self.head_w)
+        return h, self.lin(h[last], self.head_w)
 
     @property
     def scale(self) -> float:

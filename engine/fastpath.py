@@ -39,6 +39,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
+from draftsmith.engine.native import decode_linear, native_for, rows_linear_on
 from draftsmith.recipe import default_forward
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,23 @@ class _Core(torch.nn.Module):
                 self.gate_up.append(cat(m.gate_proj.weight, m.up_proj.weight))
                 self.down.append(m.down_proj.weight)
         self.inter = int(self.gate_up[0].shape[0] // 2)
+        # one query over a contiguous cache row: the native decode attention kernel (None where it does not apply)
+        self.attend_one = native_for(self.norm_w.dtype, self.norm_w.device, self.head_dim)
+        # float32 on CPU: steps of up to 8 rows multiply by the native kernel (`decode_linear`), decided here,
+        # before any compiled trace; it reads weights row-major, so the ones `cpu_layout` stored column-major for
+        # the model's own forward get a row-major copy here (o and down: 146 MB for SmolLM2-135M)
+        self.rows_native = (self.norm_w.dtype == torch.float32 and self.norm_w.device.type == "cpu"
+                            and rows_linear_on())
+        if self.rows_native:
+            for plist in (self.o, self.down):
+                for j, w in enumerate(plist):
+                    if not w.is_contiguous():
+                        plist[j] = torch.nn.Parameter(w.detach().contiguous(), requires_grad=False)
+            if not self.head_w.is_contiguous():
+                self.head_w = torch.nn.Parameter(self.head_w.detach().contiguous(), requires_grad=False)
+
+    def lin(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return decode_linear(x, w, b, native=self.rows_native)
 
     # the computation -------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -173,7 +191,7 @@ class _Core(torch.nn.Module):
         """Layer i's attention inputs for the states ``h`` [..., hidden]: q, k, v, flat per token (heads x dim)."""
         nh, nk, d = self.n_heads, self.n_kv, self.head_dim
         x = self._rms(h, self.ln1[i])
-        qkv = F.linear(x, self.qkv[i], None if self.qkv_b is None else self.qkv_b[i])
+        qkv = self.lin(x, self.qkv[i], None if self.qkv_b is None else self.qkv_b[i])
         return qkv.split([nh * d, nk * d, nk * d], dim=-1)
 
     @staticmethod
@@ -184,19 +202,21 @@ class _Core(torch.nn.Module):
 
     def layer_out(self, i: int, h: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """Layer i's residual stream after its attention output ``att`` (flat per token) and its MLP."""
-        h = h + F.linear(att, self.o[i])
+        h = h + self.lin(att, self.o[i])
         x = self._rms(h, self.ln2[i])
-        gu = F.linear(x, self.gate_up[i])
-        return h + F.linear(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], self.down[i])
+        gu = self.lin(x, self.gate_up[i])
+        return h + self.lin(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], self.down[i])
 
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 slots: torch.Tensor, kv: list[torch.Tensor], logits: bool = True,
-                taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
+                taps: tuple[int, ...] = (), last: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
         """ids [1, q]; cos, sin from `rope`; mask [1, 1, q, e] additive over the first e cache slots; slots
         [q] where the q new entries go; kv: the cache's key and value buffers, layer by layer. Returns the final
-        normed states, the logits (or None) and the outputs of the layers in ``taps`` (0-based), in that order."""
+        normed states, the logits (or None) and the outputs of the layers in ``taps`` (0-based), in that order.
+        ``last`` [1] instead of a mask (mask None): one query attending to slots [0, last], by `attend_one`."""
         q = ids.shape[1]
-        e = mask.shape[-1]
+        e = mask.shape[-1] if mask is not None else None
         h = self.embed(ids)
         nh, nk, d = self.n_heads, self.n_kv, self.head_dim
         tapped = {}
@@ -208,13 +228,16 @@ class _Core(torch.nn.Module):
             kc, vc = kv[2 * i], kv[2 * i + 1]
             kc.index_copy_(2, slots, ks)
             vc.index_copy_(2, slots, vs)
-            att = F.scaled_dot_product_attention(qs, kc[:, :, :e], vc[:, :, :e], attn_mask=mask,
-                                                 enable_gqa=nk != nh)
-            h = self.layer_out(i, h, att.transpose(1, 2).reshape(1, q, nh * d))
+            if last is not None:  # one query over slots [0, last]: the native decode kernel reads only those
+                att = self.attend_one(qs[:, :, 0], kc, vc, last, d ** -0.5)[:, None]
+            else:
+                att = F.scaled_dot_product_attention(qs, kc[:, :, :e], vc[:, :, :e], attn_mask=mask,
+                                                     enable_gqa=nk != nh).transpose(1, 2)
+            h = self.layer_out(i, h, att.reshape(1, q, nh * d))
             if i in taps:
                 tapped[i] = h
         h = self._rms(h, self.norm_w)
-        return h, F.linear(h, self.head_w) if logits else None, tuple(tapped[i] for i in taps)
+        return h, self.lin(h, self.head_w) if logits else None, tuple(tapped[i] for i in taps)
 
 
 class FastBody(torch.nn.Module):
@@ -288,6 +311,12 @@ class FastBody(torch.nn.Module):
                                     torch.arange(s, e, device=dev), kv, logits=want_logits, taps=taps)
             self._call_hooks(taps, outs)
             return FastOutput(h, lg)
+        slots = torch.arange(s, s + b, device=dev)
+        if q == 1 and b == 1 and self._one_query(kv, attention_mask):
+            # one query that sees every slot so far (plain decoding, drafting a chain): the native decode kernel
+            # over slots [0, s], its length a tensor, so the shape stays static without masking the capacity
+            return self._run_compiled((1, C, str(dev), taps, "one"), taps, input_ids, position_ids, None, slots,
+                                      kv, q, last=slots)
         # every shape static: b rows over the whole capacity, the slots past the live length masked out
         # (gpt-fast's way; dynamic live lengths got specialised by the trace and recompiled on every step)
         pad = b - q
@@ -298,19 +327,32 @@ class FastBody(torch.nn.Module):
         m[:, :, :q, :e] = attention_mask
         if pad:
             m[0, 0, torch.arange(q, b), torch.arange(e, e + pad)] = 0  # a padded row sees only itself
-        slots = torch.arange(s, s + b, device=dev)
-        key = (b, C, str(dev), taps)
+        return self._run_compiled((b, C, str(dev), taps), taps, input_ids, position_ids, m, slots, kv, q)
+
+    def _one_query(self, kv: list[torch.Tensor], attention_mask: torch.Tensor) -> bool:
+        """Whether a 1-row call can attend by the native decode kernel: it applies (dtype, device, head size), the
+        cache's slots are contiguous, and the mask lets the query see every slot so far."""
+        if self.core.attend_one is None:
+            return False
+        k = kv[0]
+        if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or kv[1].stride() != k.stride():
+            return False
+        return not bool(attention_mask.ne(0).any())
+
+    def _run_compiled(self, key: tuple, taps: tuple[int, ...], input_ids, position_ids, m, slots, kv, q: int,
+                      last: torch.Tensor | None = None) -> FastOutput:
         first = key not in self._seen
         if first:
             self._seen.add(key)
             t0 = time.perf_counter()
         with frozen_weights():
-            h, lg, outs = self.compiled(input_ids, *self.core.rope(position_ids), m, slots, kv, taps=taps)
+            h, lg, outs = self.compiled(input_ids, *self.core.rope(position_ids), m, slots, kv, taps=taps, last=last)
         if first:
             self.compile_s += time.perf_counter() - t0
-            log.info("compiled the decoding forward for %d rows over a %d-slot cache%s in %.1f s", b, C,
-                     f" (outputs of layers {list(taps)} kept for hooks)" if taps else "", time.perf_counter() - t0)
-        if pad:
+            log.info("compiled the decoding forward for %d rows over a %d-slot cache%s%s in %.1f s", key[0], key[1],
+                     f" (outputs of layers {list(taps)} kept for hooks)" if taps else "",
+                     ", one query by the native decode kernel" if last is not None else "", time.perf_counter() - t0)
+        if input_ids.shape[1] > q:
             h, lg, outs = h[:, :q], lg[:, :q], tuple(o[:, :q] for o in outs)
         self._call_hooks(taps, outs)
         return FastOutput(h, lg)

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_SRC = Path(__file__).parent / "csrc" / "ragged_attention.cpp"
+_SRCS = [Path(__file__).parent / "csrc" / f for f in ("ragged_attention.cpp", "rows_linear.cpp")]
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool once tried; "why": the reason it is not used; "capability"
 
@@ -83,8 +83,8 @@ def _build(cap: str, bf16_dot: bool) -> None:
     """Build (or load from the extensions folder) and load the kernels for vector capability ``cap``."""
     from torch.utils.cpp_extension import load
     name, cflags = build_flags(cap, bf16_dot)
-    load(name=name, sources=[str(_SRC)], extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False,
-         verbose=False)
+    load(name=name, sources=[str(p) for p in _SRCS], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+         is_python_module=False, verbose=False)
 
 
 def _reason(e: Exception) -> str:
@@ -118,6 +118,8 @@ def native_available() -> bool:
                 _build(cap, bf16_dot=False)
             torch.library.register_fake("draftsmith_native::ragged_decode_attention")(
                 lambda q, k, v, last, scale: torch.empty_like(q))  # a compiled graph may call the kernel itself
+            torch.library.register_fake("draftsmith_native::rows_linear")(
+                lambda x, w, bias=None: x.new_empty((*x.shape[:-1], w.shape[0])))
             _state.update(ok=True, why=None, bf16_dot=bf16_dot)
         except Exception as e:  # no compiler, a failed build: the SDPA fallback computes the same
             _state.update(ok=False, why=_reason(e))
@@ -205,3 +207,28 @@ def ragged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 @ragged_prefill_attention.register_fake
 def _(q, k, v, rows, starts, offsets, scale):
     return torch.empty_like(q)
+
+
+ROWS_LINEAR_MAX = 8  # up to this many rows a decoding linear runs `rows_linear`; more go to the BLAS product
+
+
+@functools.cache
+def rows_linear_on() -> bool:
+    """Whether float32 decoding linears of up to `ROWS_LINEAR_MAX` rows run the native ``rows_linear`` kernel
+    (``csrc/rows_linear.cpp``): the native kernels load and ``DRAFTSMITH_ROWS_LINEAR`` is not ``0``. Read once per
+    process, before a forward is compiled, so that a compiled graph never calls the check."""
+    return os.environ.get("DRAFTSMITH_ROWS_LINEAR", "1") != "0" and native_available()
+
+
+def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, native: bool = True
+                  ) -> torch.Tensor:
+    """``F.linear(x, w, b)`` for a decoding step. A float32 CPU call of up to `ROWS_LINEAR_MAX` rows, without
+    gradients, on a row-major weight (a column-major one, `draftsmith.engine.cpu_layout`'s, would be copied on
+    every call), runs the native kernel when ``native`` (the caller's `rows_linear_on`, read once): it reads each
+    weight once at close to the memory's bandwidth, and gives a row the same bits whatever the rows beside it.
+    Everything else is ``F.linear``."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if (native and rows <= ROWS_LINEAR_MAX and x.dtype == torch.float32 and w.dtype == torch.float32
+            and x.device.type == "cpu" and w.is_contiguous() and not (x.requires_grad or w.requires_grad)):
+        return torch.ops.draftsmith_native.rows_linear(x, w, b)
+    return F.linear(x, w, b)

@@ -104,6 +104,34 @@ def test_a_block_that_fills_the_cache_exactly_still_decodes(compiled_target):
         assert (a - b).abs().max() < 1e-4
 
 
+def test_one_query_attends_by_the_native_kernel_and_a_masked_one_does_not(compiled_target):
+    # Plain decoding's 1-row step (it sees every slot so far) runs its attention by the native decode kernel over
+    # slots [0, s]; a 1-row step whose mask hides a slot keeps the masked attention. Both equal the model's.
+    from draftsmith.engine.native import native_for
+    tgt, fast = compiled_target, compiled_target.fast_body
+    m, body = tgt.model, tgt.model.get_decoder()
+    if native_for(torch.float32, "cpu", fast.core.head_dim) is None:
+        pytest.skip("the native decode kernel does not apply to this head size or machine")
+    fast.reserve(1)
+    for plen, hide in ((5, False), (23, False), (9, True)):
+        c1, c2 = SlotCache.for_model(m, 64), SlotCache.for_model(m, 64)
+        ids = torch.randint(3, tgt.vocab_size, (1, plen + 1), generator=torch.Generator().manual_seed(plen))
+        mask = torch.zeros(1, 1, 1, plen + 1)
+        if hide:
+            mask[..., 2] = torch.finfo(torch.float32).min
+        with torch.no_grad():
+            c1.set_write(0), c2.set_write(0)
+            body(input_ids=ids[:, :plen], use_cache=True, **cache_arg(body, c1))
+            fast(input_ids=ids[:, :plen], cache=c2)
+            c1.set_write(plen), c2.set_write(plen)
+            h = body(input_ids=ids[:, plen:], position_ids=torch.tensor([[plen]]), attention_mask=mask,
+                     use_cache=True, **cache_arg(body, c1)).last_hidden_state
+            got = fast(input_ids=ids[:, plen:], attention_mask=mask, cache=c2).logits
+        assert (m.lm_head(h) - got).abs().max() < 1e-4
+    assert (1, 64, "cpu", (), "one") in fast._seen
+    assert (1, 64, "cpu", ()) in fast._seen  # the masked step: the graph with a mask
+
+
 def test_compiled_decoder_greedy_equals_plain_through_the_models_forward(autotuned_target):
     tgt = autotuned_target
     prompts = [[1, 5, 9, 4, 7], [1, 30, 2 + 10, 11, 12, 13, 14, 15, 16], [1, 3]]
@@ -151,6 +179,7 @@ def test_compiled_weights_are_frozen_into_the_graph():
     tgt = tiny(vocab=40, layers=2)
     use_fast_forward(tgt, "compile", autotune=False)
     fast = tgt.fast_body
+    fast.core.rows_native = False  # the BLAS products, whose weights freezing packs (the native kernel reads them)
     fast.reserve(3)
     x = torch.tensor([[5, 7, 9]])
 

@@ -1,0 +1,87 @@
+"""The native linear for a decoding step's few rows: y = x W^T + b against float64, the same bits for a row whatever
+rows are beside it, and F.linear everywhere it does not apply."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draftsmith.engine import native
+from draftsmith.engine.native import ROWS_LINEAR_MAX, decode_linear, rows_linear_on
+
+pytestmark = pytest.mark.skipif(not rows_linear_on(), reason="native kernels unavailable or DRAFTSMITH_ROWS_LINEAR=0")
+
+# (out, in): a head-like matrix, the target's MLP shapes, and odd sizes whose tails the vector loop does not cover
+SHAPES = [(4096, 576), (1536, 576), (576, 1536), (7, 13), (100, 37), (65, 24), (3, 8), (5, 1)]
+
+
+def _op(x, w, b=None):
+    return torch.ops.draftsmith_native.rows_linear(x, w, b)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+def test_rows_linear_equals_the_product_in_float64(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    ref = F.linear(x.double(), w.double(), b.double())
+    # float32 dot products of k terms: error within a few ulp of the sum of |terms| per element
+    bound = 8 * torch.finfo(torch.float32).eps * (F.linear(x.double().abs(), w.double().abs()) + b.double().abs())
+    for bias in (b, None):
+        got = _op(x, w, bias).double()
+        want = ref if bias is not None else ref - b.double()
+        assert got.shape == (m, n)
+        assert bool(((got - want).abs() <= bound + 1e-30).all()), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(n, k):
+    """Verification's logits for a row equal plain decoding's for the same input, bit for bit."""
+    g = torch.Generator().manual_seed(n + k)
+    x, w, b = torch.randn(ROWS_LINEAR_MAX, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    together = _op(x, w, b)
+    for r in range(ROWS_LINEAR_MAX):
+        assert torch.equal(_op(x[r:r + 1], w, b)[0], together[r])
+        assert torch.equal(_op(x[r:r + 3], w, b)[0], together[r])
+
+
+def test_leading_dimensions_and_a_non_contiguous_input_keep_their_shape():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 24, generator=g)
+    x = torch.randn(1, 3, 48, generator=g)[..., ::2]  # strided last dimension
+    got = _op(x, w)
+    assert got.shape == (1, 3, 40)
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_linear_routes_only_what_the_kernel_serves(monkeypatch):
+    calls = []
+    real = torch.ops.draftsmith_native.rows_linear
+
+    class Spy:
+        @staticmethod
+        def rows_linear(*a):
+            calls.append(a[0].shape)
+            return real(*a)
+
+    monkeypatch.setattr(torch.ops, "draftsmith_native", Spy)
+    w = torch.randn(16, 8)
+    decode_linear(torch.randn(ROWS_LINEAR_MAX, 8), w)
+    assert len(calls) == 1
+    decode_linear(torch.randn(ROWS_LINEAR_MAX + 1, 8), w)  # more rows: the BLAS product
+    decode_linear(torch.randn(2, 8), w, native=False)  # the caller turned it off
+    decode_linear(torch.randn(2, 8, dtype=torch.bfloat16), w.bfloat16())  # another dtype
+    decode_linear(torch.randn(2, 8, requires_grad=True), w)  # gradients: the kernel has no backward
+    assert len(calls) == 1
+
+
+def test_the_kernel_is_one_node_in_a_compiled_graph():
+    """A compiled decoding step calls the kernel (its fake gives the shape): same values as eager."""
+    w = torch.randn(32, 16)
+
+    def f(x):
+        return decode_linear(torch.relu(x), w) * 2
+
+    x = torch.randn(1, 3, 16)
+    got = torch.compile(f, dynamic=False, fullgraph=True)(x)
+    torch.testing.assert_close(got, f(x), atol=0, rtol=0)
+    assert native.native_status()["native"]
