@@ -6,6 +6,7 @@ the target's GGUF files, and each drafter's speedup over the fastest of them.
 
 One process of ours runs its methods interleaved per prompt (a seeded shuffle per prompt, as eval/bench.py):
   * ``plain (ours, compiled)``: our static-shape forward compiled with inductor (engine/fastpath.py);
+  * ``--blas-linears``: the same with the BLAS products and masked attention (the native kernels off);
   * ``plain (ours, eager)``: the model's own forward with the CPU weight layout (what the decoder used before);
   * ``HF generate``;
   * each ``--checkpoint`` with each ``--tree``, on the compiled forward.
@@ -91,6 +92,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "through llama-server; '' = none (left out with the reason when there is no build)")
     ap.add_argument("--no-eager", action="store_true", help="leave out ours on the model's own forward")
     ap.add_argument("--no-hf", action="store_true", help="leave out Hugging Face generate")
+    ap.add_argument("--blas-linears", action="store_true",
+                    help="also ours compiled with the BLAS products and the masked attention in every step (the "
+                         "native rows_linear and decode kernels off), side by side with the default")
     ap.add_argument("--batched", action="store_true", help="also all prompts at once: vLLM and our batched decoder")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
@@ -111,6 +115,12 @@ def main(argv: list[str] | None = None) -> dict:
     methods: dict[str, SpeculativeDecoder] = {}
     target.fast_body = fast
     methods["plain (ours, compiled)"] = SpeculativeDecoder(target)
+    if a.blas_linears:
+        blas = FastBody(target.model, compile=True)
+        blas.core.rows_native, blas.core.attend_one = False, None  # before the first call traces the graphs
+        target.fast_body = blas
+        methods["plain (ours, compiled, BLAS linears)"] = SpeculativeDecoder(target)
+        target.fast_body = fast
     for path, d in drafters:
         # the run's name (runs/NAME/final): two checkpoints of one kind must not share a label (a dict key)
         run_name = path.parent.name if path.name == "final" else path.name
