@@ -5,10 +5,12 @@ attention_mask=..., cache=SlotCache)``). `FastBody` is a drop-in for that call: 
 same pre-allocated `SlotCache`, the same result (``.last_hidden_state``, after the final norm), plus
 ``.logits`` from the LM head inside the same graph. What it changes is how the work is done:
 
-  * the weights are fused (q/k/v in one matrix, gate/up in one) and, compiled, frozen into the graph:
+  * the weights are fused (q/k/v in one matrix, gate/up in one). float32 steps of up to 8 rows multiply by
+    the native kernel (`draftsmith.engine.native.decode_linear`), which reads each weight once at close to
+    the memory's bandwidth; other steps and dtypes, compiled, have the weights frozen into the graph:
     inductor packs each weight once for oneDNN (bf16), MKL (fp32) or its CPP GEMM template where autotuning
-    finds that faster, which multiply the 1 to 16 rows of decoding much faster than unpacked `aten::mm`
-    (docs/methods.md §17);
+    finds that faster (docs/methods.md §17);
+  * a 1-row step that sees every slot so far attends by the native decode kernel over its live slots;
   * the rows of one call are padded up to a bucket (1, 4, 8, 16, 32) that a decoder reserved (its 1-row
     step and its largest step): one compiled graph per bucket, so plain decoding, a chain or a static tree
     compile at most two, and a step cut short near the end of a generation reuses the larger one. A padded

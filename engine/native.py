@@ -23,6 +23,10 @@ its prefetching, 1.04-1.08 ms after (float32 unchanged, 1.73 ms; docs/results.md
 The op is a ``torch.library`` custom op, opaque to ``torch.compile``: a compiled decode step calls it as one
 node and never specialises on the rows' lengths.
 
+``rows_linear(x, w, bias)`` (``csrc/rows_linear.cpp``): ``F.linear`` for a decoding step's few float32 rows,
+each weight read once at close to the memory's bandwidth, the same bits for a row whatever rows are beside it;
+`decode_linear` routes to it (up to `ROWS_LINEAR_MAX` rows, ``DRAFTSMITH_ROWS_LINEAR=0`` turns it off).
+
 ``ragged_prefill_attention``: the prefill counterpart, prompts as one flat run of tokens (no padding), each
 attending causally within its own cache row after a shared prefix; one SDPA call per prompt.
 """
