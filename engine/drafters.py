@@ -58,7 +58,7 @@ import torch
 from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.cpu_layout import WEIGHT_T, linear_rows, packed_weight
 from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
-from draftsmith.engine.native import ROWS_LINEAR_MAX, decode_linear, rows_linear_on
+from draftsmith.engine.native import decode_linear, rows_linear_applies, rows_linear_on
 from draftsmith.engine.trees import DraftTree
 from draftsmith.target import Target
 
@@ -75,10 +75,7 @@ def project(head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     for one row).
     """
     w = getattr(head, "weight", None)
-    if (isinstance(head, torch.nn.Linear) and x.dim() == 2 and x.shape[0] <= ROWS_LINEAR_MAX
-            and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.is_contiguous()
-            and rows_linear_on()
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+    if isinstance(head, torch.nn.Linear) and x.dim() == 2 and rows_linear_on() and rows_linear_applies(x, w):
         return decode_linear(x, w, head.bias)  # float32: the native kernel, at about the memory's bandwidth
     if x.device.type == "cpu" and isinstance(head, torch.nn.Linear) and head.bias is None and x.dim() == 2:
         wt = getattr(head, WEIGHT_T, None)

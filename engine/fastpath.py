@@ -300,6 +300,7 @@ class FastBody(torch.nn.Module):
         e = s + q
         if position_ids is None:
             position_ids = torch.arange(s, e, device=dev)[None]
+        sees_all = attention_mask is None  # a row that sees every slot so far (`_one_query`)
         if attention_mask is None:
             allowed = torch.ones(q, e, dtype=torch.bool, device=dev).tril(diagonal=s)
             attention_mask = torch.zeros(1, 1, q, e, dtype=self.dtype, device=dev)
@@ -314,7 +315,7 @@ class FastBody(torch.nn.Module):
             self._call_hooks(taps, outs)
             return FastOutput(h, lg)
         slots = torch.arange(s, s + b, device=dev)
-        if q == 1 and b == 1 and self._one_query(kv, attention_mask):
+        if q == 1 and b == 1 and self._one_query(kv, None if sees_all else attention_mask):
             # one query that sees every slot so far (plain decoding, drafting a chain): the native decode kernel
             # over slots [0, s], its length a tensor, so the shape stays static without masking the capacity
             return self._run_compiled((1, C, str(dev), taps, "one"), taps, input_ids, position_ids, None, slots,
@@ -331,15 +332,16 @@ class FastBody(torch.nn.Module):
             m[0, 0, torch.arange(q, b), torch.arange(e, e + pad)] = 0  # a padded row sees only itself
         return self._run_compiled((b, C, str(dev), taps), taps, input_ids, position_ids, m, slots, kv, q)
 
-    def _one_query(self, kv: list[torch.Tensor], attention_mask: torch.Tensor) -> bool:
+    def _one_query(self, kv: list[torch.Tensor], attention_mask: torch.Tensor | None) -> bool:
         """Whether a 1-row call can attend by the native decode kernel: it applies (dtype, device, head size), the
-        cache's slots are contiguous, and the mask lets the query see every slot so far."""
+        cache's slots are contiguous, and the caller's mask (None: none given) lets the query see every slot so
+        far."""
         if self.core.attend_one is None:
             return False
         k = kv[0]
         if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or kv[1].stride() != k.stride():
             return False
-        return not bool(attention_mask.ne(0).any())
+        return attention_mask is None or not bool(attention_mask.ne(0).any())
 
     def _run_compiled(self, key: tuple, taps: tuple[int, ...], input_ids, position_ids, m, slots, kv, q: int,
                       last: torch.Tensor | None = None) -> FastOutput:

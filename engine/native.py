@@ -224,15 +224,21 @@ def rows_linear_on() -> bool:
     return os.environ.get("DRAFTSMITH_ROWS_LINEAR", "1") != "0" and native_available()
 
 
+def rows_linear_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``x @ w.T`` is one the native kernel serves: float32 on CPU, up to `ROWS_LINEAR_MAX` rows, a row-major
+    weight (a column-major one, `draftsmith.engine.cpu_layout`'s, would be copied on every call), no gradient
+    wanted (the kernel has no backward)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return (rows <= ROWS_LINEAR_MAX and x.dtype == torch.float32 and w.dtype == torch.float32
+            and x.device.type == "cpu" and w.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+
+
 def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, native: bool = True
                   ) -> torch.Tensor:
-    """``F.linear(x, w, b)`` for a decoding step. A float32 CPU call of up to `ROWS_LINEAR_MAX` rows, without
-    gradients, on a row-major weight (a column-major one, `draftsmith.engine.cpu_layout`'s, would be copied on
-    every call), runs the native kernel when ``native`` (the caller's `rows_linear_on`, read once): it reads each
-    weight once at close to the memory's bandwidth, and gives a row the same bits whatever the rows beside it.
-    Everything else is ``F.linear``."""
-    rows = x.numel() // max(1, x.shape[-1])
-    if (native and rows <= ROWS_LINEAR_MAX and x.dtype == torch.float32 and w.dtype == torch.float32
-            and x.device.type == "cpu" and w.is_contiguous() and not (x.requires_grad or w.requires_grad)):
+    """``F.linear(x, w, b)`` for a decoding step: the native kernel when ``native`` (the caller's `rows_linear_on`,
+    read once) and `rows_linear_applies`. It reads each weight once at close to the memory's bandwidth, and gives a
+    row the same bits whatever the rows beside it. Everything else is ``F.linear``."""
+    if native and rows_linear_applies(x, w):
         return torch.ops.draftsmith_native.rows_linear(x, w, b)
     return F.linear(x, w, b)
