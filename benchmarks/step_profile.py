@@ -2,7 +2,7 @@
 time it takes to read the step's weights.
 
     python -m benchmarks.step_profile [--target smollm2-135m-instruct] [--threads 2] [--rows 1,4] [--prefix 256]
-        [--steps 20] [--out FILE]
+        [--steps 20] [--dtype float32|bfloat16] [--out FILE]
 
 For each row count: the median wall time of the step (the compiled forward, LM head included, after a
 ``--prefix``-token prompt in a 512-slot cache, as `draftsmith trees` measures steps), then torch's profiler over
@@ -50,9 +50,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", default="1,4", help="comma list of rows per step")
     ap.add_argument("--prefix", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    target = load_target(a.target, dtype="float32")
+    target = load_target(a.target, dtype=a.dtype)
     use_fast_forward(target, "compile")
     fast, model = target.fast_body, target.model
     rows = [int(r) for r in a.rows.split(",")]
@@ -64,14 +65,14 @@ def main(argv=None) -> dict:
     fast(input_ids=ids[:, :a.prefix], cache=cache)
 
     def step(n: int) -> None:
-        m = prefix_block_mask(a.prefix, torch.ones(n, n, dtype=torch.bool).tril(), torch.float32)
+        m = prefix_block_mask(a.prefix, torch.ones(n, n, dtype=torch.bool).tril(), fast.dtype)
         cache.set_write(a.prefix)
         fast(input_ids=ids[:, a.prefix:a.prefix + n], position_ids=torch.arange(a.prefix, a.prefix + n)[None],
              attention_mask=m, cache=cache)
 
-    report = {"cpu": cpu_name(), "threads": a.threads, "prefix": a.prefix, "native": native_status(),
+    report = {"cpu": cpu_name(), "threads": a.threads, "dtype": a.dtype, "prefix": a.prefix, "native": native_status(),
               "rows_linear": rows_linear_on(), "steps": {}, "environment": environment()}
-    print(f"CPU: {report['cpu']}; {a.threads} threads; float32")
+    print(f"CPU: {report['cpu']}; {a.threads} threads; {a.dtype}")
     for n in rows:
         for _ in range(3):
             step(n)

@@ -23,9 +23,12 @@ its prefetching, 1.04-1.08 ms after (float32 unchanged, 1.73 ms; docs/results.md
 The op is a ``torch.library`` custom op, opaque to ``torch.compile``: a compiled decode step calls it as one
 node and never specialises on the rows' lengths.
 
-``rows_linear(x, w, bias)`` (``csrc/rows_linear.cpp``): ``F.linear`` for a decoding step's few float32 rows,
-each weight read once at close to the memory's bandwidth, the same bits for a row whatever rows are beside it;
-`decode_linear` routes to it (up to `ROWS_LINEAR_MAX` rows, ``DRAFTSMITH_ROWS_LINEAR=0`` turns it off).
+``rows_linear(x, w, bias)`` (``csrc/rows_linear.cpp``): ``F.linear`` for a decoding step's few rows, each weight
+read once at close to the memory's bandwidth, the same bits for a row whatever rows are beside it; `decode_linear`
+routes to it (up to `ROWS_LINEAR_MAX` rows, ``DRAFTSMITH_ROWS_LINEAR=0`` turns it off). float32 everywhere;
+bfloat16 on a CPU without AVX512_BF16, where torch has no bf16 instruction to multiply with (an AVX2 CPU: the
+kernel widens each weight to float32 in registers as it reads it). On a CPU with AVX512_BF16 or AMX, bf16 products
+stay with oneDNN (the kernel has not been measured there).
 
 ``ragged_prefill_attention``: the prefill counterpart, prompts as one flat run of tokens (no padding), each
 attending causally within its own cache row after a shared prefix; one SDPA call per prompt.
@@ -224,12 +227,30 @@ def rows_linear_on() -> bool:
     return os.environ.get("DRAFTSMITH_ROWS_LINEAR", "1") != "0" and native_available()
 
 
+def _cpu_has_bf16() -> bool:
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(check and check())
+
+
+_CPU_BF16 = _cpu_has_bf16()  # read at import: a compiled graph's routing reads this constant, never the check
+
+
+def rows_linear_dtypes() -> frozenset:
+    """The dtypes `rows_linear` serves on this CPU (empty when `rows_linear_on` is False): float32, and bfloat16 where
+    the CPU has no AVX512_BF16 (so torch's bf16 product runs without bf16 instructions)."""
+    if not rows_linear_on():
+        return frozenset()
+    return frozenset({torch.float32} if _CPU_BF16 else {torch.float32, torch.bfloat16})
+
+
 def rows_linear_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``x @ w.T`` is one the native kernel serves: float32 on CPU, up to `ROWS_LINEAR_MAX` rows, a row-major
-    weight (a column-major one, `draftsmith.engine.cpu_layout`'s, would be copied on every call), no gradient
-    wanted (the kernel has no backward)."""
+    """Whether ``x @ w.T`` is one the native kernel serves: a dtype of `rows_linear_dtypes` on CPU (whether the kernel
+    is on at all is the caller's `rows_linear_on`), up to `ROWS_LINEAR_MAX` rows, a row-major weight (a column-major
+    one, `draftsmith.engine.cpu_layout`'s, would be copied on every call), no gradient wanted (the kernel has no
+    backward)."""
     rows = x.numel() // max(1, x.shape[-1])
-    return (rows <= ROWS_LINEAR_MAX and x.dtype == torch.float32 and w.dtype == torch.float32
+    kernel_dtype = w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and not _CPU_BF16)
+    return (rows <= ROWS_LINEAR_MAX and x.dtype == w.dtype and kernel_dtype
             and x.device.type == "cpu" and w.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 

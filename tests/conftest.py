@@ -7,6 +7,9 @@ torch.set_num_threads(int(os.environ.get("DRAFTSMITH_TEST_THREADS", "2")))
 # Decoders in CLI and pipeline tests use our forward eagerly: compiling (the default) costs a minute per graph.
 # The compiled path has its own tests (test_fastpath.py, the compiled half of test_decoder_enumeration.py).
 os.environ.setdefault("DRAFTSMITH_FORWARD", "fast")
+# Compiled 1-row graphs keep inductor's Python wrapper here (the C++ one adds most of a minute to each compile);
+# tests/test_fastpath.py checks that the C++ wrapper gives the same bits.
+os.environ.setdefault("DRAFTSMITH_CPP_WRAPPER", "0")
 
 
 @pytest.fixture()

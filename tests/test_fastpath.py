@@ -54,6 +54,22 @@ def test_fast_eager_forward_equals_the_models(tree):
         assert (l1.values[:, :, :n] - l2.values[:, :, :n]).abs().max() < 1e-10
 
 
+def test_fast_bf16_forward_stays_within_bf16_rounding_of_the_models():
+    """bf16: where the CPU lacks bf16 instructions the step's linears run the native kernel (float32 sums, one
+    rounding); either way the logits stay within bf16's rounding of the model's own bf16 forward."""
+    from draftsmith.engine.native import rows_linear_dtypes  # a test-only probe of this CPU's kernel dtypes
+    tgt = tiny(vocab=40, layers=2, dtype=torch.bfloat16)
+    fast = FastBody(tgt.model, compile=False)
+    assert fast.core.rows_native == (torch.bfloat16 in rows_linear_dtypes())
+    a, b, c1, c2, n = _hf_and_fast(tgt, fast)
+    assert b.dtype == torch.bfloat16
+    scale = a.float().abs().max()
+    assert (a.float() - b.float()).abs().max() <= 0.03 * scale  # a few bf16 units (2^-8) over two layers
+    for l1, l2 in zip(c1.layers, c2.layers):
+        v1, v2 = l1.values[:, :, :n].float(), l2.values[:, :, :n].float()
+        assert (v1 - v2).abs().max() <= 0.03 * v1.abs().max()
+
+
 def test_a_wrong_mask_is_detected():
     # The comparison has teeth: a tree mask given to one forward and a chain mask to the other differ.
     tgt = tiny(vocab=40, layers=2, dtype=torch.float64)
@@ -130,6 +146,31 @@ def test_one_query_attends_by_the_native_kernel_and_a_masked_one_does_not(compil
         assert (m.lm_head(h) - got).abs().max() < 1e-4
     assert (1, 64, "cpu", (), "one") in fast._seen
     assert (1, 64, "cpu", ()) in fast._seen  # the masked step: the graph with a mask
+
+
+def test_the_cpp_wrapper_changes_nothing_but_who_calls_the_kernels():
+    """The 1-row graph with inductor's C++ wrapper (the default outside the tests, which leave it off to save its
+    compile) gives the same bits as the Python wrapper, step after step of greedy decoding."""
+    tgt = tiny(vocab=40, layers=2)
+    outs = []
+    for wrapper in (False, True):
+        fast = FastBody(tgt.model, compile=True, autotune=False, cpp_wrapper=wrapper)
+        assert (fast.compiled_one is fast.compiled) == (not wrapper)
+        fast.reserve(1)
+        cache = SlotCache.for_model(tgt.model, 64)
+        ids, logits = [1, 5, 9, 4, 7], []
+        with torch.no_grad():
+            cache.set_write(0)
+            out = fast(input_ids=torch.tensor([ids]), cache=cache)
+            for _ in range(6):
+                ids.append(int(out.logits[0, -1].argmax()))
+                cache.set_write(len(ids) - 1)
+                out = fast(input_ids=torch.tensor([ids[-1:]]), cache=cache)
+                logits.append(out.logits[0, -1])
+        assert (1, 64, "cpu", (), "one") in fast._seen
+        outs.append((ids, torch.stack(logits)))
+    assert outs[0][0] == outs[1][0]
+    assert torch.equal(outs[0][1], outs[1][1])
 
 
 def test_compiled_decoder_greedy_equals_plain_through_the_models_forward(autotuned_target):

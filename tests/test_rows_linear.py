@@ -1,12 +1,13 @@
 """The native linear for a decoding step's few rows: y = x W^T + b against float64, the same bits for a row whatever
-rows are beside it, and F.linear everywhere it does not apply."""
+rows are beside it, bfloat16 as the float32 kernel on the widened numbers rounded once, and F.linear everywhere it
+does not apply."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from draftsmith.engine import native
-from draftsmith.engine.native import ROWS_LINEAR_MAX, decode_linear, rows_linear_on
+from draftsmith.engine.native import ROWS_LINEAR_MAX, decode_linear, rows_linear_dtypes, rows_linear_on
 
 pytestmark = pytest.mark.skipif(not rows_linear_on(), reason="native kernels unavailable or DRAFTSMITH_ROWS_LINEAR=0")
 
@@ -44,6 +45,37 @@ def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(n, k):
         assert torch.equal(_op(x[r:r + 3], w, b)[0], together[r])
 
 
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 4, 8])
+def test_bf16_is_the_float32_kernel_on_the_widened_numbers_rounded_once(m, n, k):
+    """bf16 weights and inputs are widened exactly, multiplied and summed in float32 by the same chain as the float32
+    kernel, the bias added in float32, and the result rounded once: bit for bit that chain, and within float32's
+    accumulation error plus half a bf16 unit of the float64 product."""
+    g = torch.Generator().manual_seed(7 * m + n + k)
+    x, w, b = (torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16(),
+               torch.randn(n, generator=g).bfloat16())
+    for bias in (b, None):
+        got = _op(x, w, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        f32 = _op(x.float(), w.float(), None if bias is None else bias.float())
+        assert torch.equal(got, f32.bfloat16())
+        ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        bound = (2.0 ** -8 * ref.abs() + 8 * torch.finfo(torch.float32).eps
+                 * (F.linear(x.double().abs(), w.double().abs()) + (0 if bias is None else bias.double().abs())))
+        assert bool(((got.double() - ref).abs() <= bound + 1e-30).all())
+    together = _op(x, w, b)
+    for r in range(m):  # row-independence holds in bf16 too
+        assert torch.equal(_op(x[r:r + 1], w, b)[0], together[r])
+
+
+def test_the_kernel_refuses_mixed_or_other_dtypes():
+    w = torch.randn(16, 8)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        _op(torch.randn(2, 8).bfloat16(), w)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        _op(torch.randn(2, 8).half(), w.half())
+
+
 def test_leading_dimensions_and_a_non_contiguous_input_keep_their_shape():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 24, generator=g)
@@ -69,9 +101,21 @@ def test_decode_linear_routes_only_what_the_kernel_serves(monkeypatch):
     assert len(calls) == 1
     decode_linear(torch.randn(ROWS_LINEAR_MAX + 1, 8), w)  # more rows: the BLAS product
     decode_linear(torch.randn(2, 8), w, native=False)  # the caller turned it off
-    decode_linear(torch.randn(2, 8, dtype=torch.bfloat16), w.bfloat16())  # another dtype
+    decode_linear(torch.randn(2, 8, dtype=torch.float16), w.half())  # another dtype
     decode_linear(torch.randn(2, 8, requires_grad=True), w)  # gradients: the kernel has no backward
     assert len(calls) == 1
+    # bf16: the kernel where this CPU has no bf16 instructions (AVX512_BF16), oneDNN's product where it has them
+    decode_linear(torch.randn(2, 8, dtype=torch.bfloat16), w.bfloat16())
+    assert len(calls) == (2 if torch.bfloat16 in rows_linear_dtypes() else 1)
+
+
+def test_bf16_goes_to_the_kernel_exactly_where_the_cpu_lacks_bf16_instructions(monkeypatch):
+    x, w = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(16, 8, dtype=torch.bfloat16)
+    for has_bf16, want in ((True, {torch.float32}), (False, {torch.float32, torch.bfloat16})):
+        monkeypatch.setattr(native, "_CPU_BF16", has_bf16)
+        assert rows_linear_dtypes() == want
+        assert native.rows_linear_applies(x, w) == (not has_bf16)
+        assert native.rows_linear_applies(x.float(), w.float())
 
 
 def test_the_kernel_is_one_node_in_a_compiled_graph():

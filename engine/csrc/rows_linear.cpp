@@ -1,11 +1,16 @@
 // y = x W^T (+ b) for the few rows of a decoding step (1 for plain decoding and drafting, K+1 for a
-// verification), float32, W row-major [out, in] as torch stores it.
+// verification), float32 or bfloat16, W row-major [out, in] as torch stores it.
 //
 // A step over one or a few rows is bound by reading the weights: each weight is used once per row. On a 2-core
 // AMD EPYC with AVX2 only (torch 2.13's MKL), MKL's float32 product reads the 49152 x 576 LM head at about
-// 10 GB/s for one row and slower for 2-4 rows, where the machine reads memory at about 24 GB/s. This kernel
-// streams each weight row once and multiplies it with every input row while it is in L1, threads splitting the
-// output columns, so it reads at close to the machine's bandwidth for any row count up to 8.
+// 10 GB/s for one row and slower for 2-4 rows, where the machine reads memory at about 24 GB/s; a bfloat16
+// product there has no bf16 instructions to run on and is slower still. This kernel streams each weight row
+// once and multiplies it with every input row while it is in L1, threads splitting the output columns, so it
+// reads at close to the machine's bandwidth for any row count up to 8.
+//
+// bfloat16: the weights are widened to float32 in registers as they are loaded (a bf16 number is the upper half
+// of a float32's bits), the inputs once before the products; products and sums in float32, the bias added in
+// float32, one rounding to bf16 at the end.
 //
 // Each output element is the same chain of operations whatever the number of rows (see `dots`). So a row's outputs
 // are bit-identical whether it is multiplied alone or with seven others, and a verification's logits equal
@@ -22,43 +27,93 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t VL = fVec::size();
 
+inline fVec load_w(const float* p) { return fVec::loadu(p); }
+// VL bf16 numbers widened to float32: zero-extended to 32 bits and shifted into the upper half (exact)
+inline fVec load_w(const c10::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return fVec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return fVec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16)));
+#else
+  float tmp[VL];
+  for (int64_t x = 0; x < VL; ++x) tmp[x] = static_cast<float>(p[x]);
+  return fVec::loadu(tmp);
+#endif
+}
+
 // Output column j for R input rows (R <= 4): weight row w against input rows x[0..R), k elements each. Each
 // weight vector is loaded once for the R rows. Every element is the same chain whatever R: two vector
 // accumulators over alternate blocks of the input, a last odd block into the first, their sum reduced in a fixed
 // order, then the scalar tail.
-template <int R>
-inline void dots(const float* w, const float* const* x, int64_t k, float* out) {
+template <int R, typename T>
+inline void dots(const T* w, const float* const* x, int64_t k, float* out) {
   fVec a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = fVec(0.f);
   int64_t i = 0;
   for (; i + 2 * VL <= k; i += 2 * VL) {
-    const fVec w0 = fVec::loadu(w + i), w1 = fVec::loadu(w + i + VL);
+    const fVec w0 = load_w(w + i), w1 = load_w(w + i + VL);
     for (int r = 0; r < R; ++r) {
       a0[r] = at::vec::fmadd(w0, fVec::loadu(x[r] + i), a0[r]);
       a1[r] = at::vec::fmadd(w1, fVec::loadu(x[r] + i + VL), a1[r]);
     }
   }
   if (i + VL <= k) {
-    const fVec w0 = fVec::loadu(w + i);
+    const fVec w0 = load_w(w + i);
     for (int r = 0; r < R; ++r) a0[r] = at::vec::fmadd(w0, fVec::loadu(x[r] + i), a0[r]);
     i += VL;
   }
   for (int r = 0; r < R; ++r) {
     float s = at::vec::vec_reduce_all<float>([](fVec& p, fVec& q) { return p + q; }, a0[r] + a1[r]);
-    for (int64_t t = i; t < k; ++t) s += w[t] * x[r][t];
+    for (int64_t t = i; t < k; ++t) s += static_cast<float>(w[t]) * x[r][t];
     out[r] = s;
   }
 }
 
+// O [m, n] = X [m, k] times W [n, k] transposed, plus B [n] (or none), all of dtype T (float or bf16). The inputs
+// are widened to float32 once (Xf), the weights as they are read; each sum is rounded to T once.
+template <typename T>
+void rows_kernel(const T* X, const T* W, const T* B, T* O, int64_t m, int64_t k, int64_t n) {
+  std::vector<float> xf;
+  const float* Xf = reinterpret_cast<const float*>(X);
+  if (!std::is_same<T, float>::value) {
+    xf.resize(m * k);
+    for (int64_t t = 0; t < m * k; ++t) xf[t] = static_cast<float>(X[t]);
+    Xf = xf.data();
+  }
+  // grain: 64 weight rows or more a task, so a small matrix is not split into slivers
+  at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
+    const float* xs[4];
+    float part[4];
+    for (int64_t j = lo; j < hi; ++j) {
+      const T* wr = W + j * k;
+      const float b = B ? static_cast<float>(B[j]) : 0.f;
+      for (int64_t r0 = 0; r0 < m; r0 += 4) {  // rows in groups of four, the weight row staying in L1
+        const int g = static_cast<int>(std::min<int64_t>(4, m - r0));
+        for (int r = 0; r < g; ++r) xs[r] = Xf + (r0 + r) * k;
+        switch (g) {
+          case 1: dots<1>(wr, xs, k, part); break;
+          case 2: dots<2>(wr, xs, k, part); break;
+          case 3: dots<3>(wr, xs, k, part); break;
+          default: dots<4>(wr, xs, k, part); break;
+        }
+        for (int r = 0; r < g; ++r) O[(r0 + r) * n + j] = static_cast<T>(part[r] + b);  // bf16: nearest even
+      }
+    }
+  });
+}
+
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
-              "rows_linear: float32 only, got ", x.scalar_type(), " and ", w.scalar_type());
+  const auto dt = w.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && x.scalar_type() == dt,
+              "rows_linear: float32 or bfloat16 inputs and weights of one dtype, got ", x.scalar_type(), " and ", dt);
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "rows_linear: x [..., ", x.size(-1), "] against W ",
               w.sizes());
   auto xc = x.reshape({-1, x.size(-1)}).contiguous();
@@ -67,36 +122,19 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   auto out = at::empty({m, n}, x.options());
-  const float* X = xc.data_ptr<float>();
-  const float* W = wc.data_ptr<float>();
-  float* O = out.data_ptr<float>();
-  const float* B = nullptr;
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n, "rows_linear: bias of ", n, " floats");
+    TORCH_CHECK(bias->scalar_type() == dt && bias->numel() == n, "rows_linear: a bias of ", n, " numbers in ", dt);
     bc = bias->contiguous();
-    B = bc.data_ptr<float>();
   }
-  // grain: 64 weight rows or more a task, so a small matrix is not split into slivers
-  at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
-    const float* xs[4];
-    float part[4];
-    for (int64_t j = lo; j < hi; ++j) {
-      const float* wr = W + j * k;
-      const float b = B ? B[j] : 0.f;
-      for (int64_t r0 = 0; r0 < m; r0 += 4) {  // rows in groups of four, the weight row staying in L1
-        const int g = static_cast<int>(std::min<int64_t>(4, m - r0));
-        for (int r = 0; r < g; ++r) xs[r] = X + (r0 + r) * k;
-        switch (g) {
-          case 1: dots<1>(wr, xs, k, part); break;
-          case 2: dots<2>(wr, xs, k, part); break;
-          case 3: dots<3>(wr, xs, k, part); break;
-          default: dots<4>(wr, xs, k, part); break;
-        }
-        for (int r = 0; r < g; ++r) O[(r0 + r) * n + j] = part[r] + b;
-      }
-    }
-  });
+  if (dt == at::kFloat) {
+    rows_kernel<float>(xc.data_ptr<float>(), wc.data_ptr<float>(), bc.defined() ? bc.data_ptr<float>() : nullptr,
+                       out.data_ptr<float>(), m, k, n);
+  } else {
+    using B16 = c10::BFloat16;
+    rows_kernel<B16>(xc.data_ptr<B16>(), wc.data_ptr<B16>(), bc.defined() ? bc.data_ptr<B16>() : nullptr,
+                     out.data_ptr<B16>(), m, k, n);
+  }
   return out.view(shape);
 }
 
