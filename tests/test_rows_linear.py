@@ -46,7 +46,7 @@ def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(n, k):
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 3, 4, 8, 37])
 def test_bf16_is_the_float32_kernel_on_the_widened_numbers_rounded_once(m, n, k):
     """bf16 weights and inputs are widened exactly, multiplied and summed in float32 by the same chain as the float32
     kernel, the bias added in float32, and the result rounded once: bit for bit that chain, and within float32's
@@ -106,7 +106,8 @@ def test_decode_linear_routes_only_what_the_kernel_serves(monkeypatch):
     assert len(calls) == 1
     # bf16: the kernel where this CPU has no bf16 instructions (AVX512_BF16), oneDNN's product where it has them
     decode_linear(torch.randn(2, 8, dtype=torch.bfloat16), w.bfloat16())
-    assert len(calls) == (2 if torch.bfloat16 in rows_linear_dtypes() else 1)
+    decode_linear(torch.randn(3 * ROWS_LINEAR_MAX, 8, dtype=torch.bfloat16), w.bfloat16())  # any rows in bf16
+    assert len(calls) == (3 if torch.bfloat16 in rows_linear_dtypes() else 1)
 
 
 def test_bf16_goes_to_the_kernel_exactly_where_the_cpu_lacks_bf16_instructions(monkeypatch):
@@ -116,6 +117,9 @@ def test_bf16_goes_to_the_kernel_exactly_where_the_cpu_lacks_bf16_instructions(m
         assert rows_linear_dtypes() == want
         assert native.rows_linear_applies(x, w) == (not has_bf16)
         assert native.rows_linear_applies(x.float(), w.float())
+        many = torch.randn(ROWS_LINEAR_MAX + 1, 8)
+        assert native.rows_linear_applies(many.bfloat16(), w) == (not has_bf16)  # bf16: any number of rows
+        assert not native.rows_linear_applies(many, w.float())  # float32: BLAS past ROWS_LINEAR_MAX
 
 
 def test_the_kernel_is_one_node_in_a_compiled_graph():
