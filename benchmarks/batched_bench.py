@@ -28,7 +28,7 @@ from benchmarks.common import add_common_args, parser, provenance, setup, write_
 from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.batched import (BatchAwareLength, BatchedSpeculativeDecoder, GoodputTable, calibrate,
                                        plain_batched_decoder)
-from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.engine.metrics import tokens_per_second
 from draftsmith.engine.sampling import SamplingParams
 

@@ -27,7 +27,7 @@ from benchmarks.fastest_plain import cpu_name
 from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environment
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import HeadDrafter
+from draftsmith.heads.decode import HeadDrafter
 from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.tree_build import parse_tree

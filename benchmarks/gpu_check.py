@@ -47,8 +47,9 @@ from pathlib import Path
 import torch
 
 from draftsmith import registry
+from draftsmith.engine.capabilities import capabilities
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams
@@ -622,7 +623,7 @@ def section_costs(ck: Check, dev: torch.device, quick: bool, dtypes: list[str], 
                                                     source="fitted by draftsmith.sim.calibrate (earlier run)")
                     continue
                 recipe, dd = recipe_drafter(name, target)
-                tree = [(0,), (1,), (0, 0), (2,), (0, 1), (0, 0, 0), (1, 0)] if getattr(dd, "supports_trees", True) \
+                tree = [(0,), (1,), (0, 0), (2,), (0, 1), (0, 0, 0), (1, 0)] if capabilities(dd).supports_trees \
                     and recipe.drafter.kind in ("hydra", "medusa", "eagle3") else None
                 kw = dict(name=f"gpu-{dname}", hardware=hardware, drafter=dd, drafter_name=name, tree=tree,
                           tree_depth=3 if tree else None, ks=(1, 2, 4), max_new_tokens=16 if quick else 32,

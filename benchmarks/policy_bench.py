@@ -29,6 +29,7 @@ from benchmarks.common import add_common_args, draft_ms_per_token, parser, prove
 from draftsmith.classifiers.disco import model as disco
 from draftsmith.classifiers.roc import RocRefitStop
 from draftsmith.classifiers.specdec import model as specdec
+from draftsmith.engine.capabilities import capabilities
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.policies import ConfidenceStop, FixedLength
 from draftsmith.engine.sampling import SamplingParams
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def policies(a, target, drafter, ident: dict, temperature: float) -> list[tuple[str, object]]:
     """(name, policy) of every method for one temperature."""
-    cap = getattr(drafter, "max_depth", None)
+    cap = capabilities(drafter).max_depth
     ks = sorted({min(k, cap) if cap else k for k in a.fixed})
     max_len = min(a.max_len, cap) if cap else a.max_len
     out = [(f"K={k}", FixedLength(k)) for k in ks]

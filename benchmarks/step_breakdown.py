@@ -63,7 +63,7 @@ class ForwardClock:
 def main(argv: list[str] | None = None) -> dict:
     from draftsmith.checkpoint import drafter_from_checkpoint, environment
     from draftsmith.engine.decoder import SpeculativeDecoder
-    from draftsmith.engine.drafters import first_layers_drafter
+    from draftsmith.drafters.standalone.decode import first_layers_drafter
     from draftsmith.engine.policies import FixedLength
     from draftsmith.engine.sampling import SamplingParams, TorchRandom
     from draftsmith.engine.tree_build import parse_tree

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environment, read_manifest
 from draftsmith.cli.shared import add_dtype_arg, add_suffix_args, load_target_as, suffix_config
+from draftsmith.engine.capabilities import capabilities
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
 from draftsmith.engine.drafters import SelfDrafter
@@ -140,7 +141,7 @@ def eval_main(argv: list[str] | None = None) -> dict:
         if a.confidence is not None and isinstance(d, SelfDrafter):  # another second-early-exit threshold
             d.set_confidence(a.confidence)
         specs = tree_specs_for(a.tree or ["chain"], d.name)
-        if not getattr(d, "supports_trees", True):  # chain-only drafters: the other specs are for other checkpoints
+        if not capabilities(d).supports_trees:  # chain-only drafters: the other specs are for other checkpoints
             if "chain" not in specs and len(a.checkpoint) == 1:
                 raise ValueError(f"{c} holds a {d.name!r} drafter, which drafts chains only: add --tree chain")
             if specs != ["chain"]:
@@ -200,7 +201,7 @@ def eval_main(argv: list[str] | None = None) -> dict:
         methods += self_drafter_methods(target, None, sampling, a)
         if a.suffix:
             cfg = suffix_config(a)
-            hybrids = [(d, trees) for d, trees in drafters if getattr(d, "verify_forward", None) is None]
+            hybrids = [(d, trees) for d, trees in drafters if capabilities(d).verify_forward is None]
             extra, members = suffix_methods(target, sampling, hybrids, config=cfg, lookup_k=a.prompt_lookup,
                                             index_dir=index_dir, hf_lookup=a.hf_prompt_lookup)
             methods += extra

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from draftsmith.checkpoint import drafter_from_checkpoint, read_manifest
+from draftsmith.engine.capabilities import capabilities
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.eval.greedy_equality import first_divergence, tie_threshold, top2
@@ -58,7 +59,7 @@ def _target_for(ckpt: Path, name: str | None):
 def check_checkpoint(ckpt: Path, target, tree: str = "chain", prompts: int = 2, tokens: int = 32) -> dict:
     """Load ``ckpt`` for ``target`` and decode greedily with it; ValueError naming what is wrong."""
     drafter = drafter_from_checkpoint(ckpt, target)  # manifest, weights, fingerprint
-    shape = parse_tree(tree, ckpt) if getattr(drafter, "supports_trees", True) else None
+    shape = parse_tree(tree, ckpt) if capabilities(drafter).supports_trees else None
     if shape is None and tree != "chain":
         raise ValueError(f"{ckpt}: this drafter drafts chains only, but --tree {tree!r} was given")
     dec = SpeculativeDecoder(target, drafter, tree=shape)

@@ -30,8 +30,9 @@ Choices, documented here once:
   * an empty batch, an empty prompt, ``max_new_tokens < 0`` or a prompt
     that with its new tokens and a draft block exceeds the context: ValueError
     naming the row;
-  * drafters: `HeadDrafter` (Medusa, Hydra, Hydra++), `ModelDrafter`, and a
-    kind's own adapter (EAGLE-3: ``batch_adapter()``); chains and static
+  * drafters: any whose kind brings a batched adapter (``batch_adapter()``:
+    the heads' `HeadRows`, the standalone drafters' `ModelRows`, EAGLE-3's;
+    `capabilities.batch_adapter`); chains and static
     trees; model-free drafters (``draft_tree``, e.g. SuffixDecoding) build
     each row's tree themselves; dynamic trees and self-drafters (Kangaroo)
     are refused with a clear error (single-sequence decoder only for now);
@@ -45,9 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-
 from draftsmith.engine.batch_policy import BatchAwareLength, GoodputTable, calibrate, expected_tokens
-from draftsmith.engine.batched_drafters import HeadRows, ModelRows, batch_adapter
+from draftsmith.engine.capabilities import batch_adapter, capabilities, check_drafter
 from draftsmith.engine.decoder import DecodeState
 from draftsmith.engine.drafters import project
 from draftsmith.engine.fast_batch import batch_body
@@ -55,10 +55,10 @@ from draftsmith.engine.metrics import DecodeResult, StepStats, tau, tokens_per_s
 from draftsmith.engine.ragged import RowsCache, ragged_forward
 from draftsmith.engine.sampling import RandomSource, SamplingParams, TorchRandom, WithoutReplacement, greedy_ids
 from draftsmith.engine.trees import DraftTree, StaticTree, Verdict, verify_tree
-from draftsmith.target import Target, check_fingerprint
+from draftsmith.target import Target
 
 __all__ = ["BatchedSpeculativeDecoder", "BatchResult", "BatchStep", "BatchAwareLength", "GoodputTable", "calibrate",
-           "expected_tokens", "HeadRows", "ModelRows", "RowsCache", "plain_batched_decoder"]
+           "expected_tokens", "RowsCache", "plain_batched_decoder"]
 
 
 # on_step(row, new_ids, stats, stop_reason): see `BatchedSpeculativeDecoder.generate`
@@ -132,7 +132,7 @@ class BatchedSpeculativeDecoder:
 
     Args:
       target: the target model.
-      drafter: a `HeadDrafter` or `ModelDrafter`, or None for plain batched decoding.
+      drafter: a drafter with a batched adapter (``batch_adapter()``), or None for plain batched decoding.
       tree: None for chains, or a `StaticTree` / list of rank paths.
       k: chain draft length (an int >= 1) or a `BatchAwareLength` (K chosen per step from the live batch
         size; K = 0 is plain decoding). Ignored for trees and without a drafter.
@@ -173,27 +173,15 @@ class BatchedSpeculativeDecoder:
         self.adapter = None
         self._drafting = False  # set per generate() call
         self._procs: list[Any] | None = None  # per-row RequestProcessing, set per generate() call
+        self.caps = capabilities(drafter)  # what the drafter can do, read and checked once
         # a model-free drafter (drafters/suffix) builds each row's tree itself (``draft_tree``)
-        self.own_trees = drafter is not None and getattr(drafter, "draft_tree", None) is not None
-        if self.own_trees and (tree is not None or not getattr(drafter, "model_free", False)):
-            raise ValueError(f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} builds its own trees: "
+        self.own_trees = self.caps.builds_trees
+        if self.own_trees and (tree is not None or not self.caps.model_free):
+            raise ValueError(f"drafter {self.caps.name!r} builds its own trees: "
                              "batched decoding takes it alone (model-free) and without tree=")
         if drafter is not None:
-            self._check_drafter(drafter)
-            self.adapter = batch_adapter(drafter)
-
-    def _check_drafter(self, drafter) -> None:
-        name = getattr(drafter, "name", type(drafter).__name__)
-        fp = getattr(drafter, "target_fingerprint", None)
-        if fp is not None:
-            check_fingerprint(fp, self.target, what=f"drafter {name!r}")
-        vocab = getattr(drafter, "vocab_size", None)
-        if vocab is not None and vocab != self.target.vocab_size:
-            raise ValueError(f"drafter vocabulary ({vocab}) differs from the target's ({self.target.vocab_size})")
-        if self.tree is not None:
-            if not getattr(drafter, "supports_trees", True):
-                raise ValueError(f"drafter {name!r} drafts chains only: use tree=None")
-            self.tree.check_depth(getattr(drafter, "max_depth", None))
+            check_drafter(self.caps, target, self.tree)
+            self.adapter = batch_adapter(self.caps)
 
     @property
     def max_block(self) -> int:
@@ -201,7 +189,7 @@ class BatchedSpeculativeDecoder:
         if self.drafter is None:
             return 1
         if self.own_trees:
-            return 1 + int(self.drafter.max_nodes)
+            return 1 + self.caps.max_nodes
         return 1 + (self.tree.size if self.tree is not None else self.k)
 
     # ------------------------------------------------------------------ setup
@@ -216,8 +204,8 @@ class BatchedSpeculativeDecoder:
         if len(news) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(news)} max_new_tokens values")
         limits = [("target", self.target.context_length)]
-        if self.drafter is not None and getattr(self.drafter, "context_length", None):
-            limits.append(("drafter", self.drafter.context_length))
+        if self.caps.context_length:
+            limits.append(("drafter", self.caps.context_length))
         for i, (p, n) in enumerate(zip(prompts, news)):
             if not p:
                 raise ValueError(f"row {i}: empty prompt (the decoder needs at least one prompt token)")
@@ -277,7 +265,7 @@ class BatchedSpeculativeDecoder:
 
     # ------------------------------------------------------------------ drafting
     def _caps(self, states: list[DecodeState], depth: int) -> list[int]:
-        md = getattr(self.drafter, "max_depth", None)
+        md = self.caps.max_depth
         caps = []
         for s in states:
             c = s.max_new_tokens - s.emitted - 1  # the final token always takes one slot
@@ -523,7 +511,7 @@ class BatchedSpeculativeDecoder:
                         row_steps.pop(i)
         B = len(states)
         results = [None] * B
-        finish = getattr(self.drafter, "finish", None) if self._drafting and not release else None
+        finish = self.caps.finish if self._drafting and not release else None
         if finish is not None:  # e.g. a global suffix index learns from the finished responses, in row order
             for i in range(B):
                 if news[i] > 0:

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-
 from draftsmith.engine.cache_kw import cache_arg
+from draftsmith.engine.capabilities import capabilities, check_drafter
 from draftsmith.engine.drafters import project
 from draftsmith.engine.drafting import GrowContext, grow_chain, grow_dynamic, grow_static
 from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
@@ -47,7 +47,7 @@ from draftsmith.engine.metrics import DecodeResult, StepStats
 from draftsmith.engine.policies import FixedLength, LengthPolicy
 from draftsmith.engine.sampling import RandomSource, SamplingParams, TorchRandom
 from draftsmith.engine.trees import DraftTree, DynamicTree, StaticTree, Verdict, verify_tree
-from draftsmith.target import Target, check_fingerprint
+from draftsmith.target import Target
 
 ACCEPTANCE = ("exact", "typical")
 
@@ -126,9 +126,10 @@ class SpeculativeDecoder:
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE}, got {acceptance!r}")
         self.target, self.drafter = target, drafter
+        self.caps = capabilities(drafter)  # what the drafter can do, read and checked once
         self.sampling = sampling or SamplingParams()
         self.acceptance = acceptance
-        self.policy = policy or getattr(drafter, "default_policy", None) or FixedLength(4)
+        self.policy = policy or self.caps.default_policy or FixedLength(4)
         if tree is not None and not isinstance(tree, (StaticTree, DynamicTree)):
             tree = StaticTree(tree)
         self.tree = tree
@@ -149,30 +150,17 @@ class SpeculativeDecoder:
         # applied to the target's logits at every tree node and to the draft's before q is formed
         self.processing: Any = None
         if drafter is not None:
-            self._check_drafter(drafter)
+            check_drafter(self.caps, target, self.tree)
         if self.fast is not None:
             self.fast.reserve(1)
             self.fast.reserve(self.max_block)
-
-    def _check_drafter(self, drafter) -> None:
-        fp = getattr(drafter, "target_fingerprint", None)
-        if fp is not None:
-            check_fingerprint(fp, self.target, what=f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r}")
-        vocab = getattr(drafter, "vocab_size", None)
-        if vocab is not None and vocab != self.target.vocab_size:
-            raise ValueError(f"drafter vocabulary ({vocab}) differs from the target's ({self.target.vocab_size})")
-        if self.tree is not None and not getattr(drafter, "supports_trees", True):
-            raise ValueError(f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} drafts chains only: "
-                             f"trees are not supported with it (use tree=None, i.e. --tree chain)")
-        if isinstance(self.tree, StaticTree):
-            self.tree.check_depth(getattr(drafter, "max_depth", None))
 
     @property
     def max_block(self) -> int:
         """Most entries one verification forward adds: the root plus the largest draft."""
         if self.drafter is None:
             return 1
-        own = int(getattr(self.drafter, "max_nodes", 0))  # a drafter that builds its own trees (draft_tree)
+        own = self.caps.max_nodes  # a drafter that builds its own trees (draft_tree)
         if self.tree is None:
             return 1 + max(own, self.policy.max_len)
         return 1 + max(own, self.tree.size)
@@ -187,8 +175,8 @@ class SpeculativeDecoder:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         need = len(ids) + max_new_tokens + self.max_block
         limits = [("target", self.target.context_length)]
-        if self.drafter is not None and getattr(self.drafter, "context_length", None):
-            limits.append(("drafter", self.drafter.context_length))
+        if self.caps.context_length:
+            limits.append(("drafter", self.caps.context_length))
         for who, ctx in limits:
             if need > ctx:
                 raise ValueError(
@@ -211,7 +199,7 @@ class SpeculativeDecoder:
             self.cache = SlotCache.for_model(self.model, self.capacity)
         L = len(ids) - 1
         state = DecodeState(tokens=ids, prompt_len=len(ids), length=L, hidden=None, max_new_tokens=max_new_tokens)
-        if getattr(self.drafter, "needs_target_hidden", False):
+        if self.caps.needs_target_hidden:
             self.prefill(state)  # head drafters read the target's hidden state at L-1 before their first draft
         if self.drafter is not None:
             state.drafter_state = self.drafter.start(self, state)
@@ -246,10 +234,10 @@ class SpeculativeDecoder:
         """Grow this step's draft tree (root only when there is no drafter or no room)."""
         tree = DraftTree(state.tokens[state.length], self.max_block - 1, self.device)
         cap = state.max_new_tokens - state.emitted - 1  # the final token always takes one slot
-        own = getattr(self.drafter, "draft_tree", None)
+        own = self.caps.draft_tree
         if own is not None and cap > 0 and own(self, state, tree, cap):
             return tree  # the drafter built this step's tree itself (model-free: deterministic candidates)
-        md = getattr(self.drafter, "max_depth", None)
+        md = self.caps.max_depth
         if md is not None:
             cap = min(cap, md)
         if self.drafter is None or cap <= 0:
@@ -271,7 +259,7 @@ class SpeculativeDecoder:
         ctx = GrowContext(
             propose=propose,
             sampling=self.sampling, ranked=self.sampling.greedy or self.acceptance == "typical",
-            rng=rng, eos=self.eos, depth_cap=cap, any_range=bool(getattr(self.drafter, "any_range", False)),
+            rng=rng, eos=self.eos, depth_cap=cap, any_range=self.caps.any_range,
             features=(lambda: getattr(ds, "hidden", None)) if ds is not None else None)
         if self.tree is None:
             grow_chain(tree, ctx, self.policy)
@@ -284,7 +272,7 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def verify_forward(self, state: DecodeState, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over the root and every drafted node: (logits [n+1, V], hidden [n+1, d])."""
-        hook = getattr(self.drafter, "verify_forward", None)
+        hook = self.caps.verify_forward
         if hook is not None:
             return hook(self, state, tree)
         L, m, c = state.length, tree.n + 1, state.cached
@@ -377,7 +365,7 @@ class SpeculativeDecoder:
         t1 = self._now()
         while not state.done:
             self.step(state, rng)
-        finish = getattr(self.drafter, "finish", None)  # optional: a drafter that learns from finished responses
+        finish = self.caps.finish  # optional: a drafter that learns from finished responses
         if finish is not None:
             finish(self, state)
         t2 = self._now()

@@ -27,7 +27,7 @@ import torch
 
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.engine.metrics import DecodeResult, speedup, summarize, tau
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams

@@ -27,9 +27,10 @@ import torch
 from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.drafters.suffix import HybridDrafter, PromptLookupDrafter, SuffixDrafter, SuffixIndex
 from draftsmith.engine.cpu_layout import apply_cpu_layout
+from draftsmith.engine.capabilities import capabilities
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
-from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.engine.trees import DynamicTree
 from draftsmith.eval.mtbench import Prompt, mtbench_prompts
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
         methods["heads-chain"] = SpeculativeDecoder(target, heads)
         for spec in a.tree or []:  # the checkpoint's drafter with a tree of your choice
             methods[f"heads-tree {spec}"] = SpeculativeDecoder(target, heads, tree=parse_tree(spec, a.checkpoint))
-        if getattr(heads, "supports_trees", True):  # chain-only kinds are checked on their chain
+        if capabilities(heads).supports_trees:  # chain-only kinds are checked on their chain
             methods["heads-static-tree"] = SpeculativeDecoder(
                 target, heads, tree=[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)])
             methods["heads-dynamic-tree"] = SpeculativeDecoder(target, heads,

@@ -23,9 +23,11 @@ import torch
 
 from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.drafters.suffix import PromptLookupDrafter, SuffixDrafter
+from draftsmith.engine.capabilities import capabilities
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
-from draftsmith.engine.drafters import first_layers_drafter, HeadDrafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
+from draftsmith.heads.decode import HeadDrafter
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams, TorchRandom
 from draftsmith.engine.tree_build import parse_tree
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         d = drafter_from_checkpoint(ck, target)
         if not a.trees_only:
             methods[f"checkpoint:{ck}"] = SpeculativeDecoder(target, d, sampling=sampling)
-        if getattr(d, "default_policy", None) is not None and not a.trees_only:  # a confidence stop (Kangaroo)
+        if capabilities(d).default_policy is not None and not a.trees_only:  # a confidence stop (Kangaroo)
             # may rarely draft at T > 0: also a fixed length
             methods[f"checkpoint:{ck} K=3"] = SpeculativeDecoder(target, d, policy=FixedLength(3), sampling=sampling)
         for spec in a.tree:

@@ -41,7 +41,7 @@ from draftsmith.checkpoint import (CONFIG, MANIFEST, WEIGHTS, CheckpointError, M
                                    load_checkpoint, read_json, read_manifest, save_checkpoint)
 from draftsmith import registry
 from draftsmith.checkpoint import drafter_from_checkpoint
-from draftsmith.engine.drafters import ModelDrafter, first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter, ModelDrafter
 from draftsmith.registry import ExportFormat
 from draftsmith.target import DEFAULT_TARGET, Target
 

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from draftsmith.checkpoint import command_line, environment
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.eval.mtbench import mtbench_prompts
 from draftsmith.engine.trees import StaticTree

@@ -37,6 +37,7 @@ import torch
 from draftsmith.checkpoint import drafter_from_checkpoint, read_manifest
 from draftsmith.drafters.suffix import HybridDrafter, SuffixConfig
 from draftsmith.engine.batched import BatchedSpeculativeDecoder, plain_batched_decoder
+from draftsmith.engine.capabilities import capabilities
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.processors import Penalties, TokenLogprob
@@ -151,7 +152,7 @@ class DecodingService:
     # ------------------------------------------------------------------ drafters
     def _load(self, path: Path):
         drafter = drafter_from_checkpoint(path, self.target)
-        tree = parse_tree(self.tree_spec, path) if getattr(drafter, "supports_trees", True) else None
+        tree = parse_tree(self.tree_spec, path) if capabilities(drafter).supports_trees else None
         kind = read_manifest(path).get("kind")
         hybrid = False
         if self.suffix is not None:
@@ -348,7 +349,7 @@ class DecodingService:
             raise
         finally:
             dec.processing = None
-        finish_hook = getattr(dec.drafter, "finish", None)  # as SpeculativeDecoder.generate calls it (the hybrid's
+        finish_hook = dec.caps.finish  # as SpeculativeDecoder.generate calls it (the hybrid's
         if finish_hook is not None and state.drafter_state is not None:  # running estimate carries over)
             finish_hook(dec, state)
         out = state.tokens[state.prompt_len:]

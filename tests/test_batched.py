@@ -18,7 +18,8 @@ from draftsmith.engine.batched import (BatchAwareLength, BatchedSpeculativeDecod
 from draftsmith.drafters.suffix import SuffixConfig, SuffixDrafter, SuffixIndex
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.fastpath import use_fast_forward
-from draftsmith.engine.drafters import HeadDrafter, first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
+from draftsmith.heads.decode import HeadDrafter
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams, TorchRandom
 from draftsmith.engine.trees import DynamicTree
@@ -434,7 +435,7 @@ def test_bad_input_is_a_clear_error(tgt):
         BatchedSpeculativeDecoder(tgt, first_layers_drafter(tgt, 2), tree=DynamicTree())
     with pytest.raises(ValueError, match="chain lengths"):
         BatchedSpeculativeDecoder(tgt, first_layers_drafter(tgt, 2), tree=TREE, k=_varying_k_policy())
-    with pytest.raises(ValueError, match="not batched yet"):
+    with pytest.raises(ValueError, match="not a drafter"):
         BatchedSpeculativeDecoder(tgt, object())
     with pytest.raises(ValueError, match="k must be >= 1"):
         BatchedSpeculativeDecoder(tgt, first_layers_drafter(tgt, 2), k=0)

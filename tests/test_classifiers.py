@@ -16,7 +16,8 @@ from draftsmith.classifiers.traces import (TraceError, Traces, TraceRecorder, dr
                                            save_traces)
 from draftsmith.classifiers.tuning import expected_emitted, quality
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import HeadDrafter, first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
+from draftsmith.heads.decode import HeadDrafter
 from draftsmith.engine.drafting import GrowContext, grow_chain
 from draftsmith.engine.policies import ConfidenceStop, FixedLength
 from draftsmith.engine.sampling import SamplingParams, TorchRandom, processed_probs

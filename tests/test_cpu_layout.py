@@ -8,7 +8,8 @@ import torch
 from draftsmith.engine.cpu_layout import (WEIGHT_T, apply_cpu_layout, column_major_linears, cpu_decode_layout,
                                         onednn_available, pack_linears, packed_weight)
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import first_layers_drafter, project
+from draftsmith.drafters.standalone.decode import first_layers_drafter
+from draftsmith.engine.drafters import project
 from draftsmith.engine.trees import DynamicTree
 from tests.tiny import make_tiny_target
 

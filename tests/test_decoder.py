@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import HeadDrafter, ModelDrafter, first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter, ModelDrafter
+from draftsmith.heads.decode import HeadDrafter
 from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.kvcache import SlotCache
 from draftsmith.engine.policies import ConfidenceStop, FixedLength

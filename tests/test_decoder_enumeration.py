@@ -20,7 +20,7 @@ from draftsmith.eval.exact import exact_distribution, target_distribution, total
 from draftsmith.engine.policies import ConfidenceStop, FixedLength
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.trees import DynamicTree
-from draftsmith.engine.drafters import HeadDrafter
+from draftsmith.heads.decode import HeadDrafter
 from draftsmith.engine.fastpath import use_fast_forward
 from tests.test_decoder import PathHeads, other_model_drafter, random_medusa, tiny
 

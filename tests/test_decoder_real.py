@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.eval.greedy_equality import first_divergence
 from draftsmith.eval.mc_lossless import mc_lossless
 from draftsmith.engine.sampling import SamplingParams

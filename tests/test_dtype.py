@@ -24,7 +24,7 @@ import torch
 
 from draftsmith.checkpoint import DtypeMismatchWarning, drafter_from_checkpoint, read_manifest, save_checkpoint
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams, processed_probs
 from draftsmith.eval.exact import exact_distribution, forwards_distribution, record_forwards, total_variation

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draftsmith.checkpoint import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
 from draftsmith.cli import main
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.export import ExportError, export, import_drafter, load_drafter
 from draftsmith.heads.hydra.model import HydraHeads

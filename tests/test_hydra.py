@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import HeadDrafter
+from draftsmith.heads.decode import HeadDrafter
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.trees import DynamicTree

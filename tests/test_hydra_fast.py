@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import HeadDrafter
+from draftsmith.heads.decode import HeadDrafter
 from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.trees import DynamicTree

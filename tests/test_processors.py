@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from draftsmith.engine.batched import BatchedSpeculativeDecoder
-from draftsmith.engine.drafters import ModelDrafter
+from draftsmith.drafters.standalone.decode import ModelDrafter
 from draftsmith.engine.decoder import SpeculativeDecoder, plain_decoder
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.processors import Penalties, RequestProcessing

@@ -10,7 +10,7 @@ import pytest
 
 from draftsmith.engine.batched import BatchedSpeculativeDecoder
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.engine.policies import ConfidenceStop, FixedLength
 from draftsmith.sim import dsi
 from draftsmith.sim.calibrate import Calibrator, fit_step_costs, run_terms

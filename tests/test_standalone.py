@@ -11,7 +11,7 @@ from draftsmith.checkpoint import load_checkpoint, save_checkpoint
 from draftsmith.common.divergences import divergence
 from draftsmith.drafters.standalone.model import StandaloneDrafter, StandaloneObjective, TokenizerMismatchError
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.policies import FixedLength
 from draftsmith.eval.exact import exact_distribution, total_variation

@@ -5,7 +5,7 @@ import torch
 
 def test_forward_clock_times_outermost_forwards_and_restores_the_patch():
     from draftsmith.engine.decoder import SpeculativeDecoder
-    from draftsmith.engine.drafters import first_layers_drafter
+    from draftsmith.drafters.standalone.decode import first_layers_drafter
     from draftsmith.engine.sampling import TorchRandom
     from benchmarks.step_breakdown import ForwardClock
     from tests.tiny import make_tiny_target

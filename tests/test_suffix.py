@@ -15,7 +15,7 @@ from draftsmith.drafters.suffix import (Draft, HybridDrafter, PromptLookupDrafte
                                         SuffixIndex, TokenIndex)
 from draftsmith.engine.batched import BatchedSpeculativeDecoder
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.drafters import HeadDrafter
+from draftsmith.heads.decode import HeadDrafter
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams, TorchRandom, verify_node_certain
 from draftsmith.engine.trees import DraftTree, verify_tree

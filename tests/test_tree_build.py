@@ -109,7 +109,7 @@ def test_drafting_cost_per_level_picks_shallower_trees():
 
 
 def test_measure_draft_cost_on_a_head_drafter():
-    from draftsmith.engine.drafters import HeadDrafter
+    from draftsmith.heads.decode import HeadDrafter
     from draftsmith.engine.tree_build import measure_draft_cost
     from tests.test_decoder import tiny
     from tests.test_hydra import random_hydra

@@ -6,7 +6,7 @@ import torch
 
 from draftsmith.checkpoint import load_checkpoint, save_checkpoint
 from draftsmith.engine.decoder import SpeculativeDecoder, plain_decoder
-from draftsmith.engine.drafters import HeadDrafter
+from draftsmith.heads.decode import HeadDrafter
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.heads.hydra.model import HydraHeads

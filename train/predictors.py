@@ -22,8 +22,9 @@ from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environ
 from draftsmith.classifiers.traces import (TraceError, cost_model, describe, drafter_identity, load_traces, record,
                                            save_traces, timestamp)
 from draftsmith.drafters.kangaroo.decode import early_exit_drafter
+from draftsmith.engine.capabilities import capabilities
 from draftsmith.engine.cpu_layout import apply_cpu_layout  # decoding layout, as eval uses
-from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.target import Target, check_fingerprint
 from draftsmith.train.generate import prompt_ids
@@ -79,8 +80,9 @@ def stage_traces(recipe, target: Target, *, checkpoint: str | None = None, promp
 
     spec = checkpoint or str(recipe.out / "final")
     drafter, ident = load_drafter(spec, target)
-    if getattr(drafter, "max_depth", None):
-        draft_len = min(draft_len, drafter.max_depth)
+    max_depth = capabilities(drafter).max_depth
+    if max_depth:
+        draft_len = min(draft_len, max_depth)
     apply_cpu_layout(target, drafter)
     room = target.context_length - max_new_tokens - draft_len - 1
     ids, skipped = training_prompts(recipe.out / "data" / "train.jsonl", target.tokenizer, prompts, room)

@@ -26,7 +26,7 @@ ids only, trained against the target renormalised over them; drafting puts
 q = 0 at every other id. ``rdk: true`` also stores a sparse token-affinity
 map (drafters/rdk.py, docs/rdk.md) and drafts from q_RDK = M^T q'.
 Decoding: `draftsmith.drafters.standalone.decode.StandaloneModelDrafter`
-(the engine's `ModelDrafter` with a target-space head).
+(`ModelDrafter` with a target-space head).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from draftsmith.common.divergences import DIVERGENCES, divergence
 from draftsmith.drafters.standalone.rdk import RDKMap, build_rdk
 from draftsmith.drafters.standalone.decode import StandaloneModelDrafter
-from draftsmith.engine.drafters import first_layers_drafter
+from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.engine.policies import FixedLength
 from draftsmith.common.chunks import make_chunks
 from draftsmith.common.vocab import PrunedHead, draft_head

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from draftsmith.drafters.suffix.index import Draft, SuffixConfig, SuffixIndex, TokenIndex
+from draftsmith.engine.capabilities import capabilities
 
 
 @dataclass
@@ -239,24 +240,25 @@ class HybridDrafter:
 
     def __init__(self, inner: Any, suffix: SuffixDrafter, *, prior: float = 1.0, ema: float = 0.1,
                  inner_cost: float | None = None, explore_every: int = 16, name: str | None = None):
-        if getattr(inner, "verify_forward", None) is not None:
-            raise ValueError(f"drafter {getattr(inner, 'name', type(inner).__name__)!r} replaces the target's "
+        caps = capabilities(inner)
+        if caps.verify_forward is not None:
+            raise ValueError(f"drafter {caps.name!r} replaces the target's "
                              "verification forward (a self-drafter): a hybrid with it is not supported")
-        if getattr(inner, "draft_tree", None) is not None:
+        if caps.builds_trees:
             raise ValueError("the hybrid's trained drafter must draft from logits, not build its own trees")
         self.inner, self.suffix = inner, suffix
-        self.name = name or f"{getattr(inner, 'name', 'drafter')}+suffix"
-        self.target_fingerprint = getattr(inner, "target_fingerprint", None)
-        self.max_depth = getattr(inner, "max_depth", None)
-        self.needs_target_hidden = getattr(inner, "needs_target_hidden", False)
-        self.supports_trees = getattr(inner, "supports_trees", True)
+        self.name = name or f"{caps.name}+suffix"
+        self.target_fingerprint = caps.target_fingerprint
+        self.max_depth = caps.max_depth
+        self.needs_target_hidden = caps.needs_target_hidden
+        self.supports_trees = caps.supports_trees
         self.max_nodes = suffix.max_nodes
         self.prior = float(prior)
         self.estimate, self.ema = self.prior, float(ema)
         self.inner_cost, self.explore_every = inner_cost, int(explore_every)
         self.step_s: dict[str, float | None] = {"suffix": None, "inner": None, "plain": None}
         self.steps = {"suffix": 0, "inner": 0}
-        pol = getattr(inner, "default_policy", None)
+        pol = caps.default_policy
         if pol is not None:
             self.default_policy = pol
         for attr in ("vocab_size", "context_length"):

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from draftsmith.common.layers import RMSNorm, rotate_half
 from draftsmith.common.vocab import PrunedHead
-from draftsmith.engine.drafters import HeadDrafter
+from draftsmith.heads.decode import HeadDrafter
 from draftsmith.heads.common import ResBlock
 from draftsmith.heads.hydra.fast import FastHydra
 from draftsmith.heads.objective import HydraObjective

@@ -17,7 +17,7 @@ from torch import nn
 
 from draftsmith.heads.common import ResBlock, copy_of_linear
 from draftsmith.common.vocab import PrunedHead
-from draftsmith.engine.drafters import HeadDrafter
+from draftsmith.heads.decode import HeadDrafter
 from draftsmith.heads.objective import HeadObjective
 from draftsmith.registry import KindBase, register
 
