@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environment, read_manifest
+from draftsmith import registry
+from draftsmith.checkpoint import command_line, environment, read_manifest, resolve_drafter
 from draftsmith.cli.shared import add_dtype_arg, add_suffix_args, load_target_as, suffix_config
 from draftsmith.engine.capabilities import capabilities
 from draftsmith.engine.cpu_layout import apply_cpu_layout
@@ -59,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="draftsmith eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", nargs="+",
-                    help="drafter checkpoint directories (several are benchmarked side by side, interleaved), "
-                         "or 'none' for baselines only")
+                    help="drafter checkpoint directories or decoder-only drafters (first-layers:N, early-exit:L, "
+                         "suffix, prompt-lookup:K), several benchmarked side by side, interleaved; or 'none' for "
+                         "baselines only")
     ap.add_argument("--target", default=None, help="target name or directory (default: the checkpoint's target)")
     ap.add_argument("--plain", action="store_true", help="also run Hugging Face generate (plain decoding)")
     ap.add_argument("--drafter-layers", type=int, default=None,
@@ -125,10 +127,11 @@ def eval_main(argv: list[str] | None = None) -> dict:
     a = build_parser().parse_args(argv)
     if a.hf_assisted and not a.drafter_layers:
         raise SystemExit("--hf-assisted needs --drafter-layers N (the assistant model)")
-    ckpts = [] if [c.lower() for c in a.checkpoint] == ["none"] else [Path(c) for c in a.checkpoint]
+    ckpts = [] if [c.lower() for c in a.checkpoint] == ["none"] else list(a.checkpoint)
     target_name, dtype = a.target, a.dtype
-    if ckpts:
-        manifest = read_manifest(ckpts[0])
+    dirs = [Path(c) for c in ckpts if Path(c).is_dir() or registry.untrained_drafter_name(c) is None]
+    if dirs:  # the first checkpoint's target and dtype, unless given
+        manifest = read_manifest(dirs[0])
         t = manifest["target"]
         if target_name is None:
             target_name = t["path"] if Path(t["path"]).exists() else t["name"]
@@ -136,8 +139,9 @@ def eval_main(argv: list[str] | None = None) -> dict:
     target = load_target_as(target_name or "smollm2-135m-instruct", dtype, default_device(a.device))
     drafters = []
     for c in ckpts:
-        d = drafter_from_checkpoint(c, target)
-        d.name = (read_manifest(c).get("recipe") or {}).get("name") or d.name
+        d = resolve_drafter(c, target)
+        if Path(c).is_dir():
+            d.name = (read_manifest(c).get("recipe") or {}).get("name") or d.name
         if a.confidence is not None and isinstance(d, SelfDrafter):  # another second-early-exit threshold
             d.set_confidence(a.confidence)
         specs = tree_specs_for(a.tree or ["chain"], d.name)

@@ -249,6 +249,17 @@ def check_dtype(manifest: dict, target: Target, what: str = "checkpoint") -> boo
     return False
 
 
+def resolve_drafter(spec: str | Path, target: Target):
+    """The decoder drafter a spec names, the one way every command reads one: a checkpoint directory, or a
+    decoder-only drafter made without one (``first-layers:N``, ``early-exit:L``, ``suffix``, ``prompt-lookup:K``;
+    `registry.untrained_drafters` lists them). A directory of that name wins over the spec."""
+    if not Path(spec).is_dir():
+        d = registry.untrained_drafter(str(spec), target)
+        if d is not None:
+            return d
+    return drafter_from_checkpoint(spec, target)
+
+
 def drafter_from_checkpoint(path: str | Path, target: Target):
     """Load a trained drafter checkpoint (fingerprint-checked) as a decoder drafter: the kind's own adapter,
     its modules cast to the target's dtype (and a warning when it was trained in another, `check_dtype`)."""

@@ -33,6 +33,7 @@ _KINDS: dict[str, type] = {}
 _CONFIGS: dict[str, type] = {}
 _PREDICTORS: dict[str, Any] = {}
 _FORMATS: dict[str, "ExportFormat"] = {}
+_UNTRAINED: dict[str, "Untrained"] = {}
 
 
 @runtime_checkable
@@ -166,6 +167,58 @@ def register_predictor(name: str):
         _PREDICTORS[name] = fn
         return fn
     return deco
+
+
+@dataclass(frozen=True)
+class Untrained:
+    """A decoder-only drafter made without a checkpoint, named by a spec ``NAME`` or ``NAME:ARG``."""
+    name: str
+    make: Callable  # (target, arg: int | None) -> decoder drafter
+    arg: str | None  # what ARG is (None: the spec takes none)
+    help: str
+
+
+def register_untrained(name: str, help: str, arg: str | None = None):
+    """Decorator for the factory ``make(target, arg)`` of a decoder-only drafter (``first-layers:N``,
+    ``early-exit:L``, ``suffix``, ``prompt-lookup:K``), registered by the kind whose decoding it uses."""
+    def deco(fn):
+        _UNTRAINED[name] = Untrained(name, fn, arg, help)
+        return fn
+    return deco
+
+
+def untrained_drafters() -> dict[str, Untrained]:
+    """Every registered decoder-only drafter, by name."""
+    _discover(DRAFTER_FAMILIES, "decode")
+    _discover(DRAFTER_FAMILIES, "drafter")
+    return dict(sorted(_UNTRAINED.items()))
+
+
+def untrained_drafter_name(spec: str) -> str | None:
+    """The registered decoder-only drafter's name a spec ``NAME[:ARG]`` starts with, or None."""
+    name = str(spec).partition(":")[0]
+    return name if name in untrained_drafters() else None
+
+
+def untrained_drafter(spec: str, target: Any) -> Any | None:
+    """The decoder drafter a spec ``NAME[:ARG]`` names (``first-layers:4``, ``early-exit:8``, ``suffix``,
+    ``prompt-lookup:10``), or None when its NAME is not one (then the spec is a checkpoint path). A known name
+    with a missing, extra or non-integer ARG is a ValueError naming the expected form."""
+    name, sep, arg = str(spec).partition(":")
+    known = untrained_drafters()
+    u = known.get(name)
+    if u is None:
+        return None
+    form = f"{name}:{u.arg}" if u.arg else name
+    if u.arg is None:
+        if sep:
+            raise ValueError(f"{spec!r}: {name} takes no argument (expected {form!r})")
+        return u.make(target, None)
+    try:
+        n = int(arg)
+    except ValueError:
+        raise ValueError(f"{spec!r}: expected {form} with {u.arg} an integer") from None
+    return u.make(target, n)
 
 
 def _discover(families: tuple[str, ...], module: str) -> None:

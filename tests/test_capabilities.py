@@ -132,3 +132,32 @@ def test_the_probe_scan_has_teeth():
     assert PROBE.search('x = getattr(drafter, "supports_trees", True)')
     assert PROBE.search("if hasattr(d, 'verify_forward'):")
     assert not PROBE.search('getattr(d, "compile_s", 0.0)')
+
+
+# ---------------------------------------------------------------------------------------------- one resolver
+def test_every_decoder_only_drafter_resolves_behind_one_function(tmp_path):
+    from draftsmith import registry  # the registry of kinds, read as the CLI reads it
+    from draftsmith.checkpoint import resolve_drafter
+    from draftsmith.drafters.suffix.drafter import PromptLookupDrafter, SuffixDrafter
+
+    assert {"first-layers", "early-exit", "suffix", "prompt-lookup"} <= set(registry.untrained_drafters())
+    tgt = tiny()
+    assert resolve_drafter("first-layers:2", tgt).name == "first-2-layers"
+    assert resolve_drafter("early-exit:1", tgt).name == "early-exit-1"
+    assert isinstance(resolve_drafter("suffix", tgt), SuffixDrafter)
+    pl = resolve_drafter("prompt-lookup:5", tgt)
+    assert isinstance(pl, PromptLookupDrafter) and pl.k == 5
+    for spec, match in (("first-layers:x", "expected first-layers:N with N an integer"),
+                        ("first-layers", "expected first-layers:N"),
+                        ("suffix:3", "suffix takes no argument"),
+                        ("prompt-lookup:0", "K must be >= 1"),
+                        ("first-layers:99", "n_layers must be in")):
+        with pytest.raises(ValueError, match=match):
+            resolve_drafter(spec, tgt)
+    assert registry.untrained_drafter_name("early-exit:3") == "early-exit"
+    assert registry.untrained_drafter_name("runs/my-ckpt") is None
+    (tmp_path / "suffix").mkdir()  # a directory of a spec's name is a checkpoint (here: an empty one, refused)
+    with pytest.raises(Exception, match="suffix"):
+        resolve_drafter(tmp_path / "suffix", tgt)
+    with pytest.raises(Exception, match="no-such-checkpoint"):
+        resolve_drafter(tmp_path / "no-such-checkpoint", tgt)

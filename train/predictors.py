@@ -18,13 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import registry
-from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environment
+from draftsmith.checkpoint import command_line, environment, resolve_drafter
 from draftsmith.classifiers.traces import (TraceError, cost_model, describe, drafter_identity, load_traces, record,
                                            save_traces, timestamp)
-from draftsmith.drafters.kangaroo.decode import early_exit_drafter
 from draftsmith.engine.capabilities import capabilities
 from draftsmith.engine.cpu_layout import apply_cpu_layout  # decoding layout, as eval uses
-from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.target import Target, check_fingerprint
 from draftsmith.train.generate import prompt_ids
@@ -35,16 +33,8 @@ log = logging.getLogger(__name__)
 def load_drafter(spec: str | Path, target: Target) -> tuple[Any, dict]:
     """(decoder drafter, identity) for a checkpoint directory, ``first-layers:N`` or ``early-exit:L``."""
     s = str(spec)
-    for prefix, make in (("first-layers:", first_layers_drafter), ("early-exit:", early_exit_drafter)):
-        if s.startswith(prefix):
-            try:
-                n = int(s[len(prefix):])
-            except ValueError:
-                raise ValueError(f"{s!r}: expected {prefix}N with an integer N") from None
-            d = make(target, n)
-            return d, drafter_identity(d)
-    d = drafter_from_checkpoint(Path(s), target)
-    return d, drafter_identity(d, s)
+    d = resolve_drafter(s, target)
+    return d, drafter_identity(d, s if Path(s).is_dir() else None)
 
 
 def training_prompts(path: Path, tokenizer, n: int, max_len: int) -> tuple[list[list[int]], dict]:

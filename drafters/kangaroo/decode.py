@@ -47,6 +47,7 @@ from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.kvcache import prefix_block_mask
 from draftsmith.engine.policies import ConfidenceStop, LengthPolicy
 from draftsmith.engine.trees import DraftTree
+from draftsmith.registry import register_untrained
 from draftsmith.target import Target
 
 
@@ -282,6 +283,8 @@ class KangarooDrafter:
         ds.tree, ds.fed, ds.a_fed = None, 0, 0
 
 
+@register_untrained("early-exit", "the target's first L layers drafting from its own cache, verified from the "
+                    "shallow states (Kangaroo without an adapter, untrained)", arg="L")
 def early_exit_drafter(target: Target, exit_layer: int, policy: LengthPolicy | None = None, *,
                        full_verify: bool = False) -> KangarooDrafter:
     """The untrained peer: the target's first ``exit_layer`` layers, its final norm and LM head, drafting

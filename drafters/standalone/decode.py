@@ -40,6 +40,7 @@ from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
 from draftsmith.engine.policies import LengthPolicy
 from draftsmith.engine.ragged import RowsCache, ragged_forward
 from draftsmith.engine.trees import DraftTree
+from draftsmith.registry import register_untrained
 from draftsmith.target import Target
 
 
@@ -137,6 +138,8 @@ class ModelDrafter:
         return ModelRows(self)
 
 
+@register_untrained("first-layers", "the target's first N layers, its final norm and LM head as a standalone "
+                    "drafter (untrained)", arg="N")
 def first_layers_drafter(target: Target, n_layers: int) -> ModelDrafter:
     """An untrained baseline drafter: the target's first ``n_layers`` layers, final norm and output head."""
     cfg = copy.deepcopy(target.model.config)

@@ -29,6 +29,7 @@ import torch
 
 from draftsmith.drafters.suffix.index import Draft, SuffixConfig, SuffixIndex, TokenIndex
 from draftsmith.engine.capabilities import capabilities
+from draftsmith.registry import register_untrained
 
 
 @dataclass
@@ -358,3 +359,17 @@ class HybridDrafter:
     def finish(self, dec, state) -> None:
         self.estimate = state.drafter_state.est
         self.suffix.finish(dec, state)
+
+
+@register_untrained("suffix", "SuffixDecoding: drafts from the prompt and this process's earlier responses "
+                    "(model-free, default settings)")
+def _suffix(target, arg: None) -> SuffixDrafter:
+    return SuffixDrafter(SuffixConfig())
+
+
+@register_untrained("prompt-lookup", "prompt lookup: drafts up to K tokens that followed the last n-gram in the "
+                    "prompt and response (model-free)", arg="K")
+def _prompt_lookup(target, k: int) -> PromptLookupDrafter:
+    if k < 1:
+        raise ValueError(f"prompt-lookup:{k}: K must be >= 1")
+    return PromptLookupDrafter(k=k)
