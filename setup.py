@@ -14,7 +14,7 @@ FOLDERS = {"draftsmith": "core", "draftsmith.cli": "cli", "draftsmith.export": "
            "draftsmith.common": "common", "draftsmith.engine": "engine", "draftsmith.heads": "heads",
            "draftsmith.drafters": "drafters", "draftsmith.classifiers": "classifiers", "draftsmith.train": "train",
            "draftsmith.eval": "eval", "draftsmith.serve": "serve", "draftsmith.recipes": "recipes",
-           "draftsmith.sim": "sim"}
+           "draftsmith.sim": "sim", "draftsmith.pipeline": "pipeline"}
 
 
 def packages() -> tuple[list[str], dict[str, str]]:

@@ -167,7 +167,7 @@ def _fused_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeat
                 shard_tokens: int) -> dict:
     """Generation + cache stage, three ways, alternating (the order rotates per repeat); best of each kept."""
     import numpy as np
-    from draftsmith.cli.pipeline import load_sequences
+    from draftsmith.pipeline.stages import load_sequences
     from draftsmith.common.hidden_cache import HiddenCache
     from draftsmith.train.cache import build_cache
     from draftsmith.train.generate import FusedCache, regenerate

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draftsmith.cli.pipeline import merge_runs
+from draftsmith.pipeline.stages import merge_runs
 
 
 def add_parser(subparsers, name: str, summary: str) -> None:

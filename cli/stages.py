@@ -1,5 +1,5 @@
 """``draftsmith data|cache|train|trees|report|bench RECIPE``, ``draftsmith run RECIPE`` (every stage in
-order) and ``draftsmith quickstart`` (``run quickstart``): the stages of cli/pipeline.py, with what each
+order) and ``draftsmith quickstart`` (``run quickstart``): the stages of pipeline/stages.py, with what each
 one prints."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.cli import pipeline
+from draftsmith.pipeline import stages as pipeline
 from draftsmith.cli.shared import add_dtype_arg, recipe_from, target_of
 from draftsmith.target import resolve_dtype
 

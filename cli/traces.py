@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from draftsmith.cli import pipeline
+from draftsmith.pipeline import stages as pipeline
 from draftsmith.cli.shared import recipe_from, target_of
 
 

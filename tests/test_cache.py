@@ -108,7 +108,7 @@ def test_a_finished_shard_holding_other_sequences_is_recomputed(tiny_target, tmp
 def test_merged_caches_read_as_one_in_order_and_refuse_mismatches(tiny_target, tmp_path):
     import json
 
-    from draftsmith.cli.pipeline import merge_runs
+    from draftsmith.pipeline.stages import merge_runs
     from draftsmith.train.cache import merge_caches
 
     a, b = _seqs(tiny_target, 4, seed=1), _seqs(tiny_target, 3, seed=2)

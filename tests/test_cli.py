@@ -105,7 +105,7 @@ def test_trees_measure_step_costs_in_the_decoding_dtype(tmp_path, tiny_dir, caps
     """Training reads the target in float32, but a bf16 recipe decodes in bf16: the trees' step costs (which pick
     built:best) are measured on the bf16 target, and the bench decodes on that same object."""
     import torch
-    from draftsmith.cli import pipeline
+    from draftsmith.pipeline import stages as pipeline
     seen = []
     real = pipeline.measure_step_cost
     monkeypatch.setattr(pipeline, "measure_step_cost",

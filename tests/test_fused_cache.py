@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from draftsmith.cli import pipeline
+from draftsmith.pipeline import stages as pipeline
 from draftsmith.common.hidden_cache import HiddenCache, field_file
 from draftsmith.recipe import parse_recipe
 from draftsmith.train import cache as cache_mod
@@ -270,7 +270,7 @@ def test_kill_and_resume_gives_the_separate_pass_cache(peaky, tmp_path, monkeypa
 ], ids=["kangaroo", "extra-states", "hf-engine"])
 def test_other_needs_and_engines_fall_back_to_the_separate_pass(peaky, tmp_path, caplog, change, why):
     r = _recipe(tmp_path, "other", n=8, **change)
-    with caplog.at_level("INFO", logger="draftsmith.cli.pipeline"):
+    with caplog.at_level("INFO", logger="draftsmith.pipeline.stages"):
         pipeline.stage_data(r, peaky)
     assert any("not fused" in m and why in m for m in caplog.messages), caplog.messages
     assert not list((r.out / "cache").glob("train/shard-*"))  # nothing written during generation

@@ -4,7 +4,7 @@ Folders (each a subpackage of `draftsmith`, core/ being `draftsmith` itself) sit
 may point down or sideways along an allowed arrow, never up:
 
     core, recipes  <-  engine  <-  common  <-  kinds (heads, drafters, classifiers)
-        <-  train, serve, eval, sim  <-  export  <-  cli
+        <-  train, serve, eval, sim  <-  export  <-  pipeline  <-  cli
 
 Checked here, function-local imports included: no arrow against the layers, no import cycle between
 modules, no private (underscore) name imported from another folder, no function-local import of a
@@ -25,9 +25,9 @@ FOLDERS = {"core": "draftsmith", "recipes": "draftsmith.recipes", "engine": "dra
            "common": "draftsmith.common", "heads": "draftsmith.heads", "drafters": "draftsmith.drafters",
            "classifiers": "draftsmith.classifiers", "train": "draftsmith.train", "serve": "draftsmith.serve",
            "eval": "draftsmith.eval", "export": "draftsmith.export", "cli": "draftsmith.cli",
-           "sim": "draftsmith.sim"}
+           "sim": "draftsmith.sim", "pipeline": "draftsmith.pipeline"}
 LAYER = {"core": 0, "recipes": 0, "engine": 1, "common": 2, "heads": 3, "drafters": 3, "classifiers": 3,
-         "train": 4, "serve": 4, "eval": 4, "sim": 4, "export": 5, "cli": 6}
+         "train": 4, "serve": 4, "eval": 4, "sim": 4, "export": 5, "pipeline": 6, "cli": 7}
 #: arrows allowed between two folders of one layer (everything else sideways is an error)
 SIDEWAYS = {("drafters", "heads"), ("eval", "train"), ("serve", "train")}
 KIND_FAMILIES = ("heads", "drafters", "classifiers")

@@ -196,7 +196,7 @@ def test_bad_checkpoints(trained, tmp_path):
 
 
 def test_pipeline_skips_the_cache_and_reports_in_own_tokens(trained):
-    from draftsmith.cli import pipeline
+    from draftsmith.pipeline import stages as pipeline
     tgt, final, _ = trained
     recipe = _recipe(final.parent)
     assert pipeline.stage_cache(recipe, tgt) == {}  # no target states for a kind that trains on text

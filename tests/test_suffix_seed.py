@@ -86,7 +86,7 @@ def test_the_quickstart_bench_verifies_suffix_drafts_in_the_graph_the_trees_stag
     would compile another graph (a minute of the quickstart's budget; results §21)."""
     from pathlib import Path
 
-    from draftsmith.cli.pipeline import BENCH_SUFFIX
+    from draftsmith.pipeline.stages import BENCH_SUFFIX
     from draftsmith.engine.fastpath import bucket
     from draftsmith.recipe import load_recipe
 

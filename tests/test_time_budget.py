@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from draftsmith.cli import pipeline
+from draftsmith.pipeline import stages as pipeline
 from draftsmith.recipe import RecipeError, parse_recipe
 from draftsmith.train import generate
 from draftsmith.train.batchgen import BatchGenerator
