@@ -38,5 +38,5 @@ PACKAGES, PACKAGE_DIR = packages()
 setup(packages=PACKAGES, package_dir=PACKAGE_DIR,
       package_data={"draftsmith.recipes": ["*.yaml"], "draftsmith.recipes.launch": ["*.yaml", "*.json"],
                     "draftsmith.recipes.trees": ["*.json"], "draftsmith.sim": ["profiles/*.yaml"],
-                    "draftsmith.engine": ["csrc/*.cpp"]},
+                    "draftsmith.engine": ["csrc/*.cpp", "csrc/*.h"]},
       include_package_data=False)

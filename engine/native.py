@@ -37,6 +37,7 @@ attending causally within its own cache row after a shared prefix; one SDPA call
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import threading
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 _SRCS = [Path(__file__).parent / "csrc" / f for f in ("ragged_attention.cpp", "rows_linear.cpp")]
+_HEADERS = [Path(__file__).parent / "csrc" / "widen.h"]
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool once tried; "why": the reason it is not used; "capability"
 
@@ -90,7 +92,10 @@ def _build(cap: str, bf16_dot: bool) -> None:
     """Build (or load from the extensions folder) and load the kernels for vector capability ``cap``."""
     from torch.utils.cpp_extension import load
     name, cflags = build_flags(cap, bf16_dot)
-    load(name=name, sources=[str(p) for p in _SRCS], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+    # torch rebuilds when a source or a flag changes, not a header: the headers' hash goes in as a flag
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _HEADERS)).hexdigest()[:12]
+    load(name=name, sources=[str(p) for p in _SRCS], extra_cflags=[*cflags, f"-DDRAFTSMITH_HEADERS={digest}"],
+         extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)
 
 

@@ -38,23 +38,14 @@
 #include <immintrin.h>
 #endif
 
+#include "widen.h"
+
 namespace {
 
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t VL = fVec::size();
 
-inline fVec load_f(const float* p) { return fVec::loadu(p); }
-inline fVec load_f(const c10::BFloat16* p) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return fVec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16)));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return fVec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16)));
-#else
-  float tmp[VL];
-  for (int64_t x = 0; x < VL; ++x) tmp[x] = static_cast<float>(p[x]);
-  return fVec::loadu(tmp);
-#endif
-}
+using draftsmith_native_vec::load_f;
 
 inline float hsum(const fVec& a) {
 #if defined(CPU_CAPABILITY_AVX512)

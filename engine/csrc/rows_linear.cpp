@@ -30,24 +30,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "widen.h"
+
 namespace {
 
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t VL = fVec::size();
 
-inline fVec load_w(const float* p) { return fVec::loadu(p); }
-// VL bf16 numbers widened to float32: zero-extended to 32 bits and shifted into the upper half (exact)
-inline fVec load_w(const c10::BFloat16* p) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return fVec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16)));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return fVec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16)));
-#else
-  float tmp[VL];
-  for (int64_t x = 0; x < VL; ++x) tmp[x] = static_cast<float>(p[x]);
-  return fVec::loadu(tmp);
-#endif
-}
+// weights as float32 vectors: float32 loaded, bf16 widened exactly (widen.h)
+using draftsmith_native_vec::load_f;
 
 // Output column j for R input rows (R <= 4): weight row w against input rows x[0..R), k elements each. Each
 // weight vector is loaded once for the R rows. Every element is the same chain whatever R: two vector
@@ -59,14 +50,14 @@ inline void dots(const T* w, const float* const* x, int64_t k, float* out) {
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = fVec(0.f);
   int64_t i = 0;
   for (; i + 2 * VL <= k; i += 2 * VL) {
-    const fVec w0 = load_w(w + i), w1 = load_w(w + i + VL);
+    const fVec w0 = load_f(w + i), w1 = load_f(w + i + VL);
     for (int r = 0; r < R; ++r) {
       a0[r] = at::vec::fmadd(w0, fVec::loadu(x[r] + i), a0[r]);
       a1[r] = at::vec::fmadd(w1, fVec::loadu(x[r] + i + VL), a1[r]);
     }
   }
   if (i + VL <= k) {
-    const fVec w0 = load_w(w + i);
+    const fVec w0 = load_f(w + i);
     for (int r = 0; r < R; ++r) a0[r] = at::vec::fmadd(w0, fVec::loadu(x[r] + i), a0[r]);
     i += VL;
   }
