@@ -89,14 +89,30 @@ def build_flags(cap: str, bf16_dot: bool) -> tuple[str, list[str]]:
 
 
 def _build(cap: str, bf16_dot: bool) -> None:
-    """Build (or load from the extensions folder) and load the kernels for vector capability ``cap``."""
-    from torch.utils.cpp_extension import load
+    """Build (or load from the extensions folder) and load the kernels for vector capability ``cap``.
+
+    torch's loader takes a lock file in the build folder for every load, up to date or not, and a process
+    that finds it waits until it is gone, with no timeout. A process killed while loading (kill -9, an OOM kill)
+    leaves the file behind, and every later process then hangs. So loads go through an ``flock`` of our own,
+    which the system releases when its holder dies: whoever holds it is the only one of ours loading, and a
+    torch lock file it finds is stale (removed, with a warning)."""
+    import fcntl
+
+    from torch.utils import cpp_extension
     name, cflags = build_flags(cap, bf16_dot)
     # torch rebuilds when a source or a flag changes, not a header: the headers' hash goes in as a flag
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in _HEADERS)).hexdigest()[:12]
-    load(name=name, sources=[str(p) for p in _SRCS], extra_cflags=[*cflags, f"-DDRAFTSMITH_HEADERS={digest}"],
-         extra_ldflags=["-fopenmp"],
-         is_python_module=False, verbose=False)
+    where = getattr(cpp_extension, "_get_build_directory", None)
+    build_dir = Path(where(name, False)) if where is not None else None
+    with open(os.devnull if build_dir is None else build_dir.parent / f"{name}.load.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        stale = None if build_dir is None else build_dir / "lock"
+        if stale is not None and stale.exists():
+            log.warning("removing %s, left by a process killed while it loaded the native kernels", stale)
+            stale.unlink(missing_ok=True)
+        cpp_extension.load(name=name, sources=[str(p) for p in _SRCS],
+                           extra_cflags=[*cflags, f"-DDRAFTSMITH_HEADERS={digest}"], extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
 
 
 def _reason(e: Exception) -> str:
