@@ -101,7 +101,7 @@ def capabilities(drafter: Any) -> DrafterCaps:
         supports_trees=_flag(name, "supports_trees", g("supports_trees", True)),
         max_depth=_opt_int(name, "max_depth", g("max_depth"), 1),
         needs_target_hidden=_flag(name, "needs_target_hidden", g("needs_target_hidden", False)),
-        any_range=_flag(name, "any_range", bool(g("any_range", False))),
+        any_range=bool(g("any_range", False)),  # a truthy value, as the decoders always read it
         default_policy=g("default_policy"),
         draft_tree=draft_tree,
         max_nodes=max_nodes,
