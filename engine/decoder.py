@@ -290,8 +290,9 @@ class SpeculativeDecoder:
             mask = prefix_block_mask(c, block, self.dtype)
         self.cache.set_write(c)
         if self.fast is not None:
-            out = self.fast(input_ids=ids[None], position_ids=pos[None], attention_mask=mask, cache=self.cache)
-            return out.logits[0, pre:], out.last_hidden_state[0, pre:]
+            out = self.fast(input_ids=ids[None], position_ids=pos[None], attention_mask=mask, cache=self.cache,
+                            logits_from=pre)
+            return out.logits[0], out.last_hidden_state[0, pre:]
         h = self.body(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
                       **cache_arg(self.body, self.cache), use_cache=True).last_hidden_state[0, pre:]
         return project(self.lm_head, h), h

@@ -58,7 +58,7 @@ from draftsmith.engine.trees import DraftTree
 def project(head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``head(x)`` for [n, d] rows, with the fastest CPU kernel for few rows (same math).
 
-    float32 on CPU (bf16 on a CPU without bf16 instructions), up to 8 rows:
+    float32 on CPU (bf16 on a CPU without bf16 instructions), up to `ROWS_LINEAR_MAX` rows:
     `draftsmith.engine.native.decode_linear` (on a 2-core AVX2 EPYC, 2 threads,
     49152 x 576: 4.0 ms for 1 row and 5.2 ms for 4, against 8.8 and 21.6 ms for F.linear). Otherwise,
     measured on this project's CPU (MKL, 1 thread, 49152 x 576 head): F.linear

@@ -5,7 +5,7 @@ attention_mask=..., cache=SlotCache)``). `FastBody` is a drop-in for that call: 
 same pre-allocated `SlotCache`, the same result (``.last_hidden_state``, after the final norm), plus
 ``.logits`` from the LM head inside the same graph. What it changes is how the work is done:
 
-  * the weights are fused (q/k/v in one matrix, gate/up in one). float32 steps of up to 8 rows (and bf16
+  * the weights are fused (q/k/v in one matrix, gate/up in one). float32 steps of up to 16 rows (and bf16
     steps and prefills on a CPU without bf16 instructions) multiply by the native kernel
     (`draftsmith.engine.native.decode_linear`), which reads each weight once at close to the memory's
     bandwidth; other steps and dtypes, compiled, have the weights frozen into the graph: inductor packs each
@@ -163,7 +163,7 @@ class _Core(torch.nn.Module):
         self.inter = int(self.gate_up[0].shape[0] // 2)
         # one query over a contiguous cache row: the native decode attention kernel (None where it does not apply)
         self.attend_one = native_for(self.norm_w.dtype, self.norm_w.device, self.head_dim)
-        # float32 on CPU (steps of up to 8 rows) and bf16 where the CPU has no bf16 instructions (any rows)
+        # float32 on CPU (steps of up to 16 rows) and bf16 where the CPU has no bf16 instructions (any rows)
         # multiply by the native kernel (`decode_linear`), decided here, before any compiled trace; it reads weights
         # row-major, so the ones `cpu_layout` stored column-major for the model's own forward get a row-major copy
         # here (o and down: 146 MB for SmolLM2-135M in float32)
@@ -301,7 +301,10 @@ class FastBody(torch.nn.Module):
     # the body's calling convention -----------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, cache=None, past_key_values=None,
-                use_cache: bool = True, want_logits: bool = True, **kwargs) -> FastOutput:
+                use_cache: bool = True, want_logits: bool = True, logits_from: int = 0, **kwargs) -> FastOutput:
+        """The body's forward over ``input_ids`` [1, q], written into ``cache`` at its write start. ``logits_from``:
+        the logits of rows ``logits_from..q-1`` only (a fused prefill wants the last rows': the LM head over a
+        hundred prompt rows is a fifth of their products)."""
         if kwargs.get("output_hidden_states"):
             raise ValueError("FastBody does not return intermediate hidden states (forward hooks on the model's "
                              "layers are called with their outputs); use the model's body")
@@ -325,7 +328,10 @@ class FastBody(torch.nn.Module):
         C = int(cache.capacity)
         if b is None or s + b > C:
             h, lg, outs = self.core(input_ids, *self.core.rope(position_ids), attention_mask,
-                                    torch.arange(s, e, device=dev), kv, logits=want_logits, taps=taps)
+                                    torch.arange(s, e, device=dev), kv, logits=want_logits and not logits_from,
+                                    taps=taps)
+            if want_logits and logits_from:
+                lg = self.core.lin(h[:, logits_from:], self.core.head_w)
             self._call_hooks(taps, outs)
             return FastOutput(h, lg)
         slots = torch.arange(s, s + b, device=dev)
@@ -333,7 +339,7 @@ class FastBody(torch.nn.Module):
             # one query that sees every slot so far (plain decoding, drafting a chain): the native decode kernel
             # over slots [0, s], its length a tensor, so the shape stays static without masking the capacity
             return self._run_compiled((1, C, str(dev), taps, "one"), taps, input_ids, position_ids, None, slots,
-                                      kv, q, last=slots)
+                                      kv, q, last=slots, logits_from=logits_from)
         # every shape static: b rows over the whole capacity, the slots past the live length masked out
         # (gpt-fast's way; dynamic live lengths got specialised by the trace and recompiled on every step)
         pad = b - q
@@ -344,7 +350,8 @@ class FastBody(torch.nn.Module):
         m[:, :, :q, :e] = attention_mask
         if pad:
             m[0, 0, torch.arange(q, b), torch.arange(e, e + pad)] = 0  # a padded row sees only itself
-        return self._run_compiled((b, C, str(dev), taps), taps, input_ids, position_ids, m, slots, kv, q)
+        return self._run_compiled((b, C, str(dev), taps), taps, input_ids, position_ids, m, slots, kv, q,
+                                  logits_from=logits_from)
 
     def _one_query(self, kv: list[torch.Tensor], attention_mask: torch.Tensor | None) -> bool:
         """Whether a 1-row call can attend by the native decode kernel: it applies (dtype, device, head size), the
@@ -358,7 +365,7 @@ class FastBody(torch.nn.Module):
         return attention_mask is None or not bool(attention_mask.ne(0).any())
 
     def _run_compiled(self, key: tuple, taps: tuple[int, ...], input_ids, position_ids, m, slots, kv, q: int,
-                      last: torch.Tensor | None = None) -> FastOutput:
+                      last: torch.Tensor | None = None, logits_from: int = 0) -> FastOutput:
         first = key not in self._seen
         if first:
             self._seen.add(key)
@@ -373,6 +380,8 @@ class FastBody(torch.nn.Module):
                      ", one query by the native decode kernel" if last is not None else "", time.perf_counter() - t0)
         if input_ids.shape[1] > q:
             h, lg, outs = h[:, :q], lg[:, :q], tuple(o[:, :q] for o in outs)
+        if logits_from and lg is not None:
+            lg = lg[:, logits_from:]
         self._call_hooks(taps, outs)
         return FastOutput(h, lg)
 

@@ -237,7 +237,7 @@ def _(q, k, v, rows, starts, offsets, scale):
     return torch.empty_like(q)
 
 
-ROWS_LINEAR_MAX = 8  # up to this many float32 rows a linear runs `rows_linear`; more go to the BLAS product
+ROWS_LINEAR_MAX = 16  # up to this many float32 rows a linear runs `rows_linear`; more go to the BLAS product
 
 
 @functools.cache

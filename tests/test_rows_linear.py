@@ -20,7 +20,7 @@ def _op(x, w, b=None):
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 37])
 def test_rows_linear_equals_the_product_in_float64(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
@@ -34,15 +34,20 @@ def test_rows_linear_equals_the_product_in_float64(m, n, k):
         assert bool(((got - want).abs() <= bound + 1e-30).all()), float((got - want).abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(n, k):
-    """Verification's logits for a row equal plain decoding's for the same input, bit for bit."""
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(n, k, dtype):
+    """Verification's logits for a row equal plain decoding's for the same input, bit for bit; and a prompt's rows
+    (many, multiplied block by block) equal the same rows multiplied alone."""
     g = torch.Generator().manual_seed(n + k)
-    x, w, b = torch.randn(ROWS_LINEAR_MAX, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    m = 45  # several groups of four rows, and a last group of one
+    x, w, b = (t.to(dtype) for t in (torch.randn(m, k, generator=g), torch.randn(n, k, generator=g),
+                                     torch.randn(n, generator=g)))
     together = _op(x, w, b)
-    for r in range(ROWS_LINEAR_MAX):
+    for r in range(m):
         assert torch.equal(_op(x[r:r + 1], w, b)[0], together[r])
         assert torch.equal(_op(x[r:r + 3], w, b)[0], together[r])
+    assert torch.equal(_op(x[:ROWS_LINEAR_MAX], w, b), together[:ROWS_LINEAR_MAX])
 
 
 @pytest.mark.parametrize("n,k", SHAPES)

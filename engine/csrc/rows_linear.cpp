@@ -5,15 +5,16 @@
 // AMD EPYC with AVX2 only (torch 2.13's MKL), MKL's float32 product reads the 49152 x 576 LM head at about
 // 10 GB/s for one row and slower for 2-4 rows, where the machine reads memory at about 24 GB/s; a bfloat16
 // product there has no bf16 instructions to run on and is slower still. This kernel streams each weight row
-// once and multiplies it with every input row while it is in L1, threads splitting the output columns, so it
-// reads at close to the machine's bandwidth for any row count up to 8.
-//
+// once and multiplies it with up to four input rows while it is in L1, threads splitting the output columns, so
+// it reads at close to the machine's bandwidth for a few rows. For many rows (a prompt, in bf16) it walks the
+// weights in blocks that stay in L2, so that the inputs are read from L1 (`rows_kernel`).
+
 // bfloat16: the weights are widened to float32 in registers as they are loaded (a bf16 number is the upper half
 // of a float32's bits), the inputs once before the products; products and sums in float32, the bias added in
 // float32, one rounding to bf16 at the end.
 //
 // Each output element is the same chain of operations whatever the number of rows (see `dots`). So a row's outputs
-// are bit-identical whether it is multiplied alone or with seven others, and a verification's logits equal
+// are bit-identical whether it is multiplied alone or with a hundred others, and a verification's logits equal
 // plain decoding's where the inputs are equal.
 //
 // Built with the decode attention kernel by draftsmith.engine.native; registered as
@@ -79,23 +80,31 @@ void rows_kernel(const T* X, const T* W, const T* B, T* O, int64_t m, int64_t k,
     for (int64_t t = 0; t < m * k; ++t) xf[t] = static_cast<float>(X[t]);
     Xf = xf.data();
   }
+  // Threads split the weight rows. Each walks its rows in blocks that stay in L2 (about 64 KB); for each block,
+  // the input rows in groups of four (in L1) meet the block's weight rows one by one. One input row reads every
+  // weight once from memory (plain decoding); a prompt's hundred rows read a block from memory once and from L2
+  // for every further group of four, instead of reading all the inputs from L2 for every weight row.
+  const int64_t block = std::max<int64_t>(1, 65536 / (k * static_cast<int64_t>(sizeof(T))));
   // grain: 64 weight rows or more a task, so a small matrix is not split into slivers
   at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
     const float* xs[4];
     float part[4];
-    for (int64_t j = lo; j < hi; ++j) {
-      const T* wr = W + j * k;
-      const float b = B ? static_cast<float>(B[j]) : 0.f;
-      for (int64_t r0 = 0; r0 < m; r0 += 4) {  // rows in groups of four, the weight row staying in L1
+    for (int64_t b0 = lo; b0 < hi; b0 += block) {
+      const int64_t b1 = std::min(hi, b0 + block);
+      for (int64_t r0 = 0; r0 < m; r0 += 4) {
         const int g = static_cast<int>(std::min<int64_t>(4, m - r0));
         for (int r = 0; r < g; ++r) xs[r] = Xf + (r0 + r) * k;
-        switch (g) {
-          case 1: dots<1>(wr, xs, k, part); break;
-          case 2: dots<2>(wr, xs, k, part); break;
-          case 3: dots<3>(wr, xs, k, part); break;
-          default: dots<4>(wr, xs, k, part); break;
+        for (int64_t j = b0; j < b1; ++j) {
+          const T* wr = W + j * k;
+          const float b = B ? static_cast<float>(B[j]) : 0.f;
+          switch (g) {
+            case 1: dots<1>(wr, xs, k, part); break;
+            case 2: dots<2>(wr, xs, k, part); break;
+            case 3: dots<3>(wr, xs, k, part); break;
+            default: dots<4>(wr, xs, k, part); break;
+          }
+          for (int r = 0; r < g; ++r) O[(r0 + r) * n + j] = static_cast<T>(part[r] + b);  // bf16: nearest even
         }
-        for (int r = 0; r < g; ++r) O[(r0 + r) * n + j] = static_cast<T>(part[r] + b);  // bf16: nearest even
       }
     }
   });
