@@ -51,7 +51,7 @@ def _data_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeats
     """
     from draftsmith.engine.fast_batch import batch_body
     from draftsmith.engine.native import native_available, native_status
-    from draftsmith.train.generate import regenerate
+    from draftsmith.train.data.generate import regenerate
     res: dict = {"conversations": len(convs), "max_new_tokens": new_tokens, "hf_batch": hf_batch, "rows": rows,
                  "forward": forward}
     engines = {"hf": ("hf", "auto", True, "eager"), "masked": ("batched", "masked", False, "eager"),
@@ -126,7 +126,7 @@ def _vllm_data(target, convs, new_tokens: int, ours: dict | None, out: Path, thr
     """vLLM on CPU over the same conversations' prompts (one batched ``generate``, greedy, same budget): response
     tokens/s, and how many responses equal our batched engine's (text of the assistant turn)."""
     from draftsmith.export.vllm_check import run_vllm, vllm_python
-    from draftsmith.train.generate import prompt_ids
+    from draftsmith.train.data.generate import prompt_ids
     py = vllm_python(None)
     if py is None:
         return {"skipped": "no .venv-vllm (bash scripts/vllm_env.sh builds it)"}
@@ -169,8 +169,8 @@ def _fused_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeat
     import numpy as np
     from draftsmith.pipeline.stages import load_sequences
     from draftsmith.common.hidden_cache import HiddenCache
-    from draftsmith.train.cache import build_cache
-    from draftsmith.train.generate import FusedCache, regenerate
+    from draftsmith.train.data.cache import build_cache
+    from draftsmith.train.data.generate import FusedCache, regenerate
     modes = ["batched+cache", "fused", "hf+cache"]
     best: dict = {}
     res: dict = {"conversations": len(convs), "max_new_tokens": new_tokens, "hf_batch": hf_batch, "rows": rows}
@@ -216,7 +216,7 @@ def _fused_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeat
 
 
 def _gen_tokens_per_s(target, prompts, new_tokens, batched: bool) -> tuple[float, list]:
-    from draftsmith.train.generate import generate_batch
+    from draftsmith.train.data.generate import generate_batch
     t0 = time.perf_counter()
     if batched:
         outs = generate_batch(target, prompts, new_tokens)
@@ -228,7 +228,7 @@ def _gen_tokens_per_s(target, prompts, new_tokens, batched: bool) -> tuple[float
 
 @torch.no_grad()
 def _bare_forward(target, seqs, batch_tokens) -> float:
-    from draftsmith.train.cache import pad_batch, token_batches
+    from draftsmith.train.data.cache import pad_batch, token_batches
     lens = [len(s["ids"]) for s in seqs]
     t0 = time.perf_counter()
     for b in token_batches(lens, batch_tokens):
@@ -274,11 +274,11 @@ def main(argv=None) -> dict:
     target = bench.target = load_target(args.target, dtype=choice.dtype)
 
     from draftsmith.recipe import parse_recipe
-    from draftsmith.train.cache import build_cache
+    from draftsmith.train.data.cache import build_cache
     from draftsmith.common.chat import render_example
-    from draftsmith.train.generate import prompt_ids
-    from draftsmith.train.sources import mtbench_questions
-    from draftsmith.train.trainer import train
+    from draftsmith.train.data.generate import prompt_ids
+    from draftsmith.train.data.sources import mtbench_questions
+    from draftsmith.train.training.trainer import train
 
     if args.roofline:
         res = {"environment": environment(), "threads": torch.get_num_threads(), "roofline": _roofline(target)}
@@ -297,7 +297,7 @@ def main(argv=None) -> dict:
                  "threads": torch.get_num_threads()}
 
     # 0. the data stage's generation: reference engine vs continuous batching
-    from draftsmith.train.sources import Conversation, SkipLog, normalise, read_sharegpt, resolve_path
+    from draftsmith.train.data.sources import Conversation, SkipLog, normalise, read_sharegpt, resolve_path
     pool, seen = [], set()
     try:  # after the first 128 (ShareGPT sample, MT-Bench): HumanEval's 164 problems, for --data-prompts up to 296
         from benchmarks.common import humaneval_messages

@@ -510,7 +510,7 @@ def recipe_drafter(name: str, target: Target, seed: int = 0):
     """The drafter a recipe trains, built for ``target`` with its initial weights (a pruned one keeps random ids):
     its cost is its shape's, whatever the weights."""
     from draftsmith.recipe import load_recipe
-    from draftsmith.train.trainer import build_drafter
+    from draftsmith.train.training.trainer import build_drafter
     from draftsmith.common.vocab import draft_head
     r = load_recipe(name)
     m = build_drafter(r, target)
@@ -529,10 +529,10 @@ def graph_forward_times(target: Target, rows: list[int], capacity: int, repeats:
     decoder step would cost without the CPU's kernel launches. Every shape is static as in the compiled path: the
     rows attend over the cache's whole capacity (slots past the live length masked out), so one graph per row
     count serves every context. Returns {rows: median seconds of a replay}."""
-    from draftsmith.engine.kvcache import SlotCache
+    from draftsmith.engine.kvcache import KVCache
     fb = target.fast_body
     core, dev = fb.core, next(target.model.parameters()).device
-    cache = SlotCache.for_model(target.model, capacity)
+    cache = KVCache.for_model(target.model, capacity)
     kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
     out, graphs = {}, []  # every graph kept until all are timed (each in its own memory pool)
     for n in rows:
@@ -711,8 +711,8 @@ def random_sequences(n: int, length: int, vocab: int, seed: int = 0) -> list[dic
 
 def section_train(ck: Check, dev: torch.device, quick: bool, work: Path) -> None:
     from draftsmith.recipe import load_recipe, parse_recipe
-    from draftsmith.train.cache import build_cache
-    from draftsmith.train.trainer import train
+    from draftsmith.train.data.cache import build_cache
+    from draftsmith.train.training.trainer import train
 
     target = shape_target(dev, torch.float32, layers=4 if quick else None)
     L = int(target.config.num_hidden_layers)
@@ -780,7 +780,7 @@ def section_launch(ck: Check, dev: torch.device, quick: bool, work: Path) -> Non
     """One ``accelerate launch -m draftsmith.cli train RECIPE`` on a saved random default-shape target (a local
     Hugging Face directory, as users bring) and a cache written for it."""
     from draftsmith.target import load_target
-    from draftsmith.train.cache import build_cache
+    from draftsmith.train.data.cache import build_cache
 
     tdir, run = work / "launch-target", work / "launch-run"
     what = "gpu_ddp.yaml, 1 process" if dev.type == "cuda" else "cpu_single.yaml"

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> dict:
     from draftsmith.checkpoint import environment
     from draftsmith.engine.cpu_layout import cpu_decode_layout
     from draftsmith.engine.drafters import project
-    from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+    from draftsmith.engine.kvcache import KVCache, prefix_block_mask
 
     ap = parser("layout_bench", __doc__)
     add_common_args(ap, out="file", out_required=False)
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     block = torch.randint(0, V, (1, max(a.rows)), generator=g)
     caches = {}
     for name, m in models.items():
-        caches[name] = SlotCache.for_model(m, a.prefix + max(a.rows) + 1)
+        caches[name] = KVCache.for_model(m, a.prefix + max(a.rows) + 1)
         caches[name].set_write(0)
         m.get_decoder()(input_ids=prefix, **cache_arg(m.get_decoder(), caches[name]), use_cache=True)
 

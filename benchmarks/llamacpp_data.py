@@ -4,10 +4,10 @@
         [--parallel 1,4,8] [--gguf-type q4_1] [--engine-dtype float32] --out DIR
 
 The same prompts (the distinct first turns of the ShareGPT sample the recipes use) are answered greedily:
-  * by our data engine (`draftsmith.train.generate.regenerate`, continuous batching, the recipes' 96 rows), in
+  * by our data engine (`draftsmith.train.data.generate.regenerate`, continuous batching, the recipes' 96 rows), in
     ``--engine-dtype``;
   * by ``llama-server`` on the target's GGUF (``--gguf-type``; q4_1 is the shipped file) with N parallel slots
-    and N requests in flight, through the OpenAI-compatible backend the data stage uses (`train/remote.py`,
+    and N requests in flight, through the OpenAI-compatible backend the data stage uses (`train/data/remote.py`,
     identity check ``models``: a 4-bit file's greedy tokens are not the fp32 model's).
 Printed: response tokens per second of each, and how many responses are token-for-token those of our engine
 (the fp32 target's greedy answers), with the first differing position.
@@ -26,7 +26,7 @@ from draftsmith.checkpoint import command_line, environment
 from draftsmith.export.llamacpp import find_llamacpp, target_gguf
 from draftsmith.export.llamacpp_server import LlamaServer
 from draftsmith.target import DEFAULT_TARGET, cpu_name, load_target
-from draftsmith.train import generate, remote, sources
+from draftsmith.train.data import generate, remote, sources
 
 
 def responses(path: Path, tokenizer) -> dict[str, list[int]]:

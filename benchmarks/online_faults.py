@@ -37,8 +37,8 @@ from draftsmith.engine.decoder import plain_decoder
 from draftsmith.publish import PublishStore, load_current
 from draftsmith.recipe import parse_recipe
 from draftsmith.traffic import TrafficLog, chat_prompt_ids, make_record
-from draftsmith.train.ledger import Ledger
-from draftsmith.train.trainer import build_drafter
+from draftsmith.train.online.ledger import Ledger
+from draftsmith.train.training.trainer import build_drafter
 
 
 def _recipe_raw(target, out: Path, **online) -> dict:

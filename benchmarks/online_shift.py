@@ -33,7 +33,7 @@ from draftsmith.recipe import load_recipe
 from draftsmith.serve.app import DecodingService
 from draftsmith.target import default_device, load_target
 from draftsmith.traffic import chat_prompt_ids
-from draftsmith.train.online import OnlineJob, decode_acceptance
+from draftsmith.train.online.job import OnlineJob, decode_acceptance
 
 
 class _Client:

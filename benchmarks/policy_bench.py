@@ -34,7 +34,7 @@ from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.policies import ConfidenceStop, FixedLength
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.eval.bench import BASELINE, ours, run_bench
-from draftsmith.train.predictors import load_drafter, temperature_dir
+from draftsmith.train.training.predictors import load_drafter, temperature_dir
 
 
 def build_parser() -> argparse.ArgumentParser:

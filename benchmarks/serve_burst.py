@@ -14,7 +14,7 @@ timed out pays for them in the next phase. Per phase: answered, failed (timeout,
 over the phase's wall time, p50/p99 latency of answers, Retry-After values, the server's RSS (peak and last,
 its whole process tree), and greedy consistency (answers to the same prompt and max_tokens that differ).
 
-``--data-engine`` also runs the data engine (`draftsmith.train.batchgen.BatchGenerator`, the fused compiled step)
+``--data-engine`` also runs the data engine (`draftsmith.train.data.batchgen.BatchGenerator`, the fused compiled step)
 in this process on the same prompts, ``--max-batch`` rows, ``--tokens`` each, greedy: the tok/s the server's
 32-client phase is measured against.
 
@@ -49,7 +49,7 @@ from benchmarks.serve_load import percentile
 from draftsmith.eval.mtbench import mtbench_questions_path
 from draftsmith.target import cpu_name, load_target, resolve_target_path
 from draftsmith.traffic import chat_prompt_ids
-from draftsmith.train.batchgen import BatchGenerator, Job
+from draftsmith.train.data.batchgen import BatchGenerator, Job
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -27,7 +27,7 @@ from draftsmith.engine.policies import ConfidenceStop, FixedLength
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.sim.calibrate import Calibrator
 from draftsmith.sim.steps import from_batch_results, from_results, simulate_trace, target_identity
-from draftsmith.train.predictors import load_drafter, training_prompts
+from draftsmith.train.training.predictors import load_drafter, training_prompts
 
 
 # a coarser grid than the default, to keep the run short on a shared machine

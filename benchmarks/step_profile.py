@@ -26,7 +26,7 @@ from benchmarks.common import add_common_args, parser, write_json
 from benchmarks.fastest_plain import forward_bytes, read_bandwidth
 from draftsmith.checkpoint import environment
 from draftsmith.engine.fastpath import use_fast_forward
-from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+from draftsmith.engine.kvcache import KVCache, prefix_block_mask
 from draftsmith.engine.native import native_status, rows_linear_on
 from draftsmith.target import cpu_name, load_target
 
@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
     rows = [int(r) for r in a.rows.split(",")]
     for r in rows:
         fast.reserve(r)
-    cache = SlotCache.for_model(model, 512)
+    cache = KVCache.for_model(model, 512)
     ids = torch.randint(0, target.vocab_size, (1, a.prefix + max(rows)), generator=torch.Generator().manual_seed(0))
     cache.set_write(0)
     fast(input_ids=ids[:, :a.prefix], cache=cache)

@@ -36,7 +36,7 @@ from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
 from draftsmith.eval.report import write_report
 from draftsmith.eval.suffix import suffix_methods, suffix_stats
 from draftsmith.target import default_device, dtype_name, resolve_dtype
-from draftsmith.train.suffix_seed import save_index_from_data
+from draftsmith.train.data.suffix_seed import save_index_from_data
 
 
 def add_parser(subparsers, name: str, summary: str) -> None:

@@ -22,8 +22,8 @@ from draftsmith.publish import PublishStore
 from draftsmith.recipe import load_recipe
 from draftsmith.target import default_device, load_target
 from draftsmith.traffic import import_openai_logs
-from draftsmith.train.ledger import Ledger
-from draftsmith.train.online import OnlineJob
+from draftsmith.train.online.ledger import Ledger
+from draftsmith.train.online.job import OnlineJob
 
 
 def main(argv: list[str]) -> int:

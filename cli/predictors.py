@@ -9,7 +9,7 @@ from pathlib import Path
 from draftsmith import registry
 from draftsmith.checkpoint import read_json
 from draftsmith.target import load_target
-from draftsmith.train.predictors import format_summary, train_predictors
+from draftsmith.train.training.predictors import format_summary, train_predictors
 
 
 def add_parser(subparsers, name: str, summary: str) -> None:

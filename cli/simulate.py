@@ -36,7 +36,7 @@ from draftsmith.sim.replay import replay
 from draftsmith.sim.steps import (check_trace_for, from_batch_results, from_results, load_step_trace, simulate_trace,
                                   target_identity)
 from draftsmith.target import DEFAULT_TARGET, load_target
-from draftsmith.train.predictors import load_drafter, training_prompts
+from draftsmith.train.training.predictors import load_drafter, training_prompts
 
 
 def add_parser(subparsers, name: str, summary: str) -> None:

@@ -8,7 +8,7 @@ state through the target's frozen output head (`teacher_logits`).
 
 Layout: ``DIR/index.json`` and ``DIR/shard-NNNNN/{tokens,mask,starts,<need>}.npy``. Position t's state is
 the state after consuming token t (it predicts token t+1), exactly as the target computes it.
-Writing a cache is the cache stage's job (`draftsmith.train.cache`).
+Writing a cache is the cache stage's job (`draftsmith.train.data.cache`).
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ class EvalConfig(StrictModel):
 
 
 class OnlineConfig(StrictModel):
-    """`draftsmith online`: continual distillation from served traffic (train/online.py, docs/online.md)."""
+    """`draftsmith online`: continual distillation from served traffic (train/online/job.py, docs/online.md)."""
 
     every_records: int = Field(64, ge=1, description="update after this many new log records")
     every_seconds: float = Field(300.0, gt=0, description="... or this long after the first unapplied record")

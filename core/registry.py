@@ -34,6 +34,7 @@ _CONFIGS: dict[str, type] = {}
 _PREDICTORS: dict[str, Any] = {}
 _FORMATS: dict[str, "ExportFormat"] = {}
 _UNTRAINED: dict[str, "Untrained"] = {}
+_TEXT_RUNS: dict[str, Any] = {}
 
 
 @runtime_checkable
@@ -185,6 +186,24 @@ def register_untrained(name: str, help: str, arg: str | None = None):
         _UNTRAINED[name] = Untrained(name, fn, arg, help)
         return fn
     return deco
+
+
+def register_text_run(kind: str):
+    """Decorator for the function ``run(recipe, target, out)`` of a kind that ``trains_on_text`` (from the kind's
+    ``training.py``): its drafter, objective and data figures for the training loop."""
+    def deco(fn):
+        _TEXT_RUNS[kind] = fn
+        return fn
+    return deco
+
+
+def text_run(kind: str):
+    """The registered ``run(recipe, target, out)`` of a kind that trains on text, with a clear error if none."""
+    if kind not in _TEXT_RUNS:
+        _discover(DRAFTER_FAMILIES, "training")
+    if kind not in _TEXT_RUNS:
+        raise KeyError(f"drafter kind {kind!r} registers no text training; kinds that do: {sorted(_TEXT_RUNS)}")
+    return _TEXT_RUNS[kind]
 
 
 def untrained_drafters() -> dict[str, Untrained]:

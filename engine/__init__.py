@@ -5,7 +5,7 @@ Used by eval (benchmarks, checks), export, the server and the online job; it imp
 
 Public surface:
 - ``decoder.SpeculativeDecoder``: prefill, draft, verify, commit (chains, static and dynamic trees);
-- ``batched.BatchedSpeculativeDecoder``: B rows at once with ragged acceptance (``ragged.RowsCache``), plain
+- ``batched.BatchedSpeculativeDecoder``: B rows at once with ragged acceptance (``kvcache.KVCache``), plain
   batched decoding, and the batch-aware draft length (``batch_policy``: SmartSpec-style goodput by batch size);
 - ``drafters``: the drafter interface (the kinds' drafters live in their folders: heads/decode.py,
   drafters/standalone/decode.py, ...); ``capabilities``: what a drafter can do, read and checked in one place;

@@ -5,7 +5,7 @@ or a static tree; one drafter call per depth serves every row), one target
 forward verifies every row's block, each row is verified on its own with its
 own random source (`trees.verify_tree`, the single-sequence rule), and each
 row commits its own number of accepted tokens. The KV cache
-(`ragged.RowsCache`) is allocated once and indexed by absolute position per
+(`kvcache.KVCache`) is allocated once and indexed by absolute position per
 row, so a row that accepted fewer tokens costs no padding later: the only
 padding is within a step, up to the widest row's block (bounded by the
 draft size, never growing with the step count). A row that ends (EOS or
@@ -52,13 +52,14 @@ from draftsmith.engine.decoder import DecodeState
 from draftsmith.engine.drafters import project
 from draftsmith.engine.fast_batch import batch_body
 from draftsmith.engine.metrics import DecodeResult, StepStats, tau, tokens_per_second
-from draftsmith.engine.ragged import RowsCache, ragged_forward
+from draftsmith.engine.kvcache import KVCache
+from draftsmith.engine.ragged import ragged_forward
 from draftsmith.engine.sampling import RandomSource, SamplingParams, TorchRandom, WithoutReplacement, greedy_ids
 from draftsmith.engine.trees import DraftTree, StaticTree, Verdict, verify_tree
 from draftsmith.target import Target
 
 __all__ = ["BatchedSpeculativeDecoder", "BatchResult", "BatchStep", "BatchAwareLength", "GoodputTable", "calibrate",
-           "expected_tokens", "RowsCache", "plain_batched_decoder"]
+           "expected_tokens", "plain_batched_decoder"]
 
 
 # on_step(row, new_ids, stats, stop_reason): see `BatchedSpeculativeDecoder.generate`
@@ -169,7 +170,7 @@ class BatchedSpeculativeDecoder:
         # buffers, one token per row; draft verification keeps the model's own forward over the ragged cache
         fb = getattr(target, "fast_body", None)
         self.forward = "eager" if fb is None else "compile" if fb.compiled is not None else "fast"
-        self.cache: RowsCache | None = None
+        self.cache: KVCache | None = None
         self.adapter = None
         self._drafting = False  # set per generate() call
         self._procs: list[Any] | None = None  # per-row RequestProcessing, set per generate() call
@@ -473,7 +474,7 @@ class BatchedSpeculativeDecoder:
         capacity = max(capacity or need, 256)
         rows_cap = max(max_rows or len(live), len(live), 1)
         if self.cache is None or self.cache.capacity < capacity or self.cache.n_rows < rows_cap:
-            self.cache = RowsCache.for_model(self.model, rows_cap, capacity)
+            self.cache = KVCache.for_model(self.model, capacity, rows=rows_cap)
         live_states = [states[i] for i in live]
         # Without admission, live rows only leave the batch, so when the length policy picks K = 0 for every
         # batch size up to this one the drafter can never run in this call: no drafter state is kept (plain

@@ -2,7 +2,7 @@
 
 One step = draft a tree (a chain is a tree) -> one target forward over the
 root and every drafted node (tree attention through the model's public
-forward: 4D additive mask, depth position ids, a pre-allocated `SlotCache`)
+forward: 4D additive mask, depth position ids, a pre-allocated `KVCache`)
 -> walk the tree with the verification rule -> keep only the accepted path's
 KV entries, compacted -> emit accepted tokens plus one final token (residual
 or bonus). Without a drafter the same step is plain decoding (our baseline).
@@ -42,7 +42,7 @@ from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.capabilities import capabilities, check_drafter
 from draftsmith.engine.drafters import project
 from draftsmith.engine.drafting import GrowContext, grow_chain, grow_dynamic, grow_static
-from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+from draftsmith.engine.kvcache import KVCache, prefix_block_mask
 from draftsmith.engine.metrics import DecodeResult, StepStats
 from draftsmith.engine.policies import FixedLength, LengthPolicy
 from draftsmith.engine.sampling import RandomSource, SamplingParams, TorchRandom
@@ -143,9 +143,9 @@ class SpeculativeDecoder:
         self.device, self.dtype = p.device, p.dtype
         self.eos = frozenset(target.eos_token_ids)
         self.sync_timing = sync_timing and self.device.type == "cuda"
-        self.cache: SlotCache | None = None
+        self.cache: KVCache | None = None
         self.capacity = 0
-        self._caches: dict[int, SlotCache] = {}  # compiled forward: caches of other capacities, kept for reuse
+        self._caches: dict[int, KVCache] = {}  # compiled forward: caches of other capacities, kept for reuse
         # per-request logits processing (penalties, logit bias, logprobs: engine/processors.py), or None;
         # applied to the target's logits at every tree node and to the draft's before q is formed
         self.processing: Any = None
@@ -193,10 +193,10 @@ class SpeculativeDecoder:
                 if self.cache is not None:
                     self._caches[self.capacity] = self.cache
                 self.capacity = cap
-                self.cache = self._caches.pop(cap, None) or SlotCache.for_model(self.model, cap)
+                self.cache = self._caches.pop(cap, None) or KVCache.for_model(self.model, cap)
         elif self.cache is None or self.capacity < need:
             self.capacity = max(need, 256)
-            self.cache = SlotCache.for_model(self.model, self.capacity)
+            self.cache = KVCache.for_model(self.model, self.capacity)
         L = len(ids) - 1
         state = DecodeState(tokens=ids, prompt_len=len(ids), length=L, hidden=None, max_new_tokens=max_new_tokens)
         if self.caps.needs_target_hidden:

@@ -1,7 +1,7 @@
 """A continuous-batching decode step for Llama-family targets: one token per row, each row at its own length,
 compiled once for every batch size.
 
-The data engine (`draftsmith.train.batchgen.BatchGenerator`) keeps one pre-allocated cache row per sequence in
+The data engine (`draftsmith.train.data.batchgen.BatchGenerator`) keeps one pre-allocated cache row per sequence in
 flight. Its decode step through the model's own forward pays, per step, Hugging Face's Python work for 30
 layers, unfused and unpacked weights, a 4D mask and padded (or per-row) attention. `FastBatchBody` is the same
 step as one function over the same cache tensors, `draftsmith.engine.fastpath`'s way:

@@ -1,8 +1,8 @@
 """A static-shape decoding forward for Llama-family targets, compiled with inductor on CPU (gpt-fast style).
 
 The decoder calls the target's body through its public forward (``body(input_ids=..., position_ids=...,
-attention_mask=..., cache=SlotCache)``). `FastBody` is a drop-in for that call: the same arguments, the
-same pre-allocated `SlotCache`, the same result (``.last_hidden_state``, after the final norm), plus
+attention_mask=..., cache=KVCache)``). `FastBody` is a drop-in for that call: the same arguments, the
+same pre-allocated `KVCache`, the same result (``.last_hidden_state``, after the final norm), plus
 ``.logits`` from the LM head inside the same graph. What it changes is how the work is done:
 
   * the weights are fused (q/k/v in one matrix, gate/up in one). float32 steps of up to 16 rows (and bf16
@@ -44,6 +44,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
+from draftsmith.engine.kvcache import KVCache
 from draftsmith.engine.native import decode_linear, native_for, rows_linear_dtypes
 from draftsmith.recipe import default_forward
 
@@ -309,8 +310,8 @@ class FastBody(torch.nn.Module):
             raise ValueError("FastBody does not return intermediate hidden states (forward hooks on the model's "
                              "layers are called with their outputs); use the model's body")
         cache = cache if cache is not None else past_key_values
-        if cache is None or not hasattr(cache, "write_start"):
-            raise ValueError("FastBody needs the decoder's pre-allocated SlotCache")
+        if not isinstance(cache, KVCache) or cache.n_rows != 1:
+            raise ValueError("FastBody needs the decoder's pre-allocated one-row KVCache")
         dev = input_ids.device
         q = int(input_ids.shape[1])
         s = int(cache.write_start)

@@ -1,20 +1,26 @@
-"""A pre-allocated KV cache indexed by absolute slot, usable through a model's public forward.
+"""The one pre-allocated KV cache of the generation stack: rows of slots, indexed by absolute slot, usable
+through a model's public forward.
 
-gpt-fast style: one [B, H_kv, capacity, D] buffer per layer and per K/V is
-allocated once. A forward writes its new keys and values at slots
-``[write_start, write_start + q)`` (``set_write`` before calling the model)
-and attends over slots ``[0, write_start + q)``, so attention cost follows
-the live length, not the capacity. Rejected draft entries are never rolled
-back: they lie beyond the committed length and are overwritten by the next
-step. After a tree step, `compact` moves the accepted path's entries to
-consecutive slots.
+gpt-fast style: one [rows, H_kv, capacity, D] buffer per layer and per K/V, allocated once. A single sequence
+is one row (the single-sequence decoder, drafters with their own model); many sequences are many rows, each
+with its own length (the batched decoder and the server, the data engine). Rejected draft entries are never
+rolled back: they lie beyond the committed length and are overwritten by the next step.
 
-It is a ``transformers.Cache`` subclass, so HF models take it as their cache
-argument (``cache``, or ``past_key_values`` in older transformers: callers pass
-``**cache_arg(body, cache)`` from `draftsmith.engine.cache_kw`); the attention
-mask is always passed explicitly as a 4D additive float mask (see
-`additive_mask`), which HF hands to the attention kernel unchanged (eager adds
-it, sdpa passes it as ``attn_mask``).
+A forward writes where the last ``set_*`` call said, in one of two shapes:
+- a span (`set_write`, `set_prefill`): rows ``[row0, row0 + n)`` get their q new entries at the same slots
+  ``[start, start + q)`` and attend over ``[0, start + q)``, so attention cost follows the live length, not the
+  capacity (one sequence decoding; a group of prompts prefilled after a shared prefix copied in);
+- per-row slots (`set_block`, `set_decode`): row ``rows[i]`` gets its entry j at ``slots[i, j]`` and attends
+  over ``[0, span)``, masked per row by the caller (a batch's ragged drafts or decode tokens).
+After a tree step, `compact_row` moves the accepted path's entries to consecutive slots; when a row ends, the
+last live row's entries move into the hole (`move_row`).
+
+It is a ``transformers.Cache`` subclass, so HF models take it as their cache argument (``cache``, or
+``past_key_values`` in older transformers: callers pass ``**cache_arg(body, cache)`` from
+`draftsmith.engine.cache_kw`); the attention mask is always passed explicitly as a 4D additive float mask (see
+`additive_mask`), which HF hands to the attention kernel unchanged (eager adds it, sdpa passes it as
+``attn_mask``). The compiled steps (`draftsmith.engine.fastpath`, `draftsmith.engine.fast_batch`) write the
+layers' buffers themselves.
 """
 
 from __future__ import annotations
@@ -48,22 +54,38 @@ class PreallocatedLayer(CacheLayerMixin):
         pass
 
 
-class _SlotLayer(PreallocatedLayer):
+class _Layer(PreallocatedLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        s = self.owner.write_start
-        e = s + key_states.shape[-2]
-        if e > self.keys.shape[-2]:
-            raise RuntimeError(f"KV cache overflow: writing slots [{s}, {e}) into capacity {self.keys.shape[-2]}")
-        self.keys[:, :, s:e] = key_states
-        self.values[:, :, s:e] = value_states
-        return self.keys[:, :, :e], self.values[:, :, :e]
+        o = self.owner
+        if o.slots is None:  # a span: rows [row0, row0 + n), slots [start, start + q)
+            r0, n, s = o.row0, key_states.shape[0], o.write_start
+            e = s + key_states.shape[-2]
+            if e > o.capacity:
+                raise RuntimeError(f"KV cache overflow: writing slots [{s}, {e}) into capacity {o.capacity}")
+            if r0 + n > o.n_rows:
+                raise RuntimeError(f"KV cache has {o.n_rows} rows, a forward wrote rows up to {r0 + n}")
+            self.keys[r0:r0 + n, :, s:e] = key_states
+            self.values[r0:r0 + n, :, s:e] = value_states
+            if s == 0 and o.fresh_at_zero:  # nothing before the new entries: attend over them as they came
+                return key_states, value_states
+            return self.keys[r0:r0 + n, :, :e], self.values[r0:r0 + n, :, :e]
+        rows = o.row_idx[:, None]  # [n, 1]
+        # advanced indices around a slice put their dims first: [n, m, H, D]
+        self.keys[rows, :, o.slots] = key_states.transpose(1, 2)
+        self.values[rows, :, o.slots] = value_states.transpose(1, 2)
+        if o.contiguous is not None:  # live rows [r0, r0 + n): a view, no copy
+            r0, r1 = o.contiguous
+            return self.keys[r0:r1, :, :o.span], self.values[r0:r1, :, :o.span]
+        return self.keys[o.row_idx, :, :o.span], self.values[o.row_idx, :, :o.span]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.write_start + query_length, 0
+        o = self.owner
+        return (o.write_start + query_length if o.slots is None else o.span), 0
 
     def get_seq_length(self) -> int:
-        return self.owner.write_start
+        o = self.owner
+        return o.write_start if o.slots is None else o.span
 
     def get_max_length(self) -> int:
         return self.keys.shape[-2]
@@ -72,48 +94,104 @@ class _SlotLayer(PreallocatedLayer):
         pass
 
 
-class SlotCache(Cache):
-    """Pre-allocated KV cache for one causal LM (batch size 1)."""
+class KVCache(Cache):
+    """Pre-allocated KV cache of ``rows`` sequences of up to ``capacity`` entries each (see the module docstring).
 
-    def __init__(self, config, capacity: int, dtype: torch.dtype, device: torch.device | str, batch_size: int = 1):
-        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        shape = (batch_size, n_kv, int(capacity), head_dim)
-        self.capacity = int(capacity)
-        self.write_start = 0
-        layers = [_SlotLayer(self, torch.zeros(shape, dtype=dtype, device=device),
-                             torch.zeros(shape, dtype=dtype, device=device))
-                  for _ in range(int(cfg.num_hidden_layers))]
+    ``zeroed=False`` leaves the buffers unset: only for callers whose attention reads written slots alone (the
+    data engine's fused step and its native kernel), where zeroing 2 x layers buffers (1.6 GB at 128 rows of 530
+    slots in bf16) cost 0.34 s a generator and touched every page whether used or not.
+    """
+
+    def __init__(self, config, capacity: int, dtype: torch.dtype, device: torch.device | str, rows: int = 1,
+                 zeroed: bool = True):
+        layers_n, n_kv, head_dim = kv_dims(config)
+        shape = (int(rows), n_kv, int(capacity), head_dim)
+        self.capacity, self.n_rows = int(capacity), int(rows)
+        self.rows = torch.arange(rows, device=device)
+        # where the next forward writes: a span (slots None) or per-row slots
+        self.write_start, self.row0, self.fresh_at_zero = 0, 0, False
+        self.slots: torch.Tensor | None = None
+        self.row_idx, self.contiguous, self.span = self.rows[:0], None, 0
+        new = torch.zeros if zeroed else torch.empty
+        layers = [_Layer(self, new(shape, dtype=dtype, device=device), new(shape, dtype=dtype, device=device))
+                  for _ in range(layers_n)]
         super().__init__(layers=layers)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, capacity: int) -> "SlotCache":
+    def for_model(cls, model: torch.nn.Module, capacity: int, rows: int = 1) -> "KVCache":
         p = next(model.parameters())
-        return cls(model.config, capacity, p.dtype, p.device)
+        return cls(model.config, capacity, p.dtype, p.device, rows=rows)
 
-    def set_write(self, start: int) -> "SlotCache":
-        """The next forward writes at slots [start, start + q) and attends to [0, start + q)."""
+    @staticmethod
+    def bytes_needed(config, rows: int, capacity: int, dtype: torch.dtype) -> int:
+        """Memory of the cache: 2 (K, V) x layers x rows x kv_heads x capacity x head_dim x element size."""
+        layers_n, n_kv, head_dim = kv_dims(config)
+        el = torch.empty(0, dtype=dtype).element_size()
+        return 2 * layers_n * rows * n_kv * capacity * head_dim * el
+
+    # where the next forward writes ----------------------------------------------------------------------
+    def set_write(self, start: int) -> "KVCache":
+        """The next forward writes its q entries at slots [start, start + q) of row 0 (of rows [0, n) for a
+        forward of n sequences) and attends to [0, start + q)."""
         if start < 0 or start > self.capacity:
             raise ValueError(f"write start {start} outside the cache capacity {self.capacity}")
-        self.write_start = int(start)
+        self.write_start, self.row0, self.fresh_at_zero, self.slots = int(start), 0, False, None
         return self
 
-    def compact(self, src_slots: list[int], dst_start: int) -> None:
-        """Move the entries at ``src_slots`` to slots ``dst_start, dst_start + 1, ...``.
+    def set_prefill(self, row0: int, k: int = 0, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                    offset: int = 0) -> None:
+        """The next forward writes rows [row0, row0 + k) from slot ``offset``; with ``offset > 0`` the first
+        ``offset`` entries of ``prefix`` (per layer: keys, values [1, kv_heads, >= offset, head_dim]) are
+        copied into those rows' slots [0, offset) first."""
+        self.write_start, self.row0, self.fresh_at_zero, self.slots = int(offset), int(row0), True, None
+        if offset:
+            for layer, (pk, pv) in zip(self.layers, prefix):
+                layer.keys[row0:row0 + k, :, :offset] = pk[:, :, :offset]
+                layer.values[row0:row0 + k, :, :offset] = pv[:, :, :offset]
 
-        Reading through an index tensor makes a copy first, so overlapping
-        source and destination ranges are safe. A no-op for chains, whose
-        accepted entries already sit at consecutive slots.
-        """
+    def set_block(self, slots: torch.Tensor, span: int, rows: int | list[int] = 0) -> None:
+        """The next forward writes the entry j of its i-th row at ``slots[i, j]`` of cache row ``rows[i]``
+        (an int: rows ``rows, rows + 1, ...``) and attends over slots [0, span)."""
+        n = slots.shape[0]
+        if span > self.capacity:
+            raise RuntimeError(f"KV cache overflow: span {span} > capacity {self.capacity}")
+        if isinstance(rows, int):
+            if rows + n > self.n_rows:
+                raise RuntimeError(f"KV cache has {self.n_rows} rows, a forward asked for rows up to {rows + n}")
+            self.row_idx, self.contiguous = self.rows[rows:rows + n], (rows, rows + n)
+        else:
+            self.row_idx, self.contiguous = torch.tensor(rows, dtype=torch.long, device=self.rows.device), None
+            if list(rows) == list(range(rows[0], rows[0] + n)):
+                self.contiguous = (rows[0], rows[0] + n)
+        self.slots, self.span = slots, int(span)
+
+    def set_decode(self, slots: torch.Tensor, span: int) -> None:
+        """The next forward writes one entry per row n (rows [0, n)) at ``slots[n]`` and attends over slots
+        [0, span), masked per row by the caller."""
+        self.set_block(slots[:, None], span, 0)
+
+    # moving entries ---------------------------------------------------------------------------------------
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy row ``src``'s first ``length`` entries onto row ``dst`` (a finished row's hole is filled)."""
+        for layer in self.layers:
+            layer.keys[dst, :, :length] = layer.keys[src, :, :length]
+            layer.values[dst, :, :length] = layer.values[src, :, :length]
+
+    def compact_row(self, row: int, src_slots: list[int], dst_start: int) -> None:
+        """Move row ``row``'s entries at ``src_slots`` to consecutive slots from ``dst_start`` (a tree's accepted
+        path). Reading through an index tensor makes a copy first, so overlapping source and destination ranges
+        are safe. A no-op when they are already there (chains)."""
         n = len(src_slots)
         if n == 0 or list(src_slots) == list(range(dst_start, dst_start + n)):
             return
-        dev = self.layers[0].keys.device
-        idx = torch.tensor(src_slots, dtype=torch.long, device=dev)
+        idx = torch.tensor(src_slots, dtype=torch.long, device=self.rows.device)
         for layer in self.layers:
-            layer.keys[:, :, dst_start:dst_start + n] = layer.keys[:, :, idx]
-            layer.values[:, :, dst_start:dst_start + n] = layer.values[:, :, idx]
+            layer.keys[row, :, dst_start:dst_start + n] = layer.keys[row, :, idx]
+            layer.values[row, :, dst_start:dst_start + n] = layer.values[row, :, idx]
+
+    def compact(self, src_slots: list[int], dst_start: int) -> None:
+        """`compact_row` for a single sequence (row 0)."""
+        self.compact_row(0, src_slots, dst_start)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

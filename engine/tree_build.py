@@ -26,7 +26,7 @@ import torch
 from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.drafters import project
-from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+from draftsmith.engine.kvcache import KVCache, prefix_block_mask
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.trees import DynamicTree, StaticTree
 
@@ -95,7 +95,7 @@ def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int 
         for n in [1] + [b + 1 for b in sizes]:
             fast.reserve(n)
     # a compiled forward compiles per cache capacity: measure on the 512 slots decoders use for short prompts
-    cache = SlotCache.for_model(model, max(512, 1 << (prefix + n_max - 1).bit_length()))
+    cache = KVCache.for_model(model, max(512, 1 << (prefix + n_max - 1).bit_length()))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (1, prefix + n_max), generator=g).to(dev)
     cache.set_write(0)

@@ -23,12 +23,12 @@ from pathlib import Path
 
 from draftsmith import paths, registry
 from draftsmith.checkpoint import command_line, environment, load_checkpoint, update_metrics
-from draftsmith.train import predictors as classifier_stage
+from draftsmith.train.training import predictors as classifier_stage
 from draftsmith.export.llamacpp_server import add_llamacpp_plain
 from draftsmith.eval.bench import compile_seconds, default_methods, run_bench, table
 from draftsmith.eval.suffix import suffix_methods, suffix_stats
 from draftsmith.drafters.suffix import SuffixConfig
-from draftsmith.train.suffix_seed import save_index_from_data
+from draftsmith.train.data.suffix_seed import save_index_from_data
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.checkpoint import drafter_from_checkpoint
@@ -39,11 +39,11 @@ from draftsmith.engine.tree_build import build_trees, measure_draft_cost, measur
 from draftsmith.common.chunks import calibration_split
 from draftsmith.recipe import Recipe
 from draftsmith.target import Target
-from draftsmith.train import generate, remote, sources
+from draftsmith.train.data import generate, remote, sources
 from draftsmith.common.hidden_cache import HiddenCache
-from draftsmith.train.cache import build_cache, merge_caches
-from draftsmith.drafters.own_tokenizer.training import heldout_figures, train_text_drafter
-from draftsmith.train.trainer import train
+from draftsmith.train.data.cache import build_cache, merge_caches
+from draftsmith.drafters.own_tokenizer.training import heldout_figures
+from draftsmith.train.training.trainer import train, train_on_text
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +373,7 @@ def stage_cache(recipe: Recipe, target: Target) -> dict:
 def stage_train(recipe: Recipe, target: Target, resume: bool = True,
                 stop_after: int | None = None) -> tuple[Path, dict]:
     if _trains_on_text(recipe):
-        return train_text_drafter(recipe, target)
+        return train_on_text(recipe, target, recipe.out, resume=resume, stop_after=stop_after)
     meta = (json.loads((recipe.out / "data" / "meta.json").read_text())
             if (recipe.out / "data" / "meta.json").exists() else {})
     ckpt, timing = train(recipe, target, recipe.out / "cache" / "train", recipe.out, resume=resume,
@@ -469,7 +469,7 @@ def stage_trees(recipe: Recipe, target: Target, ckpt: Path, cost_target: Target 
 
 def stage_traces(recipe: Recipe, target: Target, **options) -> dict:
     """Acceptance traces of the recipe's drafter on its training prompts (classifiers/traces.py), for the
-    acceptance predictors (DISCO, SpecDec++); see `draftsmith.train.predictors.stage_traces` for options."""
+    acceptance predictors (DISCO, SpecDec++); see `draftsmith.train.training.predictors.stage_traces` for options."""
     return classifier_stage.stage_traces(recipe, target, **options)
 
 

@@ -32,7 +32,7 @@ from draftsmith.engine.batched import BatchedSpeculativeDecoder
 from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.drafters import project
-from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+from draftsmith.engine.kvcache import KVCache, prefix_block_mask
 from draftsmith.engine.policies import FixedLength
 from draftsmith.sim.profile import DrafterCost, ForwardTable, Overhead, Profile
 from draftsmith.sim.steps import Run, from_batch_results, from_results, target_identity
@@ -62,7 +62,7 @@ class ForwardTimer:
         # the forward decoders built on this target run: our static-shape one when `use_fast_forward` set it
         self.fast = getattr(target, "fast_body", None)
         cmax, rmax = self.contexts[-1], self.rows[-1]
-        self.cache = SlotCache.for_model(model, cmax + rmax + 1)
+        self.cache = KVCache.for_model(model, cmax + rmax + 1)
         g = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, target.vocab_size, (1, cmax + rmax), generator=g).to(self.dev)
         if cmax:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from draftsmith.checkpoint import save_checkpoint
 from draftsmith.recipe import parse_recipe
-from draftsmith.train.trainer import build_drafter
+from draftsmith.train.training.trainer import build_drafter
 
 
 def online_recipe(tmp_path: Path, **online):

@@ -6,7 +6,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from draftsmith.train.generate import generate_batch, prompt_ids
+from draftsmith.train.data.generate import generate_batch, prompt_ids
 
 
 def serve(target, model_name: str = "tiny"):

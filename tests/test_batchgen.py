@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from draftsmith.train import generate
+from draftsmith.train.data import generate
 from draftsmith.engine.sampling import inverse_cdf_rows, pick_tokens
-from draftsmith.train.batchgen import BatchGenerator, Job
-from draftsmith.train.batchgen_cache import RaggedCache
-from draftsmith.train.sources import Conversation
+from draftsmith.train.data.batchgen import BatchGenerator, Job
+from draftsmith.engine.kvcache import KVCache
+from draftsmith.train.data.sources import Conversation
 from tests.tiny import greedy_reference as _reference, make_tiny_target, random_prompts as _prompts
 
 
@@ -123,9 +123,9 @@ def test_job_longer_than_capacity_is_a_clear_error(peaky):
 
 def test_kv_memory_estimate_matches_the_allocation(peaky):
     cfg = peaky.model.config
-    cache = RaggedCache(cfg, 3, 40, torch.float32, "cpu")
+    cache = KVCache(cfg, 40, torch.float32, "cpu", rows=3)
     allocated = sum(layer.keys.numel() * 4 + layer.values.numel() * 4 for layer in cache.layers)
-    assert RaggedCache.bytes_needed(cfg, 3, 40, torch.float32) == allocated
+    assert KVCache.bytes_needed(cfg, 3, 40, torch.float32) == allocated
 
 
 def _convs(n):
@@ -340,7 +340,7 @@ def test_another_threads_forward_during_a_row_attention_step_is_plain_sdpa(peaky
     """The model's attention name is switched during a per-row step; a forward on another thread meanwhile
     (2D mask, so masks are built from the name) gives exactly what it gives under plain SDPA."""
     import threading as th
-    from draftsmith.train import batchgen_cache
+    from draftsmith.train.data.row_attention import RAGGED_ATTENTION
     model = peaky.model
     ids = torch.tensor([_prompts(1, seed=11)[0] * 2])
     am = torch.ones_like(ids)
@@ -348,7 +348,7 @@ def test_another_threads_forward_during_a_row_attention_step_is_plain_sdpa(peaky
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=am).logits
     before = model.config._attn_implementation
-    model.config._attn_implementation = batchgen_cache.RAGGED_ATTENTION  # as during `row_attention`
+    model.config._attn_implementation = RAGGED_ATTENTION  # as during `row_attention`
     try:
         got = {}
         t = th.Thread(target=lambda: got.setdefault("x", model(input_ids=ids, attention_mask=am).logits))

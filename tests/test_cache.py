@@ -3,7 +3,7 @@ import torch
 
 from draftsmith.common.hidden_cache import HiddenCache, teacher_logits
 
-from draftsmith.train.cache import build_cache
+from draftsmith.train.data.cache import build_cache
 
 
 def _seqs(target, n=5, seed=0):
@@ -72,7 +72,7 @@ def test_alignment_on_real_target(real_target, tmp_path):
     gets 1e-2, still far below what a one-position misalignment produces.
     """
     from draftsmith.common.chat import render_example
-    from draftsmith.train.generate import prompt_ids
+    from draftsmith.train.data.generate import prompt_ids
     tok = real_target.tokenizer
     msgs = [{"role": "user", "content": "Give me two tips for writing clear code."},
             {"role": "assistant", "content": "Use descriptive names, and keep functions short and focused."}]
@@ -109,7 +109,7 @@ def test_merged_caches_read_as_one_in_order_and_refuse_mismatches(tiny_target, t
     import json
 
     from draftsmith.pipeline.stages import merge_runs
-    from draftsmith.train.cache import merge_caches
+    from draftsmith.train.data.cache import merge_caches
 
     a, b = _seqs(tiny_target, 4, seed=1), _seqs(tiny_target, 3, seed=2)
     for name, seqs in (("a", a), ("b", b)):

@@ -6,7 +6,7 @@ import warnings
 import torch
 
 from draftsmith.engine import cache_kw as ck
-from draftsmith.engine.kvcache import SlotCache
+from draftsmith.engine.kvcache import KVCache
 from tests.tiny import make_tiny_model
 
 
@@ -39,7 +39,7 @@ def test_installed_transformers_bodies_and_layers_take_it_without_a_warning():
     params = inspect.signature(body.forward).parameters
     assert ck.cache_kw(body) == ("cache" if "cache" in params else "past_key_values")
     assert ck.cache_kw(body.layers[0]) == ck.cache_kw(body)
-    cache = SlotCache.for_model(model, 16)
+    cache = KVCache.for_model(model, 16)
     cache.set_write(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)

@@ -362,7 +362,7 @@ def test_traces_stage_and_predictors_end_to_end(tmp_path):
     then the policies load (identity-checked) and decode losslessly."""
     from types import SimpleNamespace
 
-    from draftsmith.train.predictors import load_drafter, stage_traces, temperature_dir, train_predictors
+    from draftsmith.train.training.predictors import load_drafter, stage_traces, temperature_dir, train_predictors
     t = tiny(vocab=40, seed=4, std=0.6)
     (tmp_path / "data").mkdir()
     with open(tmp_path / "data" / "train.jsonl", "w") as f:

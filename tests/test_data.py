@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from draftsmith.train import generate, sources
+from draftsmith.train.data import generate, sources
 
 
 def _write(path, lines):

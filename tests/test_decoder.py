@@ -7,7 +7,7 @@ from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.drafters.standalone.decode import first_layers_drafter, ModelDrafter
 from draftsmith.heads.decode import HeadDrafter
 from draftsmith.checkpoint import drafter_from_checkpoint
-from draftsmith.engine.kvcache import SlotCache
+from draftsmith.engine.kvcache import KVCache
 from draftsmith.engine.policies import ConfidenceStop, FixedLength
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.trees import DynamicTree
@@ -133,7 +133,7 @@ def test_medusa_projects_only_the_heads_the_draft_reads(tgt, plain_tokens, monke
 
 
 def _fresh_prefill(model, tokens):
-    cache = SlotCache.for_model(model, len(tokens) + 1)
+    cache = KVCache.for_model(model, len(tokens) + 1)
     body = model.get_decoder()
     body(input_ids=torch.tensor([tokens]), position_ids=torch.arange(len(tokens))[None],
          **cache_arg(body, cache.set_write(0)), use_cache=True)

@@ -10,7 +10,7 @@ from draftsmith.drafters.eagle3.model import Eagle3Module
 from draftsmith.drafters.eagle3.objective import Eagle3Objective
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.trees import StaticTree
-from draftsmith.train.cache import build_cache
+from draftsmith.train.data.cache import build_cache
 
 pytestmark = pytest.mark.real
 

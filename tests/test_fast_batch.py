@@ -8,9 +8,9 @@ import torch
 
 from draftsmith.engine.fast_batch import FastBatchBody, batch_body
 from draftsmith.engine.native import uses_native
-from draftsmith.train import generate
-from draftsmith.train.batchgen import BatchGenerator, Job
-from draftsmith.train.sources import Conversation
+from draftsmith.train.data import generate
+from draftsmith.train.data.batchgen import BatchGenerator, Job
+from draftsmith.train.data.sources import Conversation
 from tests.tiny import greedy_reference as _reference, make_tiny_model, make_tiny_target
 from tests.tiny import random_prompts as _prompts
 
@@ -44,7 +44,7 @@ def test_greedy_rows_equal_one_at_a_time(wide, rows, forward):
 
 
 def test_the_fused_engine_never_reads_a_slot_it_did_not_write(wide):
-    """Its cache is left unzeroed (`RaggedCache(zeroed=False)`): filled with NaN before the run, any read of an
+    """Its cache is left unzeroed (`KVCache(zeroed=False)`): filled with NaN before the run, any read of an
     unwritten slot would poison a row's tokens."""
     model = wide.model
     eos = {2, 7, 11}
@@ -175,7 +175,7 @@ def test_eager_or_an_unsupported_model_keeps_the_models_forward(caplog):
 def test_real_target_fast_step_writes_what_the_models_forward_writes(real_target, tmp_path):
     """SmolLM2 in float32, 8 MT-Bench first turns x 48 tokens, greedy: the fused step (eager: the compiled graph
     is the same function, checked above on the tiny model) gives the same responses as the model's forward."""
-    from draftsmith.train.sources import mtbench_questions
+    from draftsmith.train.data.sources import mtbench_questions
     convs = [Conversation(f"mt{q['question_id']}", "mtbench", [q["turns"][0]]) for q in mtbench_questions()[:8]]
     lines = {}
     for fwd in ("eager", "fast"):

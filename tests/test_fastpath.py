@@ -12,7 +12,7 @@ import torch
 from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.fastpath import FastBody, unsupported, use_fast_forward
-from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+from draftsmith.engine.kvcache import KVCache, prefix_block_mask
 from draftsmith.engine.trees import DynamicTree
 from tests.test_decoder import random_medusa, tiny
 
@@ -22,7 +22,7 @@ def _hf_and_fast(tgt, fast, prompt_len=11, q=3, tree=False, capacity=64):
     m, body = tgt.model, tgt.model.get_decoder()
     dt = next(m.parameters()).dtype
     fast.reserve(q)  # compiled: the block runs in the bucket holding q rows (the prefill runs eagerly)
-    c1, c2 = SlotCache.for_model(m, capacity), SlotCache.for_model(m, capacity)
+    c1, c2 = KVCache.for_model(m, capacity), KVCache.for_model(m, capacity)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, tgt.vocab_size, (1, prompt_len), generator=g)
     with torch.no_grad():
@@ -130,7 +130,7 @@ def test_one_query_attends_by_the_native_kernel_and_a_masked_one_does_not(compil
         pytest.skip("the native decode kernel does not apply to this head size or machine")
     fast.reserve(1)
     for plen, hide in ((5, False), (23, False), (9, True)):
-        c1, c2 = SlotCache.for_model(m, 64), SlotCache.for_model(m, 64)
+        c1, c2 = KVCache.for_model(m, 64), KVCache.for_model(m, 64)
         ids = torch.randint(3, tgt.vocab_size, (1, plen + 1), generator=torch.Generator().manual_seed(plen))
         mask = torch.zeros(1, 1, 1, plen + 1)
         if hide:
@@ -157,7 +157,7 @@ def test_the_cpp_wrapper_changes_nothing_but_who_calls_the_kernels():
         fast = FastBody(tgt.model, compile=True, autotune=False, cpp_wrapper=wrapper)
         assert (fast.compiled_one is fast.compiled) == (not wrapper)
         fast.reserve(1)
-        cache = SlotCache.for_model(tgt.model, 64)
+        cache = KVCache.for_model(tgt.model, 64)
         ids, logits = [1, 5, 9, 4, 7], []
         with torch.no_grad():
             cache.set_write(0)
@@ -225,7 +225,7 @@ def test_compiled_weights_are_frozen_into_the_graph():
     x = torch.tensor([[5, 7, 9]])
 
     def run():
-        c = SlotCache.for_model(tgt.model, 64)
+        c = KVCache.for_model(tgt.model, 64)
         c.set_write(0)
         with torch.no_grad():
             return fast(input_ids=x, cache=c).logits
@@ -260,7 +260,7 @@ def test_layer_hooks_see_the_layer_outputs():
     hs = tgt.model(ids, output_hidden_states=True).hidden_states  # also fills `got` through the model's forward
     got.clear()
     fast = FastBody(tgt.model, compile=False)
-    c = SlotCache.for_model(tgt.model, 16)
+    c = KVCache.for_model(tgt.model, 16)
     c.set_write(0)
     with torch.no_grad():
         fast(input_ids=ids, cache=c)

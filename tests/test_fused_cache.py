@@ -14,9 +14,9 @@ import torch
 from draftsmith.pipeline import stages as pipeline
 from draftsmith.common.hidden_cache import HiddenCache, field_file
 from draftsmith.recipe import parse_recipe
-from draftsmith.train import cache as cache_mod
-from draftsmith.train.batchgen import BatchGenerator, Job
-from draftsmith.train.cache import StreamingCacheWriter
+from draftsmith.train.data import cache as cache_mod
+from draftsmith.train.data.batchgen import BatchGenerator, Job
+from draftsmith.train.data.cache import StreamingCacheWriter
 from tests.tiny import make_tiny_target
 
 WORDS = ["hello there", "tell me about cats", "why is the sky blue", "count to ten", "a poem please",
@@ -285,8 +285,8 @@ def test_other_needs_and_engines_fall_back_to_the_separate_pass(peaky, tmp_path,
 def test_fused_cache_on_the_real_target(real_target, tmp_path):
     """SmolLM2's template ends a turn with '<|im_end|>' + newline: the newline is fed to the row; the
     fused cache equals the separate pass (states within fp16 rounding)."""
-    from draftsmith.train.generate import FusedCache, regenerate
-    from draftsmith.train.sources import SkipLog, read_sharegpt, resolve_path
+    from draftsmith.train.data.generate import FusedCache, regenerate
+    from draftsmith.train.data.sources import SkipLog, read_sharegpt, resolve_path
     convs, seen = [], set()
     for c in read_sharegpt(resolve_path("builtin:sharegpt-dummy"), "sharegpt", SkipLog()):
         if c.user_turns[0] not in seen and len(convs) < 6:

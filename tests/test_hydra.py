@@ -55,7 +55,7 @@ class _ProbeHeads(HydraHeads):
 def test_teacher_forced_embeddings_are_aligned(tiny_target, tmp_path):
     """Head i at t reads exactly tokens t+1..t+i, and its label is token t+i+1."""
     from draftsmith.common.hidden_cache import HiddenCache
-    from draftsmith.train.cache import build_cache
+    from draftsmith.train.data.cache import build_cache
 
     seqs = [{"ids": list(range(3, 23)), "mask": [0] * 5 + [1] * 15}]
     build_cache(tiny_target, seqs, ["final"], tmp_path / "c")

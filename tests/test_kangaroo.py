@@ -20,8 +20,8 @@ from draftsmith.engine.trees import DynamicTree, StaticTree
 from draftsmith.recipe import RecipeError, parse_recipe
 from draftsmith.target import TargetMismatchError
 from draftsmith.common.hidden_cache import HiddenCache
-from draftsmith.train.cache import build_cache
-from draftsmith.train.trainer import StopTraining, build_drafter, train
+from draftsmith.train.data.cache import build_cache
+from draftsmith.train.training.trainer import StopTraining, build_drafter, train
 from tests.test_decoder import tiny
 from tests.test_decoder_enumeration import N_NEW, PROMPT as ENUM_PROMPT, TEMP, TOPKP
 from tests.test_train import _cycle_sequences

@@ -14,8 +14,8 @@ from draftsmith.engine.policies import FixedLength
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
 from draftsmith.recipe import parse_recipe
 from draftsmith.common.hidden_cache import HiddenCache
-from draftsmith.train.cache import build_cache
-from draftsmith.train.trainer import build_drafter, train
+from draftsmith.train.data.cache import build_cache
+from draftsmith.train.training.trainer import build_drafter, train
 from tests.test_decoder import tiny
 from tests.test_decoder_enumeration import N_NEW, PROMPT as ENUM_PROMPT, TEMP, TOPKP
 from tests.test_train import _cycle_sequences

@@ -14,8 +14,8 @@ import pytest
 from draftsmith.publish import PublishStore
 from draftsmith.checkpoint import read_manifest
 from draftsmith.traffic import SCHEMA, TrafficLog, TrafficRecord, make_record
-from draftsmith.train.ledger import Ledger, Tailer
-from draftsmith.train.online import OnlineJob
+from draftsmith.train.online.ledger import Ledger, Tailer
+from draftsmith.train.online.job import OnlineJob
 from tests.online_helpers import medusa_checkpoint, online_recipe
 from tests.tiny import make_tiny_target
 
@@ -139,7 +139,7 @@ def test_gate_publishes_and_rollback(target, tmp_path):
     assert store.current() == [g for g in gates if g["published"]][-1]["published"]
     # the gate refuses a candidate that is worse than current by more than the margin
     bad = medusa_checkpoint(target, tmp_path / "bad", seed=5)
-    from draftsmith.train.online import evaluate
+    from draftsmith.train.online.job import evaluate
     w = job.ledger.holdout_window(4)
     cur = evaluate(target, store.current_path(), w, 8)
     worse = evaluate(target, bad, w, 8)
@@ -188,7 +188,7 @@ def test_publish_keep_and_reader_never_sees_partial(target, tmp_path):
 KILL_SCRIPT = r"""
 import sys, json
 sys.path.insert(0, sys.argv[4])
-from draftsmith.train.online import OnlineJob
+from draftsmith.train.online.job import OnlineJob
 from tests.online_helpers import online_recipe
 from tests.tiny import make_tiny_target
 from pathlib import Path
@@ -257,7 +257,7 @@ def test_exactly_once_under_kill9(target, tmp_path):
 @pytest.mark.parametrize("point", ["after_cache", "after_train", "before_commit", "after_commit", "before_publish"])
 def test_crash_points_then_resume_apply_each_record_once(target, tmp_path, point):
     """A crash at each named point of an update, then a fresh job: same counts as an uninterrupted run."""
-    from draftsmith.train.online import Crash
+    from draftsmith.train.online.job import Crash
     r = online_recipe(tmp_path, every_records=6, max_steps=1, holdout_window=2, eval_max_new_tokens=4, margin=1.0)
     PublishStore(tmp_path / "pub").publish(medusa_checkpoint(target, tmp_path / "init", seed=2))  # margin 1: passes
     logs = tmp_path / "logs"
@@ -336,7 +336,7 @@ def test_cli_rollback_and_status(target, tmp_path, capsys):
 
 
 def test_emphasis_windows_are_capped_per_chunk():
-    from draftsmith.train.online_update import cap_emphasis
+    from draftsmith.train.online.update import cap_emphasis
     w = [(i % 3, i, i + 10) for i in range(100)]
     assert cap_emphasis(w, 200, 1.0, 0) == w and cap_emphasis(w, 5, None, 0) == w
     got = cap_emphasis(w, 20, 1.0, 0)

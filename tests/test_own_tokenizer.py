@@ -19,7 +19,7 @@ from draftsmith.engine.sampling import SamplingParams
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
 from draftsmith.recipe import RecipeError, parse_recipe
 from draftsmith.target import TargetMismatchError
-from draftsmith.drafters.own_tokenizer.training import train_text_drafter
+from draftsmith.train.training.trainer import train_on_text
 from tests.test_decoder import tiny
 from tests.tiny import make_tiny_model
 
@@ -137,7 +137,7 @@ def trained(tmp_path_factory):
     (out / "data").mkdir()
     (out / "data" / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     recipe = _recipe(out)
-    final, timing = train_text_drafter(recipe, tgt)
+    final, timing = train_on_text(recipe, tgt, out)
     return tgt, final, timing
 
 

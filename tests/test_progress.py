@@ -6,9 +6,9 @@ import io
 import pytest
 from tqdm.std import tqdm as std_tqdm
 
-from draftsmith.train import generate
-from draftsmith.train.batchgen import BatchGenerator, Job
-from draftsmith.train.sources import Conversation
+from draftsmith.train.data import generate
+from draftsmith.train.data.batchgen import BatchGenerator, Job
+from draftsmith.train.data.sources import Conversation
 from tests.tiny import make_tiny_target
 
 

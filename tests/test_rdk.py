@@ -7,7 +7,7 @@ import torch
 
 from draftsmith.drafters.standalone.rdk import RDKMap, build_rdk, dense_affinity_reference
 from draftsmith.common.hidden_cache import HiddenCache, teacher_logits
-from draftsmith.train.cache import build_cache
+from draftsmith.train.data.cache import build_cache
 from tests.test_train import _cycle_sequences
 from tests.tiny import make_tiny_target
 

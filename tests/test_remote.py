@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from draftsmith.train import generate
-from draftsmith.train.remote import ServerError, regenerate_remote
-from draftsmith.train.sources import Conversation
+from draftsmith.train.data import generate
+from draftsmith.train.data.remote import ServerError, regenerate_remote
+from draftsmith.train.data.sources import Conversation
 from tests.openai_stub import serve
 from tests.tiny import make_tiny_target
 

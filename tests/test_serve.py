@@ -18,7 +18,7 @@ from draftsmith.engine.decoder import plain_decoder
 from draftsmith.publish import PublishStore
 from draftsmith.recipe import parse_recipe
 from draftsmith.serve.app import DecodingService, create_app
-from draftsmith.train.trainer import build_drafter
+from draftsmith.train.training.trainer import build_drafter
 from draftsmith.traffic import chat_prompt_ids, parse_record
 from tests.online_helpers import medusa_checkpoint
 from tests.tiny import make_tiny_target

@@ -19,8 +19,8 @@ from draftsmith.export import export, load_drafter
 from draftsmith.recipe import RecipeError, parse_recipe
 from draftsmith.target import TargetMismatchError
 from draftsmith.common.hidden_cache import HiddenCache
-from draftsmith.train.cache import build_cache
-from draftsmith.train.trainer import build_drafter, train
+from draftsmith.train.data.cache import build_cache
+from draftsmith.train.training.trainer import build_drafter, train
 from tests.test_decoder import tiny
 from tests.test_decoder_enumeration import N_NEW, PROMPT as ENUM_PROMPT, TEMP, TOPKP
 from tests.test_train import _cycle_sequences

@@ -1,4 +1,4 @@
-"""SuffixDecoding's global index seeded from a data stage's answers (train/suffix_seed.py)."""
+"""SuffixDecoding's global index seeded from a data stage's answers (train/data/suffix_seed.py)."""
 
 import json
 
@@ -8,7 +8,7 @@ from draftsmith.drafters.suffix import SuffixConfig, SuffixDrafter
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.eval.mtbench import chat_ids
-from draftsmith.train.suffix_seed import index_from_data, reply_runs
+from draftsmith.train.data.suffix_seed import index_from_data, reply_runs
 
 
 def test_reply_runs():
@@ -68,7 +68,7 @@ def test_a_seeded_index_drafts_the_data_and_stays_lossless(tmp_path):
 
 def test_saved_index_loads_back_for_its_target_only(tiny_target, tmp_path):
     from draftsmith.drafters.suffix import SuffixIndex
-    from draftsmith.train.suffix_seed import save_index_from_data
+    from draftsmith.train.data.suffix_seed import save_index_from_data
 
     row = {"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo there"}],
            "finished": [True]}

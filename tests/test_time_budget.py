@@ -13,10 +13,10 @@ import pytest
 
 from draftsmith.pipeline import stages as pipeline
 from draftsmith.recipe import RecipeError, parse_recipe
-from draftsmith.train import generate
-from draftsmith.train.batchgen import BatchGenerator
-from draftsmith.train.remote import ChatClient, regenerate_remote
-from draftsmith.train.sources import Conversation
+from draftsmith.train.data import generate
+from draftsmith.train.data.batchgen import BatchGenerator
+from draftsmith.train.data.remote import ChatClient, regenerate_remote
+from draftsmith.train.data.sources import Conversation
 from tests.openai_stub import serve
 from tests.tiny import make_tiny_target
 

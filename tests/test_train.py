@@ -7,8 +7,8 @@ from safetensors.torch import load_file
 from draftsmith.eval.head_accuracy import head_accuracy, predicted_chain_tau
 from draftsmith.recipe import parse_recipe
 from draftsmith.common.hidden_cache import HiddenCache
-from draftsmith.train.cache import build_cache
-from draftsmith.train.trainer import StopTraining, build_drafter, train
+from draftsmith.train.data.cache import build_cache
+from draftsmith.train.training.trainer import StopTraining, build_drafter, train
 
 
 def _cycle_sequences(n=24, length=48, period=11, seed=0):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from draftsmith.engine.drafting import GrowContext, grow_dynamic, grow_static
-from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+from draftsmith.engine.kvcache import KVCache, prefix_block_mask
 from draftsmith.engine.sampling import SamplingParams, TorchRandom
 from draftsmith.engine.trees import DraftTree, DynamicTree, StaticTree, chain_paths, validate_paths
 from draftsmith.engine.cache_kw import cache_arg
@@ -57,12 +57,12 @@ def test_ancestor_mask_and_paths():
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_tree_attention_through_public_forward(impl):
-    """One tree forward (4D float mask, depth positions, SlotCache) equals separate full forwards per path."""
+    """One tree forward (4D float mask, depth positions, KVCache) equals separate full forwards per path."""
     model = make_tiny_model(vocab_size=40, init_std=0.5, seed=1)
     model.config._attn_implementation = impl
     prefix = [1, 5, 9, 3, 7]
     tr = _tree([0, 0, 1, 1, 2, 4], [12, 20, 21, 30, 31, 32, 33])  # root 12 at slot/pos 5
-    cache = SlotCache.for_model(model, 32)
+    cache = KVCache.for_model(model, 32)
     body = model.get_decoder()
     with torch.no_grad():
         body(input_ids=torch.tensor([prefix]), position_ids=torch.arange(5)[None],
@@ -87,7 +87,7 @@ def test_tree_attention_through_public_forward(impl):
 
 def test_compact_moves_accepted_entries():
     model = make_tiny_model(vocab_size=40, seed=2)
-    cache = SlotCache.for_model(model, 16)
+    cache = KVCache.for_model(model, 16)
     for layer in cache.layers:
         layer.keys.copy_(torch.arange(16.0).view(1, 1, 16, 1).expand_as(layer.keys))
     cache.compact([7, 9, 10], 5)

@@ -108,8 +108,8 @@ def test_training_with_a_pruned_vocabulary_learns_and_keeps_the_frequent_ids(tmp
     from draftsmith.eval.head_accuracy import head_accuracy
     from draftsmith.recipe import parse_recipe
     from draftsmith.common.hidden_cache import HiddenCache
-    from draftsmith.train.cache import build_cache
-    from draftsmith.train.trainer import build_drafter, train
+    from draftsmith.train.data.cache import build_cache
+    from draftsmith.train.training.trainer import build_drafter, train
     from tests.test_train import _cycle_sequences
     from tests.tiny import make_tiny_target
 
@@ -146,7 +146,7 @@ def test_pruned_teacher_gives_the_full_teachers_loss(tmp_path, prefix):
     """The soft teacher computed through the kept rows only equals the full teacher renormalised over them."""
     from draftsmith.heads.objective import HydraObjective
     from draftsmith.common.hidden_cache import HiddenCache
-    from draftsmith.train.cache import build_cache
+    from draftsmith.train.data.cache import build_cache
     from tests.test_train import _cycle_sequences
     from tests.tiny import make_tiny_target
 

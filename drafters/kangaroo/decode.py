@@ -4,7 +4,7 @@ Per step (chains, static trees and dynamic trees):
   * draft: each draft call runs the target's layers 1..l on the nodes whose
     children are asked for (the root first, together with any committed
     tokens not cached yet, e.g. the prompt on the first step), writing the
-    target's OWN KV cache (the decoder's `SlotCache`) for those layers, and
+    target's OWN KV cache (the decoder's `KVCache`) for those layers, and
     keeps their layer-l states by slot; the adapter reads them with its own
     pre-allocated KV cache; its logits go through the target's LM head (or
     its kept rows). Slots follow the decoder's convention: committed

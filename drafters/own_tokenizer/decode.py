@@ -34,7 +34,7 @@ import torch
 
 from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.drafters import project
-from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+from draftsmith.engine.kvcache import KVCache, prefix_block_mask
 from draftsmith.engine.trees import DraftTree
 
 if TYPE_CHECKING:  # the model module builds these drafters: importing it here would be a cycle
@@ -45,7 +45,7 @@ SLACK = 64  # drafter cache slots beyond the target's capacity (its tokenisation
 
 @dataclass
 class _OwnState:
-    cache: SlotCache
+    cache: KVCache
     fed: list[int] = field(default_factory=list)  # drafter ids whose KV sit at slots [0, len(fed))
     base: int = 0  # slot of this step's first drafted token (= length of the committed context)
     proposal: list[int] = field(default_factory=list)  # SLEM: this step's target ids
@@ -66,12 +66,12 @@ class _OwnTokenizerBase:
         self.name = name
         self.target_fingerprint = target_fingerprint
         self.positions = int(getattr(model.config, "max_position_embeddings", 2048))
-        self._cache: SlotCache | None = None
+        self._cache: KVCache | None = None
 
     def start(self, dec, state) -> _OwnState:
         need = min(2 * dec.capacity + SLACK, self.positions)
         if self._cache is None or self._cache.capacity < need:
-            self._cache = SlotCache.for_model(self.model, need)
+            self._cache = KVCache.for_model(self.model, need)
         return _OwnState(self._cache)
 
     def _forward(self, ds: _OwnState, ids: list[int], start: int) -> torch.Tensor:

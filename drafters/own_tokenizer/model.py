@@ -210,6 +210,10 @@ class OwnTokenizerDrafter(KindBase, torch.nn.Module):
         self.model.config.eos_token_id = [i for i in eos if i is not None] or None
         self.model.config.draftsmith_target_fingerprint = target.fingerprint
 
+    def forward(self, input_ids: torch.Tensor):
+        """The small LM's forward (what training calls, through accelerate's wrapper)."""
+        return self.model(input_ids=input_ids)
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """As torch's, except that the tied head may be absent (it is the embedding matrix)."""
         res = super().load_state_dict(state_dict, strict=False, assign=assign)

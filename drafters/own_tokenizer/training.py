@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from draftsmith.checkpoint import load_checkpoint, save_checkpoint
+from draftsmith import registry
+from draftsmith.checkpoint import load_checkpoint
 from draftsmith.drafters.own_tokenizer.model import (OwnTokenizerDrafter, describe, init_from_target,
                                                target_special_tokens, train_bpe_tokenizer)
 from draftsmith.recipe import Recipe
@@ -77,80 +77,75 @@ def encode_stream(hf_tok, convs, max_seq_len: int, stats: Counter) -> tuple[torc
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
 
-def _lr(step: int, total: int, recipe: Recipe) -> float:
-    t = recipe.train
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    if t.schedule == "constant":
-        return t.lr
-    frac = (step - t.warmup_steps) / max(1, total - t.warmup_steps)
-    shape = 0.5 * (1 + math.cos(math.pi * frac)) if t.schedule == "cosine" else 1 - frac
-    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * shape)
+@dataclass
+class _TextBatch:
+    x: torch.Tensor  # [b, L] input ids
+    y: torch.Tensor  # [b, L] next ids, -100 where not an assistant token
+
+    def to(self, device) -> "_TextBatch":
+        return _TextBatch(self.x.to(device), self.y.to(device))
+
+    @property
+    def positions(self) -> int:
+        return int((self.y != -100).sum())
 
 
-def train_text_drafter(recipe: Recipe, target: Target, out: Path | None = None) -> tuple[Path, dict]:
-    """Tokenizer + drafter + training for an ``own-tokenizer`` recipe; writes ``<out>/final``."""
-    out = Path(out or recipe.out)
+class TextObjective:
+    """Next-token cross-entropy on the assistant tokens of one token stream cut into ``L``-token windows: an
+    objective of the training loop (`draftsmith.train.training.trainer.fit`)."""
+
+    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, L: int):
+        n = (len(ids) - 1) // L
+        if n < 1:
+            raise NoTextError(f"{len(ids)} tokens: fewer than one chunk of {L}")
+        self.x = ids[: n * L].view(n, L)
+        self.y = ids[1: n * L + 1].view(n, L).clone()
+        self.y[~mask[1: n * L + 1].view(n, L)] = -100
+        self.chunks = range(n)
+
+    def prepare(self, idx: list[int]) -> _TextBatch:
+        return _TextBatch(self.x[idx], self.y[idx])
+
+    def loss(self, model, batch: _TextBatch) -> tuple[torch.Tensor, None]:
+        logits = model(input_ids=batch.x).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.y.flatten(),
+                                                 ignore_index=-100), None
+
+    def stats(self, aux, batch: _TextBatch) -> dict:
+        return {}
+
+
+@dataclass
+class TextRun:
+    """What the training loop needs to train an own-tokenizer drafter (`text_run`)."""
+    drafter: torch.nn.Module
+    objective: TextObjective
+    data: dict  # the data's provenance, for every checkpoint
+    metrics: dict  # figures of the data and the tokenizer, for the final checkpoint
+
+
+@registry.register_text_run(OwnTokenizerDrafter.kind)
+def text_run(recipe: Recipe, target: Target, out: Path) -> TextRun:
+    """Steps 1-2 of the module docstring (the tokenizer, the drafter over it) and the objective of step 3 over
+    ``<out>/data/train.jsonl``; the training loop (`draftsmith.train.training.trainer.train_on_text`) runs
+    it."""
     cfg = recipe.drafter.model_dump()
     cfg.pop("kind")
-    t0 = time.time()
     stats: Counter = Counter()
     convs = read_conversations(out / "data" / "train.jsonl", stats)
     texts = [target.tokenizer.apply_chat_template(m, tokenize=False) for _, m, _ in convs]
     tok = train_bpe_tokenizer(texts, cfg["tokenizer_vocab_size"], target_special_tokens(target.tokenizer),
                               cfg["tokenizer_min_frequency"])
-    torch.manual_seed(recipe.seed)
     drafter = OwnTokenizerDrafter(cfg, tok, target)
     init = init_from_target(drafter, target) if cfg.get("init") == "target" else {"init": "scratch"}
     ids, mask = encode_stream(drafter.hf_tokenizer(target), convs, recipe.data.max_seq_len, stats)
-    t = recipe.train
-    L = t.chunk_len
-    n_chunks = (len(ids) - 1) // L
-    if n_chunks < 1:
-        raise NoTextError(f"{len(ids)} tokens: fewer than one chunk of {L}")
-    x = ids[: n_chunks * L].view(n_chunks, L)
-    y = ids[1: n_chunks * L + 1].view(n_chunks, L).clone()
-    y[~mask[1: n_chunks * L + 1].view(n_chunks, L)] = -100
-    per_epoch = math.ceil(n_chunks / t.batch_size)
-    total = t.max_steps or max(1, int(round(per_epoch * t.epochs)))
-    model = drafter.model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    gen = torch.Generator().manual_seed(recipe.seed)
-    order = torch.empty(0, dtype=torch.long)
-    losses, math_s = [], 0.0
-    t_train = time.time()
-    for step in range(total):
-        if len(order) < t.batch_size:
-            order = torch.cat([order, torch.randperm(n_chunks, generator=gen)])
-        b, order = order[: t.batch_size], order[t.batch_size:]
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, total, recipe)
-        tm = time.time()
-        logits = model(input_ids=x[b]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y[b].flatten(), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-        opt.step()
-        math_s += time.time() - tm
-        losses.append(loss.item())
-        if step % t.log_every == 0 or step == total - 1:
-            print(f"step {step + 1}/{total} loss {losses[-1]:.3f} lr {_lr(step, total, recipe):.2e}", flush=True)
-    model.eval()
-    wall = time.time() - t_train
-    final = out / "final"
-    vocab = describe(tok, target)
-    metrics = {"train_loss_last10": sum(losses[-10:]) / len(losses[-10:]), "steps": total,
-               "tokens": int(len(ids)), "assistant_tokens": int(mask.sum()), "chunks": n_chunks, **vocab, **init,
-               "objective": "sequence-level distillation: next-token CE on the target's replies, own tokens"}
-    save_checkpoint(final, drafter, target, recipe=recipe.model_dump(mode="json"),
-                    data={"data_dir": str(out / "data"), "conversations": len(convs), "skipped": dict(stats)},
-                    metrics=metrics)
-    timing = {"steps": total, "wall_s": round(time.time() - t0, 1), "train_s": round(wall, 1),
-              "distributed_type": "NO", "world_size": 1, "is_main": True,
-              "outside_math_share": max(0.0, 1 - math_s / max(wall, 1e-9)), **metrics}
-    (out / "train_text.json").write_text(json.dumps(timing, indent=2))
-    return final, timing
+    objective = TextObjective(ids, mask, recipe.train.chunk_len)
+    return TextRun(drafter, objective,
+                   data={"data_dir": str(out / "data"), "conversations": len(convs), "skipped": dict(stats)},
+                   metrics={"tokens": int(len(ids)), "assistant_tokens": int(mask.sum()),
+                            "chunks": len(objective.chunks), **describe(tok, target), **init,
+                            "objective": "sequence-level distillation: next-token CE on the target's replies, "
+                                         "own tokens"})
 
 
 @torch.no_grad()

@@ -1,12 +1,12 @@
 """Decoding a standalone drafter, single and batched.
 
 `ModelDrafter`: any causal LM over the target's vocabulary as a drafter, with its own pre-allocated KV cache
-(`draftsmith.engine.kvcache.SlotCache`). Tree node i of a step is fed at slot L + i with position L + depth(i),
+(`draftsmith.engine.kvcache.KVCache`). Tree node i of a step is fed at slot L + i with position L + depth(i),
 and commit compacts the accepted nodes. `first_layers_drafter` builds the untrained ``first-layers:N`` baseline
 from the target's first layers.
 
 `ModelRows` is its batched adapter (``ModelDrafter.batch_adapter``): the drafter model's own
-`draftsmith.engine.ragged.RowsCache`, one row per live sequence; a step's first call feeds every row's unseen
+`draftsmith.engine.kvcache.KVCache`, one row per live sequence; a step's first call feeds every row's unseen
 committed tokens and its root (ragged widths, padded to the widest), later calls feed tree nodes at slot L + index
 with position L + depth, exactly like the single-sequence drafter, and commit compacts the accepted fed nodes per
 row.
@@ -36,9 +36,9 @@ from torch import nn
 
 from draftsmith.engine import drafters as engine  # engine.project looked up per call (step_breakdown wraps it)
 from draftsmith.engine.cache_kw import cache_arg
-from draftsmith.engine.kvcache import SlotCache, prefix_block_mask
+from draftsmith.engine.kvcache import KVCache, prefix_block_mask
 from draftsmith.engine.policies import LengthPolicy
-from draftsmith.engine.ragged import RowsCache, ragged_forward
+from draftsmith.engine.ragged import ragged_forward
 from draftsmith.engine.trees import DraftTree
 from draftsmith.registry import register_untrained
 from draftsmith.target import Target
@@ -46,7 +46,7 @@ from draftsmith.target import Target
 
 @dataclass
 class _ModelState:
-    cache: SlotCache
+    cache: KVCache
     valid: int = 0  # slots [0, valid) hold this drafter's KV of state.tokens[:valid]
     fed_end: int = 0  # tree nodes [0, fed_end) were fed this step (at slots L + index)
     hidden: torch.Tensor | None = None  # last rows' hidden states (features for length policies)
@@ -69,7 +69,7 @@ class ModelDrafter:
         self.name = name
         self.target_fingerprint = target_fingerprint
         self.max_depth = max_depth
-        self._cache: SlotCache | None = None
+        self._cache: KVCache | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -90,7 +90,7 @@ class ModelDrafter:
     @torch.no_grad()
     def start(self, dec, state) -> _ModelState:
         if self._cache is None or self._cache.capacity < dec.capacity:
-            self._cache = SlotCache.for_model(self.model, dec.capacity)
+            self._cache = KVCache.for_model(self.model, dec.capacity)
         ds = _ModelState(self._cache)
         L = state.length
         if L > 0:
@@ -174,13 +174,13 @@ class ModelRows:
 
     def __init__(self, drafter: ModelDrafter):
         self.drafter = drafter
-        self.cache: RowsCache | None = None
+        self.cache: KVCache | None = None
 
     def start(self, dec, states: list, capacity: int, rows: int) -> None:
         """``rows``: the most rows live at once (continuous batching admits rows up to it)."""
         m = self.drafter.model
         if self.cache is None or self.cache.capacity < capacity or self.cache.n_rows < rows:
-            self.cache = RowsCache.for_model(m, max(rows, 1), capacity)
+            self.cache = KVCache.for_model(m, capacity, rows=max(rows, 1))
         for s in states:
             self.join(dec, s)
 

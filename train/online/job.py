@@ -1,14 +1,14 @@
 """Continual online distillation from logged serving traffic (docs/methods.md section 7).
 
 One cycle of `OnlineJob`:
-  1. tail the log directory (`draftsmith.train.ledger.Tailer`); parse each new
+  1. tail the log directory (`draftsmith.train.online.ledger.Tailer`); parse each new
      line (`draftsmith.traffic.parse_record`); a line that is malformed, of
      another target, oversized, ... is quarantined with its reason; every
      ``holdout_every``-th record (by a hash of its id) is held back for evaluation;
   2. every ``every_records`` lines or ``every_seconds`` after the first
      unapplied one: a cache pass (`build_cache`) over the new training records
      plus a replay sample of earlier ones, an update of the drafter through its
-     kind's objective (the registry's, as in train/trainer.py) with the OSD
+     kind's objective (the registry's, as in train/training/trainer.py) with the OSD
      emphasis on rejected positions, the updated model written and fsynced, then
      ONE ledger transaction (offsets + records + model pointer, see ledger.py);
   3. the gate: the candidate and the published current drafter decode the
@@ -16,7 +16,7 @@ One cycle of `OnlineJob`:
      switch, `draftsmith.publish`) if its acceptance is not worse than current's
      by more than ``margin``.
 
-The update itself (OSD emphasis, its cap, anchor conversations): `train/online_update.py`.
+The update itself (OSD emphasis, its cap, anchor conversations): `train/online/update.py`.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from draftsmith.publish import PublishStore
 from draftsmith.recipe import Recipe
 from draftsmith.traffic import RecordError, parse_record
 from draftsmith.common.hidden_cache import HiddenCache
-from draftsmith.train.cache import build_cache
-from draftsmith.train.ledger import Ledger, Pending, PendingRecord, Tailer, fsync_tree
-from draftsmith.train.online_update import load_anchor_lines, sample_anchors, update_module
-from draftsmith.train.trainer import build_drafter, set_draft_vocab
+from draftsmith.train.data.cache import build_cache
+from draftsmith.train.online.ledger import Ledger, Pending, PendingRecord, Tailer, fsync_tree
+from draftsmith.train.online.update import load_anchor_lines, sample_anchors, update_module
+from draftsmith.train.training.trainer import build_drafter, set_draft_vocab
 
 log = logging.getLogger(__name__)
 

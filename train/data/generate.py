@@ -4,7 +4,7 @@
   Hugging Face ``generate`` (the reference path, ``data.engine: hf``).
 * ``regenerate``: every assistant turn of every conversation rewritten by the
   target, resumable (one JSONL line per finished conversation); by default
-  through continuous batching (`draftsmith.train.batchgen`, ``data.engine:
+  through continuous batching (`draftsmith.train.data.batchgen`, ``data.engine:
   batched``), which keeps every row of the batch busy.
 * ``synthesize_prompts``: Magpie-style prompts: the instruct model is given only
   its chat template's user-turn prefix and writes the question itself.
@@ -13,7 +13,7 @@
   ``sequence_from_line``: a written JSONL line as the cache stage reads it.
 * ``FusedCache`` (``data.fused_cache``): the batched engine also keeps the final
   hidden states it computes, and the training cache is written from them as
-  conversations are written (`draftsmith.train.cache.StreamingCacheWriter`).
+  conversations are written (`draftsmith.train.data.cache.StreamingCacheWriter`).
 * ``Deadline`` (``data.time_budget_s``): a point on `clock` after which no new
   Magpie draw or conversation is started; the work in flight finishes.
 """
@@ -35,9 +35,9 @@ from tqdm.auto import tqdm
 from draftsmith.common.chat import render_example
 from draftsmith.recipe import default_forward
 from draftsmith.target import Target
-from draftsmith.train.batchgen import BatchGenerator, Captured, Job, suggested_rows
-from draftsmith.train.cache import StreamingCacheWriter
-from draftsmith.train.sources import Conversation, normalise
+from draftsmith.train.data.batchgen import BatchGenerator, Captured, Job, suggested_rows
+from draftsmith.train.data.cache import StreamingCacheWriter
+from draftsmith.train.data.sources import Conversation, normalise
 
 ENGINES = ("batched", "hf")
 # KV-cache memory the batched engine may take (rows are reduced to fit); override with DRAFTSMITH_KV_BYTES

@@ -6,7 +6,7 @@ that finished early and padding columns keep costing full forwards, and its
 growing cache is re-concatenated every step. Here instead:
 
 * one KV cache is allocated once: a row per sequence in flight, each row with
-  its own length (`RaggedCache`), written through the model's public forward
+  its own length (`KVCache`), written through the model's public forward
   (4D additive mask, per-row position ids);
 * a row whose sequence ends (end-of-turn token or budget) is refilled at
   once from the queue: the batch stays full and no step is spent on a
@@ -16,14 +16,14 @@ growing cache is re-concatenated every step. Here instead:
   padded, causal, so padding never reaches a real position), and only their
   last real positions go through the LM head;
 * a decode step's attention reads each row's own entries only (one SDPA call
-  per row, `draftsmith.train.batchgen_cache`) when rows' lengths differ widely; with similar
+  per row, `draftsmith.train.data.row_attention`) when rows' lengths differ widely; with similar
   lengths one masked call over the longest live row's span is cheaper (rows of
   similar length travel together when the queue is sorted by prompt length, as
   `generate.regenerate` does).
 
 With ``keep_states`` the engine also keeps every final hidden state it computes (after the final
 norm: the prompt's from the prefill, each fed token's from its decode step), so the data stage can
-write the training cache without a second pass over the data (`draftsmith.train.cache.StreamingCacheWriter`).
+write the training cache without a second pass over the data (`draftsmith.train.data.cache.StreamingCacheWriter`).
 As a row ends, the caller names the token sequence it wants states for (the conversation as the
 cache will hold it, re-tokenised from text); where that sequence shares a prefix with what the row
 computed, the row rewinds to the end of the common prefix and is fed the rest (the chat template's
@@ -50,7 +50,8 @@ import torch
 from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.fast_batch import batch_body
 from draftsmith.engine.sampling import pick_tokens
-from draftsmith.train.batchgen_cache import RaggedCache, row_attention
+from draftsmith.engine.kvcache import KVCache
+from draftsmith.train.data.row_attention import row_attention
 
 ATTENTION_MODES = ("auto", "rows", "masked")
 
@@ -100,7 +101,7 @@ class _Row:
 
 
 class BatchGenerator:
-    """Continuous batching over a queue of `Job`s with one pre-allocated `RaggedCache`.
+    """Continuous batching over a queue of `Job`s with one pre-allocated `KVCache`.
 
     Args:
       model: a Hugging Face causal LM (its ``get_decoder()`` body and output embeddings are used).
@@ -152,19 +153,19 @@ class BatchGenerator:
         self._prefix_states: torch.Tensor | None = None
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.cache: RaggedCache | None = None
+        self.cache: KVCache | None = None
         self.keep_states, self.state_dtype, self.max_feed = bool(keep_states), state_dtype, int(max_feed)
         self.states: torch.Tensor | None = None  # [rows, capacity, hidden]: row r's state at each cache slot
         self.stats = {"forwards": 0, "prefill_forwards": 0, "generated_tokens": 0, "prompt_tokens": 0,
                       "row_steps": 0, "compactions": 0, "fed_tokens": 0, "row_attention_steps": 0,
                       "prefix_tokens_reused": 0}
 
-    def _ensure_cache(self) -> RaggedCache:
+    def _ensure_cache(self) -> KVCache:
         if self.cache is None:
             # the native kernel and the flat prefill read written slots only: no need to zero the buffers
             zeroed = self.fast is None or not self.fast.native
-            self.cache = RaggedCache(self.model.config, self.max_rows, self.capacity, self.dtype, self.device,
-                                     zeroed=zeroed)
+            self.cache = KVCache(self.model.config, self.capacity, self.dtype, self.device, rows=self.max_rows,
+                                 zeroed=zeroed)
             self.kv = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]  # the fused step's view
         if self.keep_states and self.states is None:
             self.states = torch.zeros((self.max_rows, self.capacity, self.model.config.hidden_size),
@@ -445,5 +446,5 @@ class BatchGenerator:
 
 def suggested_rows(config, capacity: int, dtype: torch.dtype, budget_bytes: int, max_rows: int) -> int:
     """The most rows (<= max_rows) whose KV cache fits ``budget_bytes``."""
-    per_row = RaggedCache.bytes_needed(config, 1, capacity, dtype)
+    per_row = KVCache.bytes_needed(config, 1, capacity, dtype)
     return max(1, min(max_rows, math.floor(budget_bytes / per_row)))

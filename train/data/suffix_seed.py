@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 from draftsmith.drafters.suffix import SuffixConfig, SuffixIndex
-from draftsmith.train.generate import sequence_from_line
+from draftsmith.train.data.generate import sequence_from_line
 
 
 def reply_runs(mask: list[int]) -> list[tuple[int, int]]:

@@ -27,8 +27,8 @@ import torch
 
 from draftsmith.recipe import Recipe
 from draftsmith.common.hidden_cache import HiddenCache
-from draftsmith.train.generate import sequence_from_line
-from draftsmith.train.trainer import make_objective, teach_over_draft_vocab
+from draftsmith.train.data.generate import sequence_from_line
+from draftsmith.train.training.trainer import make_objective, teach_over_draft_vocab
 
 EMPHASIS_BEFORE = 9  # positions before a rejected token covered by its emphasis window
 

@@ -25,7 +25,7 @@ from draftsmith.engine.capabilities import capabilities
 from draftsmith.engine.cpu_layout import apply_cpu_layout  # decoding layout, as eval uses
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.target import Target, check_fingerprint
-from draftsmith.train.generate import prompt_ids
+from draftsmith.train.data.generate import prompt_ids
 
 log = logging.getLogger(__name__)
 

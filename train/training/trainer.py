@@ -1,4 +1,4 @@
-"""One training loop for every drafter kind, on accelerate.
+"""One training loop for every trained drafter kind (`fit`), on accelerate.
 
 Runs as ``draftsmith train RECIPE`` on one process, or under
 ``accelerate launch --config_file recipes/launch/<cfg>.yaml -m draftsmith.cli train RECIPE``
@@ -11,11 +11,13 @@ the interrupted run would have, and exact resume needs no dataloader state.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -28,7 +30,7 @@ from draftsmith.common.vocab import draft_head, frequent_ids, kept_size
 from draftsmith.recipe import Recipe
 from draftsmith.target import check_fingerprint
 from draftsmith.common.hidden_cache import HiddenCache
-from draftsmith.train.state import latest_checkpoint, load_trainer_state, save_trainer_state
+from draftsmith.train.training.state import latest_checkpoint, load_trainer_state, save_trainer_state
 
 log = logging.getLogger(__name__)
 
@@ -125,23 +127,30 @@ def _summarise(acc: dict) -> dict:
     return {k: (v[0] / max(v[1], 1) if "/top" in k else sum(v) / len(v)) for k, v in acc.items()}
 
 
-def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: bool = True,
-          stop_after: int | None = None, data_provenance: dict | None = None) -> tuple[Path, dict]:
-    """Train the recipe's drafter on a cache; returns (final checkpoint dir, timing/metrics)."""
+def make_accelerator(recipe: Recipe, run_dir: Path):
+    """The run's `accelerate.Accelerator` (wandb offline by default, under ``run_dir``), seeded."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     t = recipe.train
-    tracker = t.tracker
-    if tracker == "wandb":
+    if t.tracker == "wandb":
         os.environ.setdefault("WANDB_MODE", "offline")
         os.environ.setdefault("WANDB_DIR", str(run_dir))
         os.environ.setdefault("WANDB_SILENT", "true")
     # cpu=True without a GPU: accelerate then joins torchrun-launched processes as MULTI_CPU over gloo.
-    acc = Accelerator(gradient_accumulation_steps=t.grad_accum, log_with="wandb" if tracker == "wandb" else None,
+    acc = Accelerator(gradient_accumulation_steps=t.grad_accum, log_with="wandb" if t.tracker == "wandb" else None,
                       project_dir=str(run_dir), mixed_precision=t.mixed_precision,
                       cpu=not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_DEEPSPEED") != "true")
     set_seed(recipe.seed)
+    return acc
+
+
+def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: bool = True,
+          stop_after: int | None = None, data_provenance: dict | None = None) -> tuple[Path, dict]:
+    """Train the recipe's drafter on a cache of the target's states; returns (final checkpoint dir,
+    timing/metrics)."""
+    t = recipe.train
+    acc = make_accelerator(recipe, run_dir)
     cache = HiddenCache(cache_dir, target)
     objective = make_objective(recipe, cache, target)
     model = build_drafter(recipe, target)
@@ -157,6 +166,50 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
         init_weights(model, recipe, target, t.init_from)
         if acc.is_main_process:
             print(f"weights from {t.init_from}" + (" (with its draft vocabulary)" if vocab else ""))
+
+    def save(path: Path, module: torch.nn.Module, step: int) -> None:
+        save_checkpoint(path, module, target, recipe=recipe.model_dump(mode="json"), data=data_provenance,
+                        metrics={"step": step}, target_dtype=cache.index.get("target_dtype"))
+
+    return fit(acc, recipe, model, objective, run_dir, save, resume=resume, stop_after=stop_after)
+
+
+def train_on_text(recipe: Recipe, target, out: Path, *, resume: bool = True,
+                  stop_after: int | None = None) -> tuple[Path, dict]:
+    """Train a kind that ``trains_on_text`` (the own-tokenizer drafter: its tokenizer, model and objective from
+    the kind's registered text run) in the same loop; writes ``<out>/final`` and ``<out>/train_text.json``."""
+    t0 = time.time()
+    acc = make_accelerator(recipe, out)
+    run = registry.text_run(recipe.drafter.kind)(recipe, target, out)
+
+    def save(path: Path, module: torch.nn.Module, step: int) -> None:
+        save_checkpoint(path, module, target, recipe=recipe.model_dump(mode="json"), data=run.data,
+                        metrics={"step": step})
+
+    _, timing = fit(acc, recipe, run.drafter, run.objective, out, save, resume=resume, stop_after=stop_after)
+    final = out / "final"
+    metrics = {"train_loss_last10": timing["loss_last10"], "steps": timing["steps"], **run.metrics}
+    if timing["is_main"]:
+        save_checkpoint(final, acc.unwrap_model(run.drafter).eval(), target, recipe=recipe.model_dump(mode="json"),
+                        data=run.data, metrics=metrics)
+    timing = {**timing, "train_s": round(timing["wall_s"], 1), "wall_s": round(time.time() - t0, 1), **metrics}
+    (out / "train_text.json").write_text(json.dumps(timing, indent=2))
+    return final, timing
+
+
+def fit(acc, recipe: Recipe, model: torch.nn.Module, objective, run_dir: Path,
+        save: Callable[[Path, torch.nn.Module, int], None], *, resume: bool = True,
+        stop_after: int | None = None) -> tuple[Path, dict]:
+    """The training loop every trained kind runs: AdamW over ``model``'s trainable parameters, the recipe's
+    schedule, accumulation, clipping, logging, and checkpoints every ``train.save_every`` steps written by
+    ``save(path, unwrapped model, step)`` under ``run_dir/checkpoints/step-N`` with the optimizer's state
+    beside them, from which a run resumes exactly.
+
+    ``objective``: ``.chunks`` (the training examples, indexed), ``.prepare(indices)`` -> a batch with ``.to(device)``
+    and ``.positions``, ``.loss(model, batch)`` -> (loss, aux), ``.stats(aux, batch)`` -> figures to log (a (hits,
+    count) pair or a float each). Returns (the last checkpoint's directory, timing with the mean loss of the last
+    ten steps)."""
+    t = recipe.train
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     world, rank = acc.num_processes, acc.process_index
@@ -192,7 +245,7 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
         ds.deepspeed_config["gradient_accumulation_steps"] = t.grad_accum
         ds.deepspeed_config["train_batch_size"] = t.batch_size * t.grad_accum * acc.num_processes
     model, optimizer = acc.prepare(model, optimizer)
-    if tracker == "wandb":
+    if t.tracker == "wandb":
         acc.init_trackers(recipe.name, config=recipe.model_dump(mode="json"),
                           init_kwargs={"wandb": {"mode": os.environ["WANDB_MODE"], "dir": str(run_dir)}})
     orders: dict[int, list[int]] = {}
@@ -205,12 +258,14 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
 
     bar = tqdm(total=total, initial=start, desc=f"train {recipe.drafter.kind}", disable=not acc.is_main_process)
     timing = {"math_s": 0.0, "data_s": 0.0, "stats_s": 0.0, "checkpoint_s": 0.0, "positions": 0}
+    losses: list[float] = []
     window: dict = {}
     loop_t0 = time.perf_counter()
     model.train()
     for step in range(start, total):
         epoch, within = divmod(step, steps_per_epoch)
         ids = order(epoch)
+        step_loss = 0.0
         for micro in range(t.grad_accum):
             base = (within * t.grad_accum + micro) * t.batch_size * world + rank * t.batch_size
             t0 = time.perf_counter()
@@ -226,11 +281,13 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
             t2 = time.perf_counter()
             stats = objective.stats(aux, batch)
             stats["loss"] = float(loss.detach())
+            step_loss += stats["loss"] / t.grad_accum
             _merge_hits(window, stats)
             timing["data_s"] += t1 - t0
             timing["math_s"] += t2 - t1
             timing["stats_s"] += time.perf_counter() - t2
             timing["positions"] += batch.positions
+        losses.append(step_loss)
         scheduler.step()
         done = step + 1
         bar.update(1)
@@ -246,9 +303,7 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
             acc.wait_for_everyone()
             if acc.is_main_process:
                 path = run_dir / "checkpoints" / f"step-{done}"
-                save_checkpoint(path, acc.unwrap_model(model), target, recipe=recipe.model_dump(mode="json"),
-                                data=data_provenance, metrics={"step": done},
-                                target_dtype=cache.index.get("target_dtype"))
+                save(path, acc.unwrap_model(model), done)
                 if acc.distributed_type.name != "DEEPSPEED":
                     save_trainer_state(path, optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer,
                                        scheduler, done, {"epoch": epoch, "world_size": world})
@@ -261,7 +316,8 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
     wall = time.perf_counter() - loop_t0
     timing.update(wall_s=wall, steps=total - start, is_main=acc.is_main_process, world_size=world,
                   distributed_type=acc.distributed_type.name,
-                  outside_math_share=(wall - timing["math_s"]) / wall if wall > 0 else 0.0)
+                  outside_math_share=(wall - timing["math_s"]) / wall if wall > 0 else 0.0,
+                  loss_last10=sum(losses[-10:]) / max(1, len(losses[-10:])))
     acc.end_training()
     final = run_dir / "checkpoints" / f"step-{total}"
     return final, timing

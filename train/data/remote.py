@@ -33,9 +33,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from draftsmith.target import Target
-from draftsmith.train.generate import (NOT_REACHED, Deadline, _messages, _resume, _row, _turn_prompt,
+from draftsmith.train.data.generate import (NOT_REACHED, Deadline, _messages, _resume, _row, _turn_prompt,
                                        budget_order, generate_batch, job_seed, prompt_ids)
-from draftsmith.train.sources import Conversation
+from draftsmith.train.data.sources import Conversation
 
 PROBES = ("Name three primary colors.", "Write a haiku about the sea.", "What is 12 times 7?")
 

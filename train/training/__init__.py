@@ -1,0 +1,2 @@
+"""Training: the training loop (`trainer.train`), its resumable state (`state`), and the acceptance
+predictors' stage (`predictors`)."""
