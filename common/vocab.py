@@ -95,6 +95,47 @@ class PrunedHead(nn.Linear):
         return loss_lab, hit_lab
 
 
+class PrunedVocab:
+    """The pruned-vocabulary part of a drafter kind (Medusa, Hydra, EAGLE-3, Kangaroo, the standalone drafter):
+    ``draft_head``, a frozen `PrunedHead` over ``vocab_keep`` of the target's ids taken from the kind's full head
+    (`full_head`, default ``self.lm_head``), or None when the kind drafts over the full vocabulary.
+
+    The kept ids are given at construction (``kept_ids``) or, by default, the first ``vocab_keep`` ids until the
+    trainer sets the data's most frequent ones (`set_draft_vocab`); a checkpoint stores them either way."""
+
+    draft_head: PrunedHead | None
+
+    def init_pruned_vocab(self, full: nn.Module, vocab_keep: int | None, kept_ids: torch.Tensor | None = None) -> None:
+        if not vocab_keep:
+            if kept_ids is not None:
+                raise ValueError("kept ids were given for a drafter over the full vocabulary (vocab_keep is not set)")
+            self.draft_head = None
+            return
+        ids = torch.arange(int(vocab_keep)) if kept_ids is None else kept_ids
+        if len(ids) != int(vocab_keep):
+            raise ValueError(f"{len(ids)} kept ids for vocab_keep {vocab_keep}")
+        self.draft_head = PrunedHead(full, ids)
+
+    def full_head(self) -> nn.Module:
+        """The head the kept rows are taken from."""
+        return self.lm_head
+
+    def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
+        """Draft over ``kept_ids`` (sorted, unique target ids, ``vocab_keep`` of them); the trainer calls it with
+        the training data's most frequent assistant tokens."""
+        if self.draft_head is None:
+            raise ValueError(f"this {self.kind} drafter drafts over the full vocabulary (vocab_keep is not set)")
+        self.draft_head.set_kept(kept_ids, self.full_head())
+        self.draft_vocab_set()
+
+    def draft_vocab_set(self) -> None:
+        """Called after `set_draft_vocab` (a kind with state derived from the kept ids updates it here)."""
+
+    def vocab_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """States -> logits over the draft vocabulary ([..., N] pruned, [..., V] otherwise)."""
+        return self.draft_head(x) if self.draft_head is not None else self.full_head()(x)
+
+
 def draft_head(module: nn.Module) -> PrunedHead | None:
     """The pruned head of a (possibly DDP-wrapped) drafter, or None when it drafts over the full vocabulary."""
     m = getattr(module, "module", module)

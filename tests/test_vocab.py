@@ -168,3 +168,24 @@ def test_pruned_teacher_gives_the_full_teachers_loss(tmp_path, prefix):
     lf, lp = full.loss(heads, bf)[0], pruned.loss(heads, bp)[0]
     assert float(lf.detach()) > 0
     torch.testing.assert_close(lp, lf, rtol=1e-5, atol=1e-6)
+
+
+def test_every_pruning_kind_shares_one_pruned_vocabulary_and_names_the_misuse():
+    """Medusa, Hydra, EAGLE-3, Kangaroo and the standalone drafter prune through `PrunedVocab`: kept ids set later
+    or given at construction, and a full-vocabulary drafter asked for kept ids refuses, naming its kind."""
+    from draftsmith import registry
+    from draftsmith.common.vocab import PrunedVocab
+    for kind in ("medusa", "hydra", "eagle3", "kangaroo", "standalone"):
+        assert issubclass(registry.get(kind), PrunedVocab), kind
+    t = tiny()
+    full = HydraHeads.for_target(t, num_heads=2, vocab_keep=None)
+    with pytest.raises(ValueError, match="this hydra drafter drafts over the full vocabulary"):
+        full.set_draft_vocab(torch.tensor([1, 2, 3]))
+    pruned = MedusaHeads.for_target(t, num_heads=2, vocab_keep=3)
+    pruned.set_draft_vocab(torch.tensor([4, 9, 11]))
+    assert pruned.draft_head.kept_ids.tolist() == [4, 9, 11]
+    assert torch.equal(pruned.draft_head.weight, pruned.lm_head.weight[[4, 9, 11]])
+    with pytest.raises(ValueError, match="2 kept ids for vocab_keep 3"):
+        pruned.init_pruned_vocab(pruned.lm_head, 3, torch.tensor([1, 2]))
+    pruned.init_pruned_vocab(pruned.lm_head, 3, torch.tensor([0, 5, 6]))  # given at construction
+    assert pruned.draft_head.kept_ids.tolist() == [0, 5, 6]

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from draftsmith.common.hidden_cache import HiddenCache, decoder_of
 from draftsmith.common.layers import RMSNorm, rotate_half
-from draftsmith.common.vocab import PrunedHead
+from draftsmith.common.vocab import PrunedVocab
 from draftsmith.drafters.eagle3.decode import Eagle3Drafter
 from draftsmith.drafters.eagle3.fast import FastEagle3
 from draftsmith.drafters.eagle3.objective import Eagle3Objective, heldout_metrics, rank_acceptance
@@ -101,7 +101,7 @@ def check_aux_layers(aux: list[int], num_layers: int) -> None:
 
 
 @register
-class Eagle3Module(KindBase, nn.Module):
+class Eagle3Module(PrunedVocab, KindBase, nn.Module):
     kind = "eagle3"
     builds_trees = True  # from its steps' acceptance by rank (`rank_acceptance`), as Hydra's from its heads'
     conditional_accuracy = True  # step k's figures are over the indices where steps 1..k-1 drafted right
@@ -126,7 +126,7 @@ class Eagle3Module(KindBase, nn.Module):
         self.norm = RMSNorm(hidden_size, eps)
         self.lm_head, self.embed = lm_head, embed  # the target's, frozen and not stored
         self.shared_with_target = ("lm_head", "embed")
-        self.draft_head = PrunedHead(lm_head, torch.arange(int(vocab_keep))) if vocab_keep else None
+        self.init_pruned_vocab(lm_head, vocab_keep)
         if self.draft_head is not None and train_head:
             self.draft_head.requires_grad_(True)
         # The target's RoPE frequencies, copied (a buffer of ours: casting the drafter leaves the target's alone).
@@ -183,17 +183,10 @@ class Eagle3Module(KindBase, nn.Module):
         weight-only int8 layer and head (default: on CPU in fp32/bf16/fp16)."""
         return FastEagle3(self, compile=compile, int8=int8)
 
-    def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
-        """Draft over ``kept_ids`` (sorted target ids, EAGLE's t2d); called by the trainer from the training data."""
-        if self.draft_head is None:
-            raise ValueError("this drafter drafts over the full vocabulary (vocab_keep is null)")
-        self.draft_head.set_kept(kept_ids, self.lm_head)
-
     # ------------------------------------------------------------------ shared pieces
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Output states [..., H] -> logits over the draft vocabulary [..., N] (V without pruning)."""
-        x = self.norm(h)
-        return self.draft_head(x) if self.draft_head is not None else self.lm_head(x)
+        return self.vocab_logits(self.norm(h))
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids).to(self.fc.weight.dtype)

@@ -33,7 +33,7 @@ from draftsmith.common.chunks import make_chunks
 from draftsmith.common.hidden_cache import HiddenCache, decoder_of, teacher_logits
 from draftsmith.common.layers import rotate_half
 from draftsmith.common.losses import hard_ce, soft_ce, topk_hits
-from draftsmith.common.vocab import PrunedHead, draft_head
+from draftsmith.common.vocab import PrunedVocab, draft_head
 from draftsmith.drafters.kangaroo.decode import KangarooDrafter, check_exit_layer, check_threshold
 from draftsmith.registry import KindBase, register
 from torch import nn
@@ -49,7 +49,7 @@ def attention_shape(target) -> dict:
 
 
 @register
-class KangarooAdapter(KindBase, nn.Module):
+class KangarooAdapter(PrunedVocab, KindBase, nn.Module):
     """The trainable part of a Kangaroo drafter: the adapter, reading the target's layer-l states."""
 
     kind = "kangaroo"
@@ -91,7 +91,7 @@ class KangarooAdapter(KindBase, nn.Module):
         if vocab_keep is not None and not 1 <= int(vocab_keep) <= vocab_size:
             raise ValueError(f"vocab_keep {vocab_keep} must keep between 1 and the vocabulary's {vocab_size} ids")
         # A pruned vocabulary (heads/vocab.py): the kept rows of the frozen head, the id map saved with them.
-        self.draft_head = PrunedHead(lm_head, torch.arange(int(vocab_keep))) if vocab_keep else None
+        self.init_pruned_vocab(lm_head, vocab_keep)
         # The target's RoPE (frequencies and scaling), copied: not a submodule, so casting the adapter
         # never touches the target's own rotary buffers.
         self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
@@ -149,15 +149,9 @@ class KangarooAdapter(KindBase, nn.Module):
         return KangarooDrafter(target, self.exit_layer, adapter=self, target_fingerprint=target_fingerprint,
                                name=name, threshold=self.threshold, max_draft_len=self.max_draft_len)
 
-    def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
-        """Draft over ``kept_ids`` (sorted target ids); called by the trainer from the training data."""
-        if self.draft_head is None:
-            raise ValueError("this adapter drafts over the full vocabulary (no vocab_keep)")
-        self.draft_head.set_kept(kept_ids, self.lm_head)
-
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Adapter states -> logits over the kept ids (pruned) or the full vocabulary."""
-        return self.lm_head(h) if self.draft_head is None else self.draft_head(h)
+        return self.vocab_logits(h)
 
     # ------------------------------------------------------------------ math
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ from draftsmith.drafters.standalone.decode import StandaloneModelDrafter
 from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.engine.policies import FixedLength
 from draftsmith.common.chunks import make_chunks
-from draftsmith.common.vocab import PrunedHead, draft_head
+from draftsmith.common.vocab import PrunedHead, PrunedVocab, draft_head
 from draftsmith.registry import KindBase, register
 from draftsmith.common.hidden_cache import HiddenCache, teacher_logits
 from draftsmith.common.losses import topk_hits
@@ -88,7 +88,7 @@ def _set_size(cfg, **sizes) -> None:
 
 
 @register
-class StandaloneDrafter(KindBase, nn.Module):
+class StandaloneDrafter(PrunedVocab, KindBase, nn.Module):
     """A standalone causal-LM drafter (``model``), optionally over a pruned vocabulary (``draft_head``, ``rdk``)."""
 
     kind = "standalone"
@@ -109,7 +109,7 @@ class StandaloneDrafter(KindBase, nn.Module):
         V = int(head.weight.shape[0])
         if vocab_keep is not None and not 1 <= int(vocab_keep) <= V:
             raise ValueError(f"vocab_keep {vocab_keep} must keep between 1 and the vocabulary's {V} ids")
-        self.draft_head = PrunedHead(head, torch.arange(int(vocab_keep))) if vocab_keep else None
+        self.init_pruned_vocab(head, vocab_keep)
         self.rdk = RDKMap(torch.arange(int(vocab_keep)), V) if rdk else None
         self.divergence, self.jsd_beta, self.draft_len = divergence, float(jsd_beta), int(draft_len)
         self.rdk_positions, self.rdk_topk = int(rdk_positions), int(rdk_topk)
@@ -247,12 +247,11 @@ class StandaloneDrafter(KindBase, nn.Module):
         if self.draft_head is not None:
             self.draft_head.set_kept(self.draft_head.kept_ids, self.lm().get_output_embeddings())
 
-    def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
-        """Draft over ``kept_ids`` (sorted target ids); called by the trainer from the training data."""
-        if self.draft_head is None:
-            raise ValueError("this drafter drafts over the full vocabulary (no vocab_keep)")
-        self.draft_head.set_kept(kept_ids, self.lm().get_output_embeddings())
-        if self.rdk is not None:
+    def full_head(self) -> nn.Module:
+        return self.lm().get_output_embeddings()
+
+    def draft_vocab_set(self) -> None:
+        if self.rdk is not None:  # RDK samples the pruned ids: it follows the kept ones
             self.rdk.kept_ids = self.draft_head.kept_ids.clone()
 
     def fit_to_cache(self, cache: HiddenCache, target, exclude: set[int] | None = None) -> dict | None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from draftsmith.common.layers import RMSNorm, rotate_half
-from draftsmith.common.vocab import PrunedHead
+from draftsmith.common.vocab import PrunedVocab
 from draftsmith.heads.decode import HeadDrafter
 from draftsmith.heads.common import ResBlock
 from draftsmith.heads.hydra.fast import FastHydra
@@ -118,7 +118,7 @@ class HydraHead(nn.Module):
 
 
 @register
-class HydraHeads(KindBase, nn.Module):
+class HydraHeads(PrunedVocab, KindBase, nn.Module):
     kind = "hydra"
     builds_trees = True
     conditional_accuracy = True  # each head reads the drafts before it
@@ -141,13 +141,7 @@ class HydraHeads(KindBase, nn.Module):
         self.embed = embed.requires_grad_(False)
         self.shared_with_target = ("lm_head", "embed")
         # the kept rows of the LM head (heads/vocab.py); ids are set from the training data before training
-        self.draft_head = PrunedHead(lm_head, torch.arange(int(vocab_keep))) if vocab_keep else None
-
-    def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
-        """Draft over these target ids only (needs ``vocab_keep`` = their count)."""
-        if self.draft_head is None:
-            raise ValueError("these heads draft over the full vocabulary (vocab_keep is not set)")
-        self.draft_head.set_kept(kept_ids, self.lm_head)
+        self.init_pruned_vocab(lm_head, vocab_keep)
 
     @property
     def out_head(self) -> nn.Module:

@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 from draftsmith.heads.common import ResBlock, copy_of_linear
-from draftsmith.common.vocab import PrunedHead
+from draftsmith.common.vocab import PrunedVocab
 from draftsmith.heads.decode import HeadDrafter
 from draftsmith.heads.objective import HeadObjective
 from draftsmith.registry import KindBase, register
 
 
 @register
-class MedusaHeads(KindBase, nn.Module):
+class MedusaHeads(PrunedVocab, KindBase, nn.Module):
     kind = "medusa"
     builds_trees = True
 
@@ -50,7 +50,7 @@ class MedusaHeads(KindBase, nn.Module):
             self.shared_with_target = ()
             self.proj = nn.ModuleList(copy_of_linear(lm_head) for _ in range(num_heads))
         # the kept rows of the LM head (heads/vocab.py); ids are set from the training data before training
-        self.draft_head = PrunedHead(lm_head, torch.arange(int(vocab_keep))) if vocab_keep else None
+        self.init_pruned_vocab(lm_head, vocab_keep)
 
     @staticmethod
     def cache_needs(config: dict) -> list[str]:
@@ -78,12 +78,6 @@ class MedusaHeads(KindBase, nn.Module):
     def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., d] -> [K, ..., d]: each head's state before its projection."""
         return torch.stack([blk(hidden) for blk in self.blocks], dim=0)
-
-    def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
-        """Draft over these target ids only (needs ``vocab_keep`` = their count)."""
-        if self.draft_head is None:
-            raise ValueError("these heads draft over the full vocabulary (vocab_keep is not set)")
-        self.draft_head.set_kept(kept_ids, self.lm_head)
 
     def project(self, states: torch.Tensor) -> torch.Tensor:
         """[K, ..., d] -> [K, ..., V] logits ([K, ..., N] over the kept ids with a pruned vocabulary)."""
