@@ -37,8 +37,8 @@ def kv_dims(config) -> tuple[int, int, int]:
     return int(cfg.num_hidden_layers), n_kv, head_dim
 
 
-class PreallocatedLayer(CacheLayerMixin):
-    """A cache layer over key/value tensors allocated up front; subclasses say where ``update`` writes."""
+class _Layer(CacheLayerMixin):
+    """One layer's key/value buffers of a `KVCache`, allocated up front; ``update`` writes where the owner says."""
 
     is_compileable = False
     is_sliding = False
@@ -52,9 +52,6 @@ class PreallocatedLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front
         pass
-
-
-class _Layer(PreallocatedLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         o = self.owner
