@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--blas-linears", action="store_true",
                     help="also ours compiled with the BLAS products and the masked attention in every step (the "
                          "native rows_linear and decode kernels off), side by side with the default")
+    ap.add_argument("--float32-weights", action="store_true",
+                    help="also ours compiled with every weight read as float32 (not from the exact 4/8-bit copies "
+                         "of a target dequantised from a GGUF file), side by side with the default")
     ap.add_argument("--batched", action="store_true", help="also all prompts at once: vLLM and our batched decoder")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
@@ -118,6 +121,10 @@ def main(argv: list[str] | None = None) -> dict:
     methods: dict[str, SpeculativeDecoder] = {}
     target.fast_body = fast
     methods["plain (ours, compiled)"] = SpeculativeDecoder(target)
+    if a.float32_weights:
+        target.fast_body = FastBody(target.model, compile=True, pack=False)
+        methods["plain (ours, compiled, float32 weights)"] = SpeculativeDecoder(target)
+        target.fast_body = fast
     if a.blas_linears:
         blas = FastBody(target.model, compile=True)
         blas.core.rows_native, blas.core.attend_one = False, None  # before the first call traces the graphs

@@ -162,6 +162,7 @@ class _Core(torch.nn.Module):
                 self.gate_up.append(cat(m.gate_proj.weight, m.up_proj.weight))
                 self.down.append(m.down_proj.weight)
         self.inter = int(self.gate_up[0].shape[0] // 2)
+        self.packed = torch.nn.ModuleDict()  # exact low-bit copies of the weights (`pack_weights`), by group
         # one query over a contiguous cache row: the native decode attention kernel (None where it does not apply)
         self.attend_one = native_for(self.norm_w.dtype, self.norm_w.device, self.head_dim)
         # float32 on CPU (steps of up to 16 rows) and bf16 where the CPU has no bf16 instructions (any rows)
@@ -177,8 +178,46 @@ class _Core(torch.nn.Module):
             if not self.head_w.is_contiguous():
                 self.head_w = torch.nn.Parameter(self.head_w.detach().contiguous(), requires_grad=False)
 
-    def lin(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        return decode_linear(x, w, b, native=self.rows_native)
+    def lin(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, group: str | None = None,
+            i: int = 0) -> torch.Tensor:
+        """``x @ w.T (+ b)``; ``group``, ``i``: which weight it is (``"qkv"``, ``"o"``, ``"gate_up"``, ``"down"``
+        with the layer, or ``"head"``), for its exact 4-bit or 8-bit copy where `pack_weights` made one."""
+        pk = self.packed[group][i] if group is not None and group in self.packed else None
+        return decode_linear(x, w, b, native=self.rows_native, packed=pk)
+
+    def pack_weights(self) -> dict:
+        """Find the weights that are exactly 4-bit or 8-bit blocks (a target dequantised from a GGUF file's Q4_1
+        and Q8_0 tensors: `draftsmith.engine.blockquant`) and keep packed copies, which decoding steps of up to
+        `ROWS_LINEAR_MAX` float32 rows multiply by instead, with the same bits. A group (every layer's qkv, say)
+        is packed only if all of its weights are exact; the rest stay float32. ``DRAFTSMITH_PACKED=0`` turns it
+        off. Returns what was packed, for reports."""
+        from draftsmith.engine import blockquant
+        if (not self.rows_native or self.norm_w.dtype != torch.float32
+                or os.environ.get("DRAFTSMITH_PACKED", "1") == "0"):
+            return {}
+        t0 = time.perf_counter()
+        got: dict = {}
+        groups = {"qkv": list(self.qkv), "o": list(self.o), "gate_up": list(self.gate_up), "down": list(self.down),
+                  "head": [self.head_w]}
+        for name, ws in groups.items():
+            for bits in (4, 8):
+                packs = []
+                for w in ws:
+                    p = blockquant.pack(w.detach(), bits)
+                    if p is None:
+                        break
+                    packs.append(p)
+                if len(packs) == len(ws):
+                    self.packed[name] = torch.nn.ModuleList(packs)
+                    got[name] = bits
+                    break
+        if got:
+            fp32 = sum(w.numel() * 4 for name in got for w in groups[name])
+            now = sum(p.nbytes for name in got for p in self.packed[name])
+            log.info("packed the target's exact low-bit weights (%s) for decoding: %.0f MB read a step instead of "
+                     "%.0f MB, in %.1f s", ", ".join(f"{k} {v}-bit" for k, v in got.items()), now / 1e6, fp32 / 1e6,
+                     time.perf_counter() - t0)
+        return got
 
     # the computation -------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -197,7 +236,7 @@ class _Core(torch.nn.Module):
         """Layer i's attention inputs for the states ``h`` [..., hidden]: q, k, v, flat per token (heads x dim)."""
         nh, nk, d = self.n_heads, self.n_kv, self.head_dim
         x = self._rms(h, self.ln1[i])
-        qkv = self.lin(x, self.qkv[i], None if self.qkv_b is None else self.qkv_b[i])
+        qkv = self.lin(x, self.qkv[i], None if self.qkv_b is None else self.qkv_b[i], "qkv", i)
         return qkv.split([nh * d, nk * d, nk * d], dim=-1)
 
     @staticmethod
@@ -208,10 +247,10 @@ class _Core(torch.nn.Module):
 
     def layer_out(self, i: int, h: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """Layer i's residual stream after its attention output ``att`` (flat per token) and its MLP."""
-        h = h + self.lin(att, self.o[i])
+        h = h + self.lin(att, self.o[i], None, "o", i)
         x = self._rms(h, self.ln2[i])
-        gu = self.lin(x, self.gate_up[i])
-        return h + self.lin(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], self.down[i])
+        gu = self.lin(x, self.gate_up[i], None, "gate_up", i)
+        return h + self.lin(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], self.down[i], None, "down", i)
 
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 slots: torch.Tensor, kv: list[torch.Tensor], logits: bool = True,
@@ -243,7 +282,7 @@ class _Core(torch.nn.Module):
             if i in taps:
                 tapped[i] = h
         h = self._rms(h, self.norm_w)
-        return h, self.lin(h, self.head_w) if logits else None, tuple(tapped[i] for i in taps)
+        return h, self.lin(h, self.head_w, None, "head") if logits else None, tuple(tapped[i] for i in taps)
 
 
 class FastBody(torch.nn.Module):
@@ -252,6 +291,8 @@ class FastBody(torch.nn.Module):
     Args:
       model: a Llama-family causal LM (`unsupported` is None for it); its weights are copied fused.
       compile: compile with inductor (weights frozen into the graph) for calls of up to 32 rows.
+      pack: decoding steps multiply the weights that are exactly 4-bit or 8-bit blocks (a target dequantised
+        from a GGUF file) from packed copies, with the same bits as from float32 (`_Core.pack_weights`).
       cpp_wrapper: the 1-row graph of plain decoding and chain drafting (one query by the native decode kernel)
         calls its kernels from inductor's C++ wrapper instead of generated Python; default: on, on CPU, unless
         ``DRAFTSMITH_CPP_WRAPPER=0``. Same kernels, same results; on a 2-core AVX2 EPYC the graph's own time
@@ -259,12 +300,15 @@ class FastBody(torch.nn.Module):
         on-disk cache serves later processes).
     """
 
-    def __init__(self, model, compile: bool = True, autotune: bool = True, cpp_wrapper: bool | None = None):
+    def __init__(self, model, compile: bool = True, autotune: bool = True, cpp_wrapper: bool | None = None,
+                 pack: bool = True):
         super().__init__()
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"the fast decoding forward does not support this model: {why}")
         self.core = _Core(model)
+        # which weight groups decoding steps multiply from exact 4/8-bit copies (`_Core.pack_weights`)
+        self.packed = self.core.pack_weights() if pack else {}
         # the model's own layers, not registered (their weights live fused in `core`): forward hooks put on them
         # (EAGLE-3 reads three layers' outputs that way) are called with the same outputs, see `_call_hooks`
         self._layers = list(model.get_decoder().layers)
@@ -332,7 +376,7 @@ class FastBody(torch.nn.Module):
                                     torch.arange(s, e, device=dev), kv, logits=want_logits and not logits_from,
                                     taps=taps)
             if want_logits and logits_from:
-                lg = self.core.lin(h[:, logits_from:], self.core.head_w)
+                lg = self.core.lin(h[:, logits_from:], self.core.head_w, None, "head")
             self._call_hooks(taps, outs)
             return FastOutput(h, lg)
         slots = torch.arange(s, s + b, device=dev)

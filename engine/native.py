@@ -48,7 +48,8 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_SRCS = [Path(__file__).parent / "csrc" / f for f in ("ragged_attention.cpp", "rows_linear.cpp")]
+_SRCS = [Path(__file__).parent / "csrc" / f
+         for f in ("ragged_attention.cpp", "rows_linear.cpp", "rows_linear_q.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / "widen.h"]
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool once tried; "why": the reason it is not used; "capability"
@@ -148,6 +149,8 @@ def native_available() -> bool:
                 lambda q, k, v, last, scale: torch.empty_like(q))  # a compiled graph may call the kernel itself
             torch.library.register_fake("draftsmith_native::rows_linear")(
                 lambda x, w, bias=None: x.new_empty((*x.shape[:-1], w.shape[0])))
+            torch.library.register_fake("draftsmith_native::rows_linear_q")(
+                lambda x, q, d, m, bits, bias=None: x.new_empty((*x.shape[:-1], q.shape[0])))
             _state.update(ok=True, why=None, bf16_dot=bf16_dot)
         except Exception as e:  # no compiler, a failed build: the SDPA fallback computes the same
             _state.update(ok=False, why=_reason(e))
@@ -279,11 +282,15 @@ def rows_linear_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 
-def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, native: bool = True
-                  ) -> torch.Tensor:
+def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, native: bool = True,
+                  packed=None) -> torch.Tensor:
     """``F.linear(x, w, b)`` for a decoding step: the native kernel when ``native`` (the caller's `rows_linear_on`,
     read once) and `rows_linear_applies`. It reads each weight once at close to the memory's bandwidth, and gives a
-    row the same bits whatever the rows beside it. Everything else is ``F.linear``."""
+    row the same bits whatever the rows beside it. ``packed``: ``w`` as exact 4-bit or 8-bit blocks
+    (`draftsmith.engine.blockquant.Packed`), multiplied by ``rows_linear_q`` with the same bits as the float32
+    kernel, reading a sixth or less of the bytes. Everything else is ``F.linear``."""
+    if native and packed is not None and rows_linear_applies(x, w) and w.dtype == torch.float32:
+        return torch.ops.draftsmith_native.rows_linear_q(x, packed.q, packed.d, packed.m, packed.bits, b)
     if native and rows_linear_applies(x, w):
         return torch.ops.draftsmith_native.rows_linear(x, w, b)
     return F.linear(x, w, b)

@@ -1,0 +1,142 @@
+"""Float32 weights that are exactly 4-bit or 8-bit blocks, found and packed for the decoding kernels.
+
+A target loaded from a GGUF file holds the file's quantised tensors dequantised to float32. The default target's
+file stores its layers' weights as Q4_1 (blocks of 32: an fp16 scale d, an fp16 offset m, 4-bit q, w = d*q + m)
+and its embedding, which is also its output head, as Q8_0 (w = d*q, q 8-bit signed). Dequantised, every block
+is still 32 numbers on a grid of 16 or 256 steps: the float32 model reads 32 bits a weight to carry 4.5 or 8.5
+bits of information, and a decoding step, which is bound by reading the weights, pays for it.
+
+`pack` finds that grid from the float32 numbers alone (no GGUF file needed, any tensor): per block of 32, a
+float32 scale d, offset m and small integers q with ``fma(d, q, m)`` equal to every weight bit for bit (d*q is
+exact in float32, so a fused multiply-add rounds once, as the dequantisation did). A tensor is packed only if
+every block reproduces; otherwise `pack` returns None and the weight stays float32. The native kernel
+``rows_linear_q`` (csrc/rows_linear_q.cpp) widens the packed weights in registers and sums in the same chain as
+the float32 kernel, so its outputs are the float32 kernel's, bit for bit: same model, same arithmetic, a sixth
+of the bytes read.
+
+How the grid is found (ggml's quantisers): for 4 bits, the smallest weight of a block has q = 0, so m is the
+block's minimum, and the largest has q = 15, so d is near (max - min) / 15, an fp16 number; the fp16 neighbours
+of that quotient are tried and the first that reproduces the block is kept. For 8 bits, m = 0 and d is near
+max |w| / 127. A constant block (d = 0) reproduces with q = 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import torch
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32
+_CHUNK = 1 << 20  # blocks derived at a time (float64 temporaries of 256 MB at most)
+
+
+class Packed(torch.nn.Module):
+    """A weight [n, k] as blocks of 32: ``q`` uint8 [n, k/2] (4 bits: byte j of a block holds weight j in its
+    low nibble, weight j + 16 in its high one) or int8 [n, k] (8 bits); ``d``, ``m`` float32 [n, k/32]. A module
+    whose buffers a compiled forward freezes with the other weights."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int):
+        super().__init__()
+        self.register_buffer("q", q)
+        self.register_buffer("d", d)
+        self.register_buffer("m", m)
+        self.bits = int(bits)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m))
+
+
+def _fp16_neighbours(x: torch.Tensor) -> list[torch.Tensor]:
+    """float64 ``x`` as the nearest fp16 number, its two fp16 neighbours, and x in float32: the scales to try."""
+    h = x.to(torch.float16)
+    u = h.view(torch.int16)
+    return [h.double(), (u + 1).view(torch.float16).double(), (u - 1).view(torch.float16).double(),
+            x.float().double()]
+
+
+def _derive(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q int64, d float32, m float32) for float32 blocks [N, 32] that reproduce every block exactly, else None."""
+    b = blocks.double()
+    if bits == 4:
+        m = blocks.min(1).values
+        lo, hi, steps = 0, 15, (b.max(1).values - m.double()) / 15
+    else:
+        m = torch.zeros(blocks.shape[0], dtype=torch.float32)
+        lo, hi, steps = -128, 127, b.abs().max(1).values / 127
+    m64 = m.double()[:, None]
+    want = blocks.view(torch.int32)
+    found = torch.zeros(blocks.shape[0], dtype=torch.bool)
+    d = torch.zeros(blocks.shape[0], dtype=torch.float32)
+    q = torch.zeros(blocks.shape, dtype=torch.int64)
+    for c in _fp16_neighbours(steps):
+        todo = ~found
+        if not todo.any():
+            break
+        c = torch.where(torch.isfinite(c) & (c > 0), c.float().double(), torch.zeros_like(c))[todo]
+        safe = torch.where(c > 0, c, torch.ones_like(c))[:, None]
+        qi = torch.where(c[:, None] > 0, ((b[todo] - m64[todo]) / safe).round(), torch.zeros_like(b[todo]))
+        qi = qi.clamp(lo, hi)
+        rec = (c[:, None] * qi + m64[todo]).float()  # d*q exact in float64, one rounding to float32: fma's result
+        ok = (rec.view(torch.int32) == want[todo]).all(1)
+        idx = todo.nonzero().squeeze(1)[ok]
+        found[idx] = True
+        d[idx] = c[ok].float()
+        q[idx] = qi[ok].long()
+    if not found.all():
+        return None
+    return q, d, m
+
+
+def pack(w: torch.Tensor, bits: int) -> Packed | None:
+    """``w`` [n, k] float32 (k a multiple of 32) as exact blocks of ``bits`` (4 or 8), or None where any block
+    is not exactly such a block (a weight that did not come from a 4-bit or 8-bit file, say)."""
+    if bits not in (4, 8):
+        raise ValueError(f"pack: 4 or 8 bits, not {bits}")
+    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % BLOCK or w.device.type != "cpu":
+        return None
+    n, k = w.shape
+    blocks = w.detach().contiguous().view(-1, BLOCK)
+    qs, ds, ms = [], [], []
+    for s in range(0, blocks.shape[0], _CHUNK):
+        got = _derive(blocks[s:s + _CHUNK], bits)
+        if got is None:
+            return None
+        qs.append(got[0])
+        ds.append(got[1])
+        ms.append(got[2])
+    q = torch.cat(qs).view(n, k // BLOCK, BLOCK)
+    if bits == 4:
+        q = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8).reshape(n, k // 2)
+    else:
+        q = q.to(torch.int8).reshape(n, k)
+    return Packed(q.contiguous(), torch.cat(ds).view(n, k // BLOCK), torch.cat(ms).view(n, k // BLOCK), bits)
+
+
+def unpack(p: Packed) -> torch.Tensor:
+    """The float32 weight a `Packed` holds (the reference for tests: the kernel computes with exactly these)."""
+    n = p.q.shape[0]
+    if p.bits == 4:
+        b = p.q.view(n, -1, 16).long()
+        q = torch.cat([b & 0x0F, b >> 4], dim=-1)
+    else:
+        q = p.q.view(n, -1, BLOCK).long()
+    return (p.d.double()[..., None] * q + p.m.double()[..., None]).float().reshape(n, -1)
+
+
+def quantize(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """``w`` rounded as ggml's Q4_1 (bits 4) or Q8_0 (bits 8) quantiser rounds it, dequantised to float32: a
+    float32 weight that `pack` finds exact (tests build such targets; no real model needs it)."""
+    b = w.detach().float().reshape(-1, BLOCK).double()
+    if bits == 4:
+        mn, mx = b.min(1).values, b.max(1).values
+        d32 = (mx - mn) / 15  # q from the unrounded scale and minimum, then both stored as fp16 (ggml's order)
+        q = torch.where(d32[:, None] > 0, ((b - mn[:, None]) / d32.clamp_min(1e-30)[:, None]).round(),
+                        torch.zeros_like(b)).clamp(0, 15)
+        out = d32.to(torch.float16).double()[:, None] * q + mn.to(torch.float16).double()[:, None]
+    else:
+        d = (b.abs().max(1).values / 127).to(torch.float16).double()
+        q = torch.where(d[:, None] > 0, (b / d.clamp_min(1e-30)[:, None]).round(), torch.zeros_like(b)).clamp(-127, 127)
+        out = d[:, None] * (q + 0.0)  # q an integer: no -0.0 (round(-0.3) is -0.0; ggml's int8 0 gives +0.0)
+    return out.float().reshape(w.shape)
