@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.blas_linears:
         blas = FastBody(target.model, compile=True)
         blas.core.rows_native, blas.core.attend_one = False, None  # before the first call traces the graphs
+        blas.core.attend_block, blas.packed, blas.core.packed = None, {}, torch.nn.ModuleDict()
         target.fast_body = blas
         methods["plain (ours, compiled, BLAS linears)"] = SpeculativeDecoder(target)
         target.fast_body = fast
@@ -184,6 +185,9 @@ def main(argv: list[str] | None = None) -> dict:
         toks = sum(map(len, outs[n]))
         report["methods"][n] = {"tokens": toks, "wall_s": round(walls[n], 2), "tok_s": round(toks / walls[n], 3),
                                 "tau": round(toks / max(forwards[n], 1), 3), "equal_to_ours_compiled": agree(outs[n])}
+    if fast.packed:  # ours reads the packed copies: its floor is their bytes (`FastBody.step_bytes`)
+        report["methods"]["plain (ours, compiled)"]["weight_bytes"] = fast.step_bytes()
+        report["packed"] = fast.packed
 
     py = vllm_python(a.vllm_python)
     modes = [m for m in a.vllm_modes.split(",") if m]
@@ -247,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
     for n, m in report["methods"].items():
         if n.startswith(("plain", "vLLM plain", "llama.cpp plain")) or n == "HF generate":
             m["ms_per_token"] = round(1e3 / m["tok_s"], 2)
-            # a GGUF's floor is its own file's bytes (the whole file, an upper bound on what a forward reads)
+            # a GGUF's floor is its own file's bytes (the whole file, an upper bound on what a forward reads);
+            # ours, packed: the bytes its step reads
             floor = m["weight_bytes"] / bw * 1e3 if "weight_bytes" in m else floor_ms
             m["x_memory_floor"] = round(1e3 / m["tok_s"] / floor, 2)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

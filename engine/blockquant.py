@@ -28,13 +28,15 @@ import torch
 log = logging.getLogger(__name__)
 
 BLOCK = 32
-_CHUNK = 1 << 20  # blocks derived at a time (float64 temporaries of 256 MB at most)
+LAYOUT = "blocks of 32; 4-bit in the GGUF Q4 order"  # part of the packed cache's key: a new layout, a new entry
+_CACHE_FROM = 1 << 22  # weights in all, from which `pack_groups` keeps its result on disk (a tiny model: never)
+_CHUNK = 1 << 20  # blocks derived at a time (float32 temporaries of 128 MB at most)
 
 
 class Packed(torch.nn.Module):
     """A weight [n, k] as blocks of 32: ``q`` uint8 [n, k/2] (4 bits: byte j of a block holds weight j in its
-    low nibble, weight j + 16 in its high one) or int8 [n, k] (8 bits); ``d``, ``m`` float32 [n, k/32]. A module
-    whose buffers a compiled forward freezes with the other weights."""
+    low nibble, weight j + 16 in its high one, the GGUF Q4 order) or int8 [n, k] (8 bits); ``d``, ``m`` float32
+    [n, k/32]. A module whose buffers a compiled forward freezes with the other weights."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int):
         super().__init__()
@@ -49,44 +51,47 @@ class Packed(torch.nn.Module):
 
 
 def _fp16_neighbours(x: torch.Tensor) -> list[torch.Tensor]:
-    """float64 ``x`` as the nearest fp16 number, its two fp16 neighbours, and x in float32: the scales to try."""
+    """float32 ``x`` as the nearest fp16 number and its two fp16 neighbours: the scales to try. Only fp16 scales:
+    with 11 significant bits, d*q is exact in float32, so the check below (a product, then a sum) and the
+    kernel's fused multiply-add round the same way."""
     h = x.to(torch.float16)
     u = h.view(torch.int16)
-    return [h.double(), (u + 1).view(torch.float16).double(), (u - 1).view(torch.float16).double(),
-            x.float().double()]
+    return [h.float(), (u + 1).view(torch.float16).float(), (u - 1).view(torch.float16).float()]
 
 
 def _derive(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(q int64, d float32, m float32) for float32 blocks [N, 32] that reproduce every block exactly, else None."""
-    b = blocks.double()
+    """(q, d, m) for float32 blocks [N, 32] that reproduce every block exactly, else None.
+
+    All in float32: with d an fp16 number (11 significant bits) and |q| <= 128, d*q is exact in float32, and
+    adding m rounds once, as the kernel's fused multiply-add does."""
     if bits == 4:
         m = blocks.min(1).values
-        lo, hi, steps = 0, 15, (b.max(1).values - m.double()) / 15
+        lo, hi, steps = 0, 15, (blocks.max(1).values - m) / 15
     else:
         m = torch.zeros(blocks.shape[0], dtype=torch.float32)
-        lo, hi, steps = -128, 127, b.abs().max(1).values / 127
-    m64 = m.double()[:, None]
+        lo, hi, steps = -128, 127, blocks.abs().max(1).values / 127
     want = blocks.view(torch.int32)
     found = torch.zeros(blocks.shape[0], dtype=torch.bool)
     d = torch.zeros(blocks.shape[0], dtype=torch.float32)
-    q = torch.zeros(blocks.shape, dtype=torch.int64)
+    q = torch.zeros(blocks.shape, dtype=torch.float32)
     for c in _fp16_neighbours(steps):
-        todo = ~found
-        if not todo.any():
+        todo = (~found).nonzero().squeeze(1)
+        if todo.numel() == 0:
             break
-        c = torch.where(torch.isfinite(c) & (c > 0), c.float().double(), torch.zeros_like(c))[todo]
+        c = c[todo]
+        c = torch.where(torch.isfinite(c) & (c > 0), c, torch.zeros_like(c))
+        b, mt = blocks[todo], m[todo][:, None]
         safe = torch.where(c > 0, c, torch.ones_like(c))[:, None]
-        qi = torch.where(c[:, None] > 0, ((b[todo] - m64[todo]) / safe).round(), torch.zeros_like(b[todo]))
-        qi = qi.clamp(lo, hi)
-        rec = (c[:, None] * qi + m64[todo]).float()  # d*q exact in float64, one rounding to float32: fma's result
+        qi = torch.where(c[:, None] > 0, ((b - mt) / safe).round(), torch.zeros_like(b)).clamp(lo, hi) + 0.0
+        rec = c[:, None] * qi + mt
         ok = (rec.view(torch.int32) == want[todo]).all(1)
-        idx = todo.nonzero().squeeze(1)[ok]
+        idx = todo[ok]
         found[idx] = True
-        d[idx] = c[ok].float()
-        q[idx] = qi[ok].long()
+        d[idx] = c[ok]
+        q[idx] = qi[ok]
     if not found.all():
         return None
-    return q, d, m
+    return q.long(), d, m
 
 
 def pack(w: torch.Tensor, bits: int) -> Packed | None:
@@ -140,3 +145,58 @@ def quantize(w: torch.Tensor, bits: int) -> torch.Tensor:
         q = torch.where(d[:, None] > 0, (b / d.clamp_min(1e-30)[:, None]).round(), torch.zeros_like(b)).clamp(-127, 127)
         out = d[:, None] * (q + 0.0)  # q an integer: no -0.0 (round(-0.3) is -0.0; ggml's int8 0 gives +0.0)
     return out.float().reshape(w.shape)
+
+
+def _digest(groups: dict[str, list[torch.Tensor]]) -> str:
+    import hashlib
+    h = hashlib.sha1(LAYOUT.encode())
+    for name, ws in groups.items():
+        h.update(name.encode())
+        for w in ws:
+            h.update(str(tuple(w.shape)).encode())
+            h.update(memoryview(w.detach().contiguous().view(torch.uint8).numpy()))
+    return h.hexdigest()[:24]
+
+
+def pack_groups(groups: dict[str, list[torch.Tensor]], cache_dir=None) -> dict[str, list[Packed]]:
+    """Each group of float32 weights (a model's qkv matrices, say) packed at 4 bits, else at 8, else left out:
+    a group is packed only if every weight in it is exact at that width. ``cache_dir``: finding the grids takes
+    seconds for a 135M model; the result (packed or not) is kept there under a digest of the weights' bytes
+    (reading them costs a fraction of a second) and read back by later processes; models of fewer than
+    `_CACHE_FROM` weights are not cached."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    path = None
+    if cache_dir is not None and sum(w.numel() for ws in groups.values() for w in ws) >= _CACHE_FROM:
+        path = Path(cache_dir) / f"{_digest(groups)}.safetensors"
+        if path.exists():
+            try:
+                st = load_file(str(path))
+                meta = json.loads(path.with_suffix(".json").read_text())
+                return {name: [Packed(st[f"{name}.{i}.q"], st[f"{name}.{i}.d"], st[f"{name}.{i}.m"], bits)
+                               for i in range(len(groups[name]))] for name, bits in meta["bits"].items()}
+            except Exception as e:  # a torn or foreign file: derive again and overwrite it
+                log.warning("ignoring the packed-weight cache %s (%s)", path, e)
+    out: dict[str, list[Packed]] = {}
+    for name, ws in groups.items():
+        for bits in (4, 8):
+            packs = []
+            for w in ws:
+                p = pack(w, bits)
+                if p is None:
+                    break
+                packs.append(p)
+            if len(packs) == len(ws):
+                out[name] = packs
+                break
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {f"{name}.{i}.{k}": getattr(p, k).contiguous() for name, ps in out.items()
+                   for i, p in enumerate(ps) for k in ("q", "d", "m")}
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        path.with_suffix(".json").write_text(json.dumps({"bits": {n: ps[0].bits for n, ps in out.items()}}))
+        tmp.rename(path)
+    return out

@@ -45,7 +45,7 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
 from draftsmith.engine.kvcache import KVCache
-from draftsmith.engine.native import decode_linear, native_for, rows_linear_dtypes
+from draftsmith.engine.native import block_for, decode_linear, native_for, rows_linear_dtypes
 from draftsmith.recipe import default_forward
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,8 @@ class _Core(torch.nn.Module):
         self.packed = torch.nn.ModuleDict()  # exact low-bit copies of the weights (`pack_weights`), by group
         # one query over a contiguous cache row: the native decode attention kernel (None where it does not apply)
         self.attend_one = native_for(self.norm_w.dtype, self.norm_w.device, self.head_dim)
+        # a block of queries (a chain or tree to verify): the same kernel with the block's mask (None: SDPA)
+        self.attend_block = block_for(self.norm_w.dtype, self.norm_w.device, self.head_dim)
         # float32 on CPU (steps of up to 16 rows) and bf16 where the CPU has no bf16 instructions (any rows)
         # multiply by the native kernel (`decode_linear`), decided here, before any compiled trace; it reads weights
         # row-major, so the ones `cpu_layout` stored column-major for the model's own forward get a row-major copy
@@ -195,22 +197,16 @@ class _Core(torch.nn.Module):
         if (not self.rows_native or self.norm_w.dtype != torch.float32
                 or os.environ.get("DRAFTSMITH_PACKED", "1") == "0"):
             return {}
+        from draftsmith import paths
         t0 = time.perf_counter()
-        got: dict = {}
         groups = {"qkv": list(self.qkv), "o": list(self.o), "gate_up": list(self.gate_up), "down": list(self.down),
                   "head": [self.head_w]}
-        for name, ws in groups.items():
-            for bits in (4, 8):
-                packs = []
-                for w in ws:
-                    p = blockquant.pack(w.detach(), bits)
-                    if p is None:
-                        break
-                    packs.append(p)
-                if len(packs) == len(ws):
-                    self.packed[name] = torch.nn.ModuleList(packs)
-                    got[name] = bits
-                    break
+        packs = blockquant.pack_groups({k: [w.detach() for w in ws] for k, ws in groups.items()},
+                                       cache_dir=paths.home() / "packed")
+        got: dict = {}
+        for name, ps in packs.items():
+            self.packed[name] = torch.nn.ModuleList(ps)
+            got[name] = ps[0].bits
         if got:
             fp32 = sum(w.numel() * 4 for name in got for w in groups[name])
             now = sum(p.nbytes for name in got for p in self.packed[name])
@@ -254,12 +250,14 @@ class _Core(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 slots: torch.Tensor, kv: list[torch.Tensor], logits: bool = True,
-                taps: tuple[int, ...] = (), last: torch.Tensor | None = None
+                taps: tuple[int, ...] = (), last: torch.Tensor | None = None, allow: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
         """ids [1, q]; cos, sin from `rope`; mask [1, 1, q, e] additive over the first e cache slots; slots
         [q] where the q new entries go; kv: the cache's key and value buffers, layer by layer. Returns the final
         normed states, the logits (or None) and the outputs of the layers in ``taps`` (0-based), in that order.
-        ``last`` [1] instead of a mask (mask None): one query attending to slots [0, last], by `attend_one`."""
+        ``last`` [1] instead of a mask (mask None): one query attending to slots [0, last], by `attend_one`.
+        ``last`` [q] and ``allow`` [q, q] bool (mask None): a block whose query j, at slot last[j], attends to
+        every slot before last[0] and to block slot last[0] + i where allow[j, i], by `attend_block`."""
         q = ids.shape[1]
         e = mask.shape[-1] if mask is not None else None
         h = self.embed(ids)
@@ -273,7 +271,9 @@ class _Core(torch.nn.Module):
             kc, vc = kv[2 * i], kv[2 * i + 1]
             kc.index_copy_(2, slots, ks)
             vc.index_copy_(2, slots, vs)
-            if last is not None:  # one query over slots [0, last]: the native decode kernel reads only those
+            if allow is not None:  # a block: the decode kernel with the block's mask, over the live slots only
+                att = self.attend_block(qs[0].transpose(0, 1), kc, vc, last, allow, d ** -0.5)[None]
+            elif last is not None:  # one query over slots [0, last]: the native decode kernel reads only those
                 att = self.attend_one(qs[:, :, 0], kc, vc, last, d ** -0.5)[:, None]
             else:
                 att = F.scaled_dot_product_attention(qs, kc[:, :, :e], vc[:, :, :e], attn_mask=mask,
@@ -316,6 +316,9 @@ class FastBody(torch.nn.Module):
         self.compiled = None
         self.compile_s = 0.0  # seconds spent in the first calls of new compiled shapes
         self.hot: set[int] = set()  # the row buckets decoders asked for (`reserve`): the only ones compiled
+        # blocks (chains, trees) attend by the native block kernel where it applies; DRAFTSMITH_BLOCK_ATTENTION=0:
+        # masked SDPA over the whole capacity, as before
+        self.block_native = os.environ.get("DRAFTSMITH_BLOCK_ATTENTION", "1") != "0"
         self._seen: set = set()
         if compile:
             # freezing (`frozen_weights`, set around the calls: passed in torch.compile's options it is silently not
@@ -333,6 +336,20 @@ class FastBody(torch.nn.Module):
             # the 1-row graph: one kernel call per op from C++, not Python (a separate compile, its own backend)
             self.compiled_one = (torch.compile(self.core, dynamic=False, options={**opts, "cpp_wrapper": True})
                                  if cpp_wrapper else self.compiled)
+
+    def step_bytes(self) -> int:
+        """Bytes of weights a decoding step of up to 16 rows reads: the matrices (packed where `pack_weights` packed
+        them, else in the model's dtype) and the norms; the embedding's one row left out."""
+        c = self.core
+        groups = {"qkv": list(c.qkv), "o": list(c.o), "gate_up": list(c.gate_up), "down": list(c.down),
+                  "head": [c.head_w]}
+        total = sum(p.numel() * p.element_size() for p in [*c.ln1, *c.ln2, c.norm_w])
+        for name, ws in groups.items():
+            if name in c.packed:
+                total += sum(p.nbytes for p in c.packed[name])
+            else:
+                total += sum(w.numel() * w.element_size() for w in ws)
+        return total
 
     def reserve(self, rows: int) -> None:
         """A decoder will run forwards of up to ``rows`` rows: compile the bucket that holds them (on first use).
@@ -372,9 +389,15 @@ class FastBody(torch.nn.Module):
         b = min((h for h in self.hot if h >= q), default=None) if self.compiled is not None else None
         C = int(cache.capacity)
         if b is None or s + b > C:
-            h, lg, outs = self.core(input_ids, *self.core.rope(position_ids), attention_mask,
-                                    torch.arange(s, e, device=dev), kv, logits=want_logits and not logits_from,
-                                    taps=taps)
+            # eager: a block of up to the largest bucket's rows attends by the native block kernel where it
+            # applies (as the compiled graphs do), anything longer (a prompt) by SDPA
+            allow = (self._block_mask(kv, attention_mask, s, q, q)
+                     if self.block_native and q <= BUCKETS[-1] else None)
+            slots_e = torch.arange(s, e, device=dev)
+            h, lg, outs = self.core(input_ids, *self.core.rope(position_ids),
+                                    attention_mask if allow is None else None, slots_e, kv,
+                                    logits=want_logits and not logits_from, taps=taps,
+                                    last=slots_e if allow is not None else None, allow=allow)
             if want_logits and logits_from:
                 lg = self.core.lin(h[:, logits_from:], self.core.head_w, None, "head")
             self._call_hooks(taps, outs)
@@ -385,18 +408,41 @@ class FastBody(torch.nn.Module):
             # over slots [0, s], its length a tensor, so the shape stays static without masking the capacity
             return self._run_compiled((1, C, str(dev), taps, "one"), taps, input_ids, position_ids, None, slots,
                                       kv, q, last=slots, logits_from=logits_from)
-        # every shape static: b rows over the whole capacity, the slots past the live length masked out
-        # (gpt-fast's way; dynamic live lengths got specialised by the trace and recompiled on every step)
         pad = b - q
         if pad:
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(1, pad)], dim=1)
             position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(1, pad)], dim=1)
+        allow = self._block_mask(kv, attention_mask, s, q, b) if self.block_native else None
+        if allow is not None:
+            # a chain or tree block that sees every slot before it: the native kernel with the block's mask reads
+            # the live slots only (masked SDPA below reads the whole capacity for every row)
+            return self._run_compiled((b, C, str(dev), taps, "block"), taps, input_ids, position_ids, None, slots,
+                                      kv, q, last=slots, logits_from=logits_from, allow=allow)
+        # every shape static: b rows over the whole capacity, the slots past the live length masked out
+        # (gpt-fast's way; dynamic live lengths got specialised by the trace and recompiled on every step)
         m = torch.full((1, 1, b, C), torch.finfo(attention_mask.dtype).min, dtype=attention_mask.dtype, device=dev)
         m[:, :, :q, :e] = attention_mask
         if pad:
             m[0, 0, torch.arange(q, b), torch.arange(e, e + pad)] = 0  # a padded row sees only itself
         return self._run_compiled((b, C, str(dev), taps), taps, input_ids, position_ids, m, slots, kv, q,
                                   logits_from=logits_from)
+
+    def _block_mask(self, kv: list[torch.Tensor], attention_mask: torch.Tensor, s: int, q: int, b: int
+                    ) -> torch.Tensor | None:
+        """The block's mask as ``allow`` [b, b] for `_Core.forward` (padded rows see only themselves), where the
+        native block kernel applies and the caller's mask [1, 1, q, s + q] lets every row see every slot before
+        the block; None otherwise (the masked SDPA path)."""
+        if self.core.attend_block is None or s == 0:
+            return None
+        k = kv[0]
+        if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or kv[1].stride() != k.stride():
+            return None
+        mk = attention_mask[0, 0]
+        if mk.shape != (q, s + q) or bool(mk[:, :s].ne(0).any()):
+            return None
+        allow = torch.eye(b, dtype=torch.bool, device=mk.device)
+        allow[:q, :q] = mk[:, s:].eq(0)
+        return allow
 
     def _one_query(self, kv: list[torch.Tensor], attention_mask: torch.Tensor | None) -> bool:
         """Whether a 1-row call can attend by the native decode kernel: it applies (dtype, device, head size), the
@@ -410,14 +456,16 @@ class FastBody(torch.nn.Module):
         return attention_mask is None or not bool(attention_mask.ne(0).any())
 
     def _run_compiled(self, key: tuple, taps: tuple[int, ...], input_ids, position_ids, m, slots, kv, q: int,
-                      last: torch.Tensor | None = None, logits_from: int = 0) -> FastOutput:
+                      last: torch.Tensor | None = None, logits_from: int = 0,
+                      allow: torch.Tensor | None = None) -> FastOutput:
         first = key not in self._seen
         if first:
             self._seen.add(key)
             t0 = time.perf_counter()
-        fn = self.compiled_one if last is not None else self.compiled
+        fn = self.compiled_one if last is not None and allow is None else self.compiled
         with frozen_weights():
-            h, lg, outs = fn(input_ids, *self.core.rope(position_ids), m, slots, kv, taps=taps, last=last)
+            h, lg, outs = fn(input_ids, *self.core.rope(position_ids), m, slots, kv, taps=taps, last=last,
+                             allow=allow)
         if first:
             self.compile_s += time.perf_counter() - t0
             log.info("compiled the decoding forward for %d rows over a %d-slot cache%s%s in %.1f s", key[0], key[1],

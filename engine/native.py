@@ -147,6 +147,8 @@ def native_available() -> bool:
                 _build(cap, bf16_dot=False)
             torch.library.register_fake("draftsmith_native::ragged_decode_attention")(
                 lambda q, k, v, last, scale: torch.empty_like(q))  # a compiled graph may call the kernel itself
+            torch.library.register_fake("draftsmith_native::block_attention")(
+                lambda q, k, v, last, allow, scale: torch.empty_like(q))
             torch.library.register_fake("draftsmith_native::rows_linear")(
                 lambda x, w, bias=None: x.new_empty((*x.shape[:-1], w.shape[0])))
             torch.library.register_fake("draftsmith_native::rows_linear_q")(
@@ -189,6 +191,13 @@ def native_for(dtype: torch.dtype, device: torch.device | str, head_dim: int):
     if head_dim % width or head_dim // width > 16 or not native_available():
         return None
     return torch.ops.draftsmith_native.ragged_decode_attention
+
+
+def block_for(dtype: torch.dtype, device: torch.device | str, head_dim: int):
+    """The native kernel for a speculative block of queries in one cache row, each attending to the slots before
+    the block and to the block's slots its mask allows (``draftsmith_native::block_attention``: the decode kernel
+    with the block's mask), where `native_for` applies; None elsewhere."""
+    return None if native_for(dtype, device, head_dim) is None else torch.ops.draftsmith_native.block_attention
 
 
 def uses_native(q: torch.Tensor) -> bool:

@@ -212,9 +212,12 @@ void values_any(int64_t G, int64_t C, const T* V, int64_t L, int64_t d, const fl
   }
 }
 
+// allow (or null): [b, aw] booleans, row i seeing slot start + j of its span only where allow[i * aw + j] (a
+// speculative block's tree mask; the slots before start are all seen)
 template <typename T>
 void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* out, int64_t b, int64_t nh,
-                   int64_t nk, int64_t d, int64_t ks0, int64_t ks1, float scale) {
+                   int64_t nk, int64_t d, int64_t ks0, int64_t ks1, float scale, const bool* allow = nullptr,
+                   int64_t aw = 0, int64_t start = 0) {
   const int64_t G = nh / nk, C = d / VL;
 #if defined(DRAFTSMITH_AVX512_BF16)
   const bool use_dp = std::is_same<T, c10::BFloat16>::value && d % 32 == 0;
@@ -300,6 +303,9 @@ void ragged_kernel(const T* q, const T* k, const T* v, const int64_t* last, T* o
       for (int64_t g = 0; g < G; ++g) {
         float* s = sc.data() + g * Lp;
         for (int64_t t = L; t < Lp; ++t) s[t] = -std::numeric_limits<float>::infinity();
+        if (allow != nullptr)
+          for (int64_t t = std::max<int64_t>(start, 0); t < L; ++t)
+            if (!allow[i * aw + (t - start)]) s[t] = -std::numeric_limits<float>::infinity();
         fVec mv(-std::numeric_limits<float>::infinity());
         for (int64_t t = 0; t < Lp; t += VL) mv = at::vec::maximum(mv, fVec::loadu(s + t));
         const fVec m(at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, mv));
@@ -355,8 +361,54 @@ at::Tensor ragged_decode_attention(const at::Tensor& q, const at::Tensor& k, con
   return out;
 }
 
-TORCH_LIBRARY(draftsmith_native, m) {
-  m.def("ragged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor last, float scale) -> Tensor");
+// A speculative block of b queries in one cache row (k, v [1, kv_heads, capacity, head_dim]), query i written at
+// slot last[i], the first at start = last[0]: query i attends to slots [0, start) and to the block's slots
+// start + j <= last[i] where allow[i, j] (the block's tree or causal mask, [b, aw]). The same kernel, every query
+// reading the one row, the masked slots' scores -inf. (start is read from last, a tensor, so that a compiled
+// graph does not specialise on it.)
+at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& last,
+                           const at::Tensor& allow, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.size(0) == 1 && v.sizes() == k.sizes(),
+              "block_attention: q [block, heads, head_dim]; k, v [1, kv_heads, capacity, head_dim]");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k, v: one dtype");
+  TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == k.size(3) && v.strides() == k.strides(),
+              "block_attention: k and v need contiguous slots");
+  const int64_t b = q.size(0), nh = q.size(1), d = q.size(2), nk = k.size(1);
+  TORCH_CHECK(k.size(3) == d && nh % nk == 0, "block_attention: shapes do not match");
+  TORCH_CHECK(d % VL == 0 && d / VL <= 16, "block_attention: head_dim must be a multiple of ", VL, " and at most ",
+              16 * VL);
+  TORCH_CHECK(last.numel() == b && allow.dim() == 2 && allow.size(0) == b && allow.scalar_type() == at::kBool,
+              "block_attention: one last slot and one row of booleans per query");
+  auto qc = q.contiguous();
+  auto lc = last.to(at::kLong).contiguous();
+  auto ac = allow.contiguous();
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  const int64_t start = b > 0 ? lp[0] : 0;
+  for (int64_t i = 0; i < b; ++i)
+    TORCH_CHECK(lp[i] >= start && lp[i] < k.size(2) && lp[i] - start < ac.size(1), "block_attention: query ", i,
+                " attends to slot ", lp[i], " outside its block [", start, ", ", start + ac.size(1), ") or the cache's ",
+                k.size(2), " slots");
+  auto out = at::empty_like(qc);
+  const bool* ap = ac.data_ptr<bool>();
+  if (q.scalar_type() == at::kFloat) {
+    ragged_kernel<float>(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), lp, out.data_ptr<float>(),
+                         b, nh, nk, d, 0, k.stride(1), static_cast<float>(scale), ap, ac.size(1), start);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    ragged_kernel<c10::BFloat16>(qc.data_ptr<c10::BFloat16>(), k.data_ptr<c10::BFloat16>(),
+                                 v.data_ptr<c10::BFloat16>(), lp, out.data_ptr<c10::BFloat16>(), b, nh, nk, d, 0,
+                                 k.stride(1), static_cast<float>(scale), ap, ac.size(1), start);
+  } else {
+    TORCH_CHECK(false, "block_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  }
+  return out;
 }
 
-TORCH_LIBRARY_IMPL(draftsmith_native, CPU, m) { m.impl("ragged_decode_attention", &ragged_decode_attention); }
+TORCH_LIBRARY(draftsmith_native, m) {
+  m.def("ragged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor last, float scale) -> Tensor");
+  m.def("block_attention(Tensor q, Tensor k, Tensor v, Tensor last, Tensor allow, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(draftsmith_native, CPU, m) {
+  m.impl("ragged_decode_attention", &ragged_decode_attention);
+  m.impl("block_attention", &block_attention);
+}
