@@ -44,6 +44,8 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
+from draftsmith import paths
+from draftsmith.engine import blockquant
 from draftsmith.engine.kvcache import KVCache
 from draftsmith.engine.native import block_for, decode_linear, native_for, rows_linear_dtypes
 from draftsmith.recipe import default_forward
@@ -193,11 +195,9 @@ class _Core(torch.nn.Module):
         `ROWS_LINEAR_MAX` float32 rows multiply by instead, with the same bits. A group (every layer's qkv, say)
         is packed only if all of its weights are exact; the rest stay float32. ``DRAFTSMITH_PACKED=0`` turns it
         off. Returns what was packed, for reports."""
-        from draftsmith.engine import blockquant
         if (not self.rows_native or self.norm_w.dtype != torch.float32
                 or os.environ.get("DRAFTSMITH_PACKED", "1") == "0"):
             return {}
-        from draftsmith import paths
         t0 = time.perf_counter()
         groups = {"qkv": list(self.qkv), "o": list(self.o), "gate_up": list(self.gate_up), "down": list(self.down),
                   "head": [self.head_w]}
