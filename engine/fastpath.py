@@ -189,6 +189,11 @@ class _Core(torch.nn.Module):
         pk = self.packed[group][i] if group is not None and group in self.packed else None
         return decode_linear(x, w, b, native=self.rows_native, packed=pk)
 
+    def weight_groups(self) -> dict[str, list[torch.Tensor]]:
+        """The matrices by group, as `lin` names them: every layer's qkv, o, gate_up and down, and the head."""
+        return {"qkv": list(self.qkv), "o": list(self.o), "gate_up": list(self.gate_up), "down": list(self.down),
+                "head": [self.head_w]}
+
     def pack_weights(self) -> dict:
         """Find the weights that are exactly 4-bit or 8-bit blocks (a target dequantised from a GGUF file's Q4_1
         and Q8_0 tensors: `draftsmith.engine.blockquant`) and keep packed copies, which decoding steps of up to
@@ -199,8 +204,7 @@ class _Core(torch.nn.Module):
                 or os.environ.get("DRAFTSMITH_PACKED", "1") == "0"):
             return {}
         t0 = time.perf_counter()
-        groups = {"qkv": list(self.qkv), "o": list(self.o), "gate_up": list(self.gate_up), "down": list(self.down),
-                  "head": [self.head_w]}
+        groups = self.weight_groups()
         packs = blockquant.pack_groups({k: [w.detach() for w in ws] for k, ws in groups.items()},
                                        cache_dir=paths.home() / "packed")
         got: dict = {}
@@ -341,10 +345,8 @@ class FastBody(torch.nn.Module):
         """Bytes of weights a decoding step of up to 16 rows reads: the matrices (packed where `pack_weights` packed
         them, else in the model's dtype) and the norms; the embedding's one row left out."""
         c = self.core
-        groups = {"qkv": list(c.qkv), "o": list(c.o), "gate_up": list(c.gate_up), "down": list(c.down),
-                  "head": [c.head_w]}
         total = sum(p.numel() * p.element_size() for p in [*c.ln1, *c.ln2, c.norm_w])
-        for name, ws in groups.items():
+        for name, ws in c.weight_groups().items():
             if name in c.packed:
                 total += sum(p.nbytes for p in c.packed[name])
             else:
@@ -470,7 +472,8 @@ class FastBody(torch.nn.Module):
             self.compile_s += time.perf_counter() - t0
             log.info("compiled the decoding forward for %d rows over a %d-slot cache%s%s in %.1f s", key[0], key[1],
                      f" (outputs of layers {list(taps)} kept for hooks)" if taps else "",
-                     ", one query by the native decode kernel" if last is not None else "", time.perf_counter() - t0)
+                     (", a block by the native block kernel" if allow is not None else
+                      ", one query by the native decode kernel" if last is not None else ""), time.perf_counter() - t0)
         if input_ids.shape[1] > q:
             h, lg, outs = h[:, :q], lg[:, :q], tuple(o[:, :q] for o in outs)
         if logits_from and lg is not None:
