@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.blas_linears:
         blas = FastBody(target.model, compile=True)
         blas.core.rows_native, blas.core.attend_one = False, None  # before the first call traces the graphs
-        blas.core.attend_block, blas.packed, blas.core.packed = None, {}, torch.nn.ModuleDict()
+        blas.core.attend_block, blas.core.packed = None, torch.nn.ModuleDict()
         target.fast_body = blas
         methods["plain (ours, compiled, BLAS linears)"] = SpeculativeDecoder(target)
         target.fast_body = fast

@@ -129,6 +129,13 @@ def bucket(q: int) -> int | None:
     return None
 
 
+def _contiguous_slots(kv: list[torch.Tensor]) -> bool:
+    """Whether the cache's slots are contiguous (what the native attention kernels read): each key a run of
+    head_dim numbers, the values laid out as the keys."""
+    k = kv[0]
+    return k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and kv[1].stride() == k.stride()
+
+
 class _Core(torch.nn.Module):
     """The weights (fused, registered so that inductor's freezing sees them) and the computation."""
 
@@ -311,8 +318,8 @@ class FastBody(torch.nn.Module):
         if why is not None:
             raise ValueError(f"the fast decoding forward does not support this model: {why}")
         self.core = _Core(model)
-        # which weight groups decoding steps multiply from exact 4/8-bit copies (`_Core.pack_weights`)
-        self.packed = self.core.pack_weights() if pack else {}
+        if pack:  # decoding steps multiply from exact 4/8-bit copies where they exist (`_Core.pack_weights`)
+            self.core.pack_weights()
         # the model's own layers, not registered (their weights live fused in `core`): forward hooks put on them
         # (EAGLE-3 reads three layers' outputs that way) are called with the same outputs, see `_call_hooks`
         self._layers = list(model.get_decoder().layers)
@@ -340,6 +347,11 @@ class FastBody(torch.nn.Module):
             # the 1-row graph: one kernel call per op from C++, not Python (a separate compile, its own backend)
             self.compiled_one = (torch.compile(self.core, dynamic=False, options={**opts, "cpp_wrapper": True})
                                  if cpp_wrapper else self.compiled)
+
+    @property
+    def packed(self) -> dict[str, int]:
+        """The weight groups decoding steps multiply from packed copies, with their bit widths (empty: none)."""
+        return {name: ps[0].bits for name, ps in self.core.packed.items()}
 
     def step_bytes(self) -> int:
         """Bytes of weights a decoding step of up to 16 rows reads: the matrices (packed where `pack_weights` packed
@@ -434,10 +446,7 @@ class FastBody(torch.nn.Module):
         """The block's mask as ``allow`` [b, b] for `_Core.forward` (padded rows see only themselves), where the
         native block kernel applies and the caller's mask [1, 1, q, s + q] lets every row see every slot before
         the block; None otherwise (the masked SDPA path)."""
-        if self.core.attend_block is None or s == 0:
-            return None
-        k = kv[0]
-        if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or kv[1].stride() != k.stride():
+        if self.core.attend_block is None or s == 0 or not _contiguous_slots(kv):
             return None
         mk = attention_mask[0, 0]
         if mk.shape != (q, s + q) or bool(mk[:, :s].ne(0).any()):
@@ -450,10 +459,7 @@ class FastBody(torch.nn.Module):
         """Whether a 1-row call can attend by the native decode kernel: it applies (dtype, device, head size), the
         cache's slots are contiguous, and the caller's mask (None: none given) lets the query see every slot so
         far."""
-        if self.core.attend_one is None:
-            return False
-        k = kv[0]
-        if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or kv[1].stride() != k.stride():
+        if self.core.attend_one is None or not _contiguous_slots(kv):
             return False
         return attention_mask is None or not bool(attention_mask.ne(0).any())
 
