@@ -537,8 +537,8 @@ def graph_forward_times(target: Target, rows: list[int], capacity: int, repeats:
     out, graphs = {}, []  # every graph kept until all are timed (each in its own memory pool)
     for n in rows:
         c = capacity - n  # the live context: everything before these rows
-        ids = torch.randint(3, target.vocab_size, (1, n), device=dev)
-        cos, sin = core.rope(torch.arange(c, c + n, device=dev)[None])
+        ids = torch.randint(3, target.vocab_size, (n,), device=dev)
+        cos, sin = core.rope(torch.arange(c, c + n, device=dev))
         mask = torch.zeros(1, 1, n, capacity, dtype=fb.dtype, device=dev)
         mask[0, 0, :, c:] = torch.finfo(fb.dtype).min
         mask[0, 0, :, c:] = mask[0, 0, :, c:].triu(1)  # causal among the n rows
@@ -547,11 +547,11 @@ def graph_forward_times(target: Target, rows: list[int], capacity: int, repeats:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                core(ids, cos, sin, mask, slots, kv, logits=False)
+                core(ids, cos, sin, None, slots, kv, "mask", (mask,), logits=False)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            core(ids, cos, sin, mask, slots, kv, logits=False)
+            core(ids, cos, sin, None, slots, kv, "mask", (mask,), logits=False)
         times = []
         for _ in range(repeats):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -165,9 +165,9 @@ class BatchedSpeculativeDecoder:
         p = next(self.model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.eos = frozenset(target.eos_token_ids)
-        # plain steps and prefills through the fused batched step (`fast_batch.FastBatchBody`, the data engine's)
-        # when the target decodes with our forward (`fastpath.use_fast_forward` put one on it): the same cache
-        # buffers, one token per row; draft verification keeps the model's own forward over the ragged cache
+        # prefills, plain steps and draft verification through the fused batched step (`fast_batch.FastBatchBody`,
+        # the data engine's) when the target decodes with our forward (`fastpath.use_fast_forward` put one on it):
+        # the same cache buffers; a drafter that reads the target's layers gets their outputs through its hooks
         fb = getattr(target, "fast_body", None)
         self.forward = "eager" if fb is None else "compile" if fb.compiled is not None else "fast"
         self.cache: KVCache | None = None
@@ -221,9 +221,9 @@ class BatchedSpeculativeDecoder:
         return prompts, news
 
     def _fast(self):
-        """The fused batched step, or None: the model's own forward (an eager target, or a step that must run
-        the model's own layers: a drafter that reads the target's layers through hooks)."""
-        if self.forward == "eager" or (self._drafting and not self.own_trees):
+        """The fused batched step (`fast_batch.FastBatchBody`: prefills, plain steps and verification), or None for
+        an eager target (the model's own forward)."""
+        if self.forward == "eager":
             return None
         return batch_body(self.model, self.forward)
 
@@ -233,9 +233,18 @@ class BatchedSpeculativeDecoder:
     @torch.no_grad()
     def _prefill_rows(self, rows: list[int], states: list[DecodeState], prefilled) -> None:
         """Rows' committed prompt tokens into the target's cache: with the fused step, all in one flat forward
-        (no padding); else row by row. ``prefilled(row, state)``, if given, runs after each row's."""
+        (no padding; one per row for an adapter that reads the layers' hooks); else row by row through the model's
+        own forward. ``prefilled(row, state)``, if given, runs after each row's."""
         fast = self._fast()
         todo = [(r, st) for r, st in zip(rows, states) if st.length > 0]
+        if fast is not None and todo and prefilled is not None:
+            # an adapter that reads the layers' hooks after each row's own prefill: one fused prefill per row
+            for r, st in zip(rows, states):
+                if st.length > 0:
+                    h, _, _ = fast.prefill([st.tokens[:st.length]], [r], 0, self._kv(), hooks=True)
+                    st.fresh_hidden, st.hidden, st.cached = h, h[-1:], st.length
+                prefilled(r, st)
+            return
         if fast is not None and todo:
             h, _, starts = fast.prefill([st.tokens[:st.length] for _, st in todo], [r for r, _ in todo], 0,
                                         self._kv())
@@ -373,9 +382,9 @@ class BatchedSpeculativeDecoder:
         counts = [t.n + 1 for t in trees]
         m = max(counts)
         L = torch.tensor([s.length for s in states], device=dev)
-        if m == 1:
+        fast = self._fast()
+        if m == 1 and (fast is None or not self._drafting):
             ids = torch.stack([t.tokens() for t in trees])
-            fast = self._fast()
             if fast is not None:  # a plain step: one token per row, the fused step
                 h, lg = fast.step(ids[:, 0], L, self._kv())
                 return list(lg[:, None]), h[:, None]
@@ -391,8 +400,13 @@ class BatchedSpeculativeDecoder:
             depth[i, :c] = torch.tensor(t.depth)
             block[i, :c, :c] = t.ancestor_mask("cpu") if not t.is_chain() else torch.ones(c, c, dtype=torch.bool).tril()
             block[i, range(c, m), range(c, m)] = True  # padding sees itself only
-        h = ragged_forward(self.body, self.cache, ids, L, L[:, None] + depth.to(dev), L, block.to(dev), L, 0)
         keep = torch.cat([torch.arange(c, device=dev) + i * m for i, c in enumerate(counts)])
+        pos = L[:, None] + depth.to(dev)
+        if fast is not None:
+            # the fused step over every row's block (the layers' hooks called for a drafter that reads them)
+            h, lg = fast.verify(ids, pos, L, block.to(dev), self._kv(), keep=keep, hooks=self._drafting)
+            return list(torch.split(lg, counts)), h
+        h = ragged_forward(self.body, self.cache, ids, L, pos, L, block.to(dev), L, 0)
         lg = project(self.lm_head, h.reshape(n * m, -1)[keep])
         return list(torch.split(lg, counts)), h
 

@@ -1,14 +1,15 @@
-"""A continuous-batching decode step for Llama-family targets: one token per row, each row at its own length,
-compiled once for every batch size.
+"""The batched entry points of the one ragged step (`draftsmith.engine.fastpath._Core.forward`): a
+continuous-batching decode step (one token per row, each row at its own length, compiled once for every batch
+size), prefills, and the verification of every row's draft block.
 
-The data engine (`draftsmith.train.data.batchgen.BatchGenerator`) keeps one pre-allocated cache row per sequence in
-flight. Its decode step through the model's own forward pays, per step, Hugging Face's Python work for 30
-layers, unfused and unpacked weights, a 4D mask and padded (or per-row) attention. `FastBatchBody` is the same
-step as one function over the same cache tensors, `draftsmith.engine.fastpath`'s way:
+The data engine (`draftsmith.train.data.batchgen.BatchGenerator`) and the batched decoder (the server's) keep one
+pre-allocated cache row per sequence in flight. A step through the model's own forward pays, per step, Hugging
+Face's Python work for 30 layers, unfused and unpacked weights, a 4D mask and padded (or per-row) attention.
+`FastBatchBody` runs the same step as the single-sequence decoder's `FastBody` does, over the same cache tensors:
 
   * the weights fused (q/k/v in one matrix, gate/up in one) and, compiled, frozen into the graph so that
     inductor packs them once for oneDNN/MKL;
-  * each row's new key and value written at its own slot inside the graph; attention by
+  * each token's new key and value written at its own row and slot inside the step; decode attention by
     `draftsmith.engine.native.ragged_decode_attention` (an opaque custom op: the native kernel reads each
     row's own entries only), so the graph depends on no row's length;
   * the batch size, the cache's rows and its capacity marked dynamic: one compiled graph serves the full batch,
@@ -16,12 +17,15 @@ step as one function over the same cache tensors, `draftsmith.engine.fastpath`'s
     1 is one that compilers specialise on; a 1-row cache runs eagerly);
   * the LM head inside the graph;
   * prefills too run fused, eagerly: the admitted prompts as one flat run of tokens (no padding), each token
-    written at its own row and slot, attention by one SDPA call per prompt (`ragged_prefill_attention`).
+    written at its own row and slot, attention by one SDPA call per prompt (`ragged_prefill_attention`);
+  * `verify`: every row's chain or tree block as one flat run, eagerly, each block attending to its own cache
+    row by the native block kernel (`ragged_block_attention`); the layers' forward hooks are called with their
+    outputs, for a drafter that reads them (EAGLE-3).
 
 Rotary cos/sin come from the model's own rotary module, computed eagerly (as in `fastpath`). The result
 differs from the model's forward only in the order of floating-point accumulation (tests/test_fast_batch.py
-compares the two, and runs the data engine's greedy-equality tests through both).
-"""
+compares the two, and runs the data engine's greedy-equality tests through both; tests/test_batched.py runs
+every drafter family's batched decoding through it)."""
 
 from __future__ import annotations
 
@@ -32,56 +36,11 @@ import weakref
 import torch
 import torch._dynamo
 
-from draftsmith.engine.fastpath import MODES, _Core, frozen_weights, unsupported
-from draftsmith.engine.native import native_for, ragged_decode_attention, ragged_prefill_attention
+from draftsmith.engine.fastpath import (MODES, _Core, call_layer_hooks, frozen_weights, hooked_layers, shared_core,
+                                       unsupported)
+from draftsmith.engine.native import native_for
 
 log = logging.getLogger(__name__)
-
-
-class _BatchCore(_Core):
-    """`fastpath`'s fused weights, computing one token for each of b rows."""
-
-    attend = staticmethod(ragged_decode_attention)  # `FastBatchBody` swaps in the native kernel where it applies
-
-    def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                kv: list[torch.Tensor], logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids [b]: each row's token; cos, sin [b, 1, head_dim] at each row's position; slots [b]: where row r's
-        key and value go in cache row r (its length so far), and the last slot it attends to; kv: the cache's
-        key and value buffers [rows >= b, kv_heads, capacity, head_dim], layer by layer."""
-        rows = torch.arange(ids.shape[0], device=ids.device)
-        h = self.layers(ids, cos, sin, rows, slots, kv, lambda q, k, v: self.attend(q, k, v, slots, self.scale))
-        return h, self.lin(h, self.head_w) if logits else None
-
-    def prefill(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
-                slots: torch.Tensor, kv: list[torch.Tensor], group: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompts as one flat run of T tokens (no padding): token t is ids[t] at position slots[t] of cache row
-        rows[t]; ``group`` = (cache row, start in the run, first slot) of each prompt (`ragged_prefill_attention`).
-        Returns the final states [T, hidden] and the logits of the tokens at ``last`` (each prompt's last)."""
-        g_rows, starts, offs = group
-        h = self.layers(ids, cos, sin, rows, slots, kv,
-                        lambda q, k, v: ragged_prefill_attention(q, k, v, g_rows, starts, offs, self.scale))
-        return h, self.lin(h[last], self.head_w)
-
-    @property
-    def scale(self) -> float:
-        return self.head_dim ** -0.5
-
-    def layers(self, ids, cos, sin, rows, slots, kv, attend) -> torch.Tensor:
-        """Every layer over the tokens ``ids`` [T] (token t at slot slots[t] of cache row rows[t]: its key and value
-        are written there before ``attend(q, k_cache, v_cache)`` runs), then the final norm."""
-        t = ids.shape[0]
-        h = self.embed(ids)
-        nh, nk, d = self.n_heads, self.n_kv, self.head_dim
-        for i in range(len(self.qkv)):
-            qs, ks, vs = self.qkv_in(i, h)
-            qs = self.rotate(qs.view(t, nh, d), cos, sin)
-            ks = self.rotate(ks.view(t, nk, d), cos, sin)
-            kc, vc = kv[2 * i], kv[2 * i + 1]
-            kc[rows, :, slots] = ks
-            vc[rows, :, slots] = vs.view(t, nk, d)
-            h = self.layer_out(i, h, attend(qs, kc, vc).reshape(t, nh * d))
-        return self._rms(h, self.norm_w)
 
 
 class FastBatchBody:
@@ -91,17 +50,24 @@ class FastBatchBody:
       model: a Llama-family causal LM (`fastpath.unsupported` is None for it); its weights are copied fused.
       compile: compile with inductor, weights frozen, batch and cache sizes dynamic; False runs the same
         function eagerly.
+      core: the fused weights to run on (the single-sequence `FastBody`'s, `fastpath.shared_core`: one copy of
+        the weights for both); None: copied from ``model``.
+      pack: steps of up to 16 rows multiply from exact 4/8-bit copies of the weights where they exist, with
+        the same bits (`fastpath._Core.pack_weights`).
     """
 
-    def __init__(self, model, compile: bool = True):
+    def __init__(self, model, compile: bool = True, core: _Core | None = None, pack: bool = True):
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"the fast batched decode step does not support this model: {why}")
-        self.core = _BatchCore(model)
+        self.core = core if core is not None else _Core(model)
+        if pack:
+            self.core.pack_weights()
+        self._layers = list(model.get_decoder().layers)  # for their forward hooks (`verify`, `prefill`)
         p = self.core.norm_w
         op = native_for(p.dtype, p.device, self.core.head_dim)  # the data engine's caches have contiguous slots
         if op is not None:
-            self.core.attend = op
+            self.core.attend_rows = op
         self.native = op is not None
         self.compiled = None
         self.compile_s = 0.0  # seconds spent in calls that compiled
@@ -109,10 +75,6 @@ class FastBatchBody:
         if compile:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.compiled = torch.compile(self.core, dynamic=False, options={"emulate_precision_casts": True})
-
-    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.core.rotary(self.core.norm_w, pos[None])
-        return cos[0][:, None], sin[0][:, None]
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, slots: torch.Tensor, kv: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,10 +87,11 @@ class FastBatchBody:
             # free cache row (rows are live at [0, n)) written at slot 0, which its next prefill overwrites
             h, lg = self.step(torch.cat([ids, ids]), torch.cat([slots, slots.new_zeros(1)]), kv)
             return h[:1], lg[:1]
-        cos, sin = self.rope(slots)
+        cos, sin = self.core.rope(slots)
+        rows = torch.arange(b, device=ids.device)
         if self.compiled is None or b == 1:
-            return self.core(ids, cos, sin, slots, kv)
-        for t in (ids, slots, cos, sin):
+            return self.core(ids, cos, sin, rows, slots, kv, "rows", (slots,))[:2]
+        for t in (ids, rows, slots, cos, sin):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         for t in kv:
             torch._dynamo.maybe_mark_dynamic(t, 0)
@@ -136,7 +99,7 @@ class FastBatchBody:
         t0 = time.perf_counter()
         before = _frames_compiled()
         with frozen_weights():
-            out = self.compiled(ids, cos, sin, slots, kv)
+            out = self.compiled(ids, cos, sin, rows, slots, kv, "rows", (slots,))[:2]
         if _frames_compiled() != before:
             dt = time.perf_counter() - t0
             self.compile_s += dt
@@ -146,12 +109,15 @@ class FastBatchBody:
         return out
 
     @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], rows: list[int], offset: int, kv: list[torch.Tensor]
-                ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def prefill(self, prompts: list[list[int]], rows: list[int], offset: int, kv: list[torch.Tensor],
+                hooks: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Prefill ``prompts[g][offset:]`` into cache row ``rows[g]`` from slot ``offset`` (slots before it already
         hold a shared prefix), all prompts in one flat forward, eagerly (its large products gain little from
         compiling, and a second graph would cost a compile). Returns the final states [T, hidden] of the run, the
-        logits of each prompt's last token [g, vocab], and where each prompt starts in the run (plus T)."""
+        logits of each prompt's last token [g, vocab], and where each prompt starts in the run (plus T).
+        ``hooks``: call the forward hooks on the model's layers with their outputs ([1, T, hidden]; one prompt)."""
+        if hooks and len(prompts) != 1:
+            raise ValueError("a prefill that calls the layers' hooks takes one prompt (the hooks see one sequence)")
         dev = kv[0].device
         starts = [0]
         for p in prompts:
@@ -159,11 +125,33 @@ class FastBatchBody:
         ids = torch.tensor([t for p in prompts for t in p[offset:]], device=dev)
         tok_rows = torch.tensor([r for r, p in zip(rows, prompts) for _ in range(len(p) - offset)], device=dev)
         slots = torch.tensor([offset + j for p in prompts for j in range(len(p) - offset)], device=dev)
-        cos, sin = self.rope(slots)
         st = torch.tensor(starts, device=dev)
         group = (torch.tensor(rows, device=dev), st, torch.full((len(prompts),), offset, device=dev))
-        h, logits = self.core.prefill(ids, cos, sin, tok_rows, slots, kv, group, st[1:] - 1)
+        taps = hooked_layers(self._layers) if hooks else ()
+        h, logits, outs = self.core(ids, *self.core.rope(slots), tok_rows, slots, kv, "prefill", group,
+                                    logits=st[1:] - 1, taps=taps)
+        call_layer_hooks(self._layers, taps, tuple(o[None] for o in outs))
         return h, logits, starts
+
+    @torch.no_grad()
+    def verify(self, ids: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, allow: torch.Tensor,
+               kv: list[torch.Tensor], keep: torch.Tensor | None = None, hooks: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative blocks of n rows in one forward (a batched verification): row r's m tokens ``ids[r]``
+        ([n, m]) at positions ``pos[r]``, written at slots ``start[r] .. start[r] + m - 1`` of cache row r, token j
+        seeing the row's slots before ``start[r]`` and block token i where ``allow[r, j, i]`` ([n, m, m] bool; a
+        padding token sees itself and is never read). Returns the final states [n, m, hidden] and the logits of
+        the flat tokens ``keep`` (indices into the n m; None: all, [n, m, vocab]). ``hooks``: call the forward
+        hooks on the model's layers with their outputs ([n, m, hidden])."""
+        n, m = ids.shape
+        dev = ids.device
+        rows = torch.arange(n, device=dev)
+        slots = (start[:, None] + torch.arange(m, device=dev)).reshape(-1)
+        taps = hooked_layers(self._layers) if hooks else ()
+        h, lg, outs = self.core(ids.reshape(-1), *self.core.rope(pos.reshape(-1)), rows.repeat_interleave(m), slots,
+                                kv, "blocks", (rows, slots, allow), logits=True if keep is None else keep, taps=taps)
+        call_layer_hooks(self._layers, taps, tuple(o.view(n, m, -1) for o in outs))
+        return h.view(n, m, -1), lg.view(n, m, -1) if keep is None else lg
 
 
 def _frames_compiled() -> int:
@@ -187,5 +175,5 @@ def batch_body(model, mode: str = "compile") -> FastBatchBody | None:
         return None
     per = _bodies.setdefault(model, {})
     if mode not in per:
-        per[mode] = FastBatchBody(model, compile=mode == "compile")
+        per[mode] = FastBatchBody(model, compile=mode == "compile", core=shared_core(model))
     return per[mode]

@@ -23,6 +23,11 @@ same pre-allocated `KVCache`, the same result (``.last_hidden_state``, after the
     another capacity compiles its own graph (decoders round capacities up to a power of two, and the
     tree-building step-cost measurement uses the same 512 slots).
 
+The computation is one function, `_Core.forward`: the ragged step over a flat run of tokens, each written at
+its own cache row and slot, attention chosen per call (one query, a block, one token per row, blocks of many
+rows, a prefill, or a mask). `FastBody` runs it for the single-sequence decoder (one cache row), and
+`draftsmith.engine.fast_batch.FastBatchBody` for the data engine and the batched decoder (the server's).
+
 A call with more rows than the largest bucket (a long prompt's prefill) runs the same Python function
 eagerly. Only the order of floating-point accumulation differs from the Hugging Face forward (as it does
 between a 1-row and an 8-row forward of the same model); tests/test_fastpath.py compares the two, and
@@ -38,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +53,8 @@ import torch.nn.functional as F
 from draftsmith import paths
 from draftsmith.engine import blockquant
 from draftsmith.engine.kvcache import KVCache
-from draftsmith.engine.native import block_for, decode_linear, native_for, rows_linear_dtypes
+from draftsmith.engine.native import (block_for, decode_linear, native_for, ragged_block_attention,
+                                     ragged_decode_attention, ragged_prefill_attention, rows_linear_dtypes)
 from draftsmith.recipe import default_forward
 
 log = logging.getLogger(__name__)
@@ -176,6 +183,9 @@ class _Core(torch.nn.Module):
         self.attend_one = native_for(self.norm_w.dtype, self.norm_w.device, self.head_dim)
         # a block of queries (a chain or tree to verify): the same kernel with the block's mask (None: SDPA)
         self.attend_block = block_for(self.norm_w.dtype, self.norm_w.device, self.head_dim)
+        # one query per cache row (the batched step): the checked custom op; `FastBatchBody` swaps in the native
+        # kernel itself where its caches qualify
+        self.attend_rows = ragged_decode_attention
         # float32 on CPU (steps of up to 16 rows) and bf16 where the CPU has no bf16 instructions (any rows)
         # multiply by the native kernel (`decode_linear`), decided here, before any compiled trace; it reads weights
         # row-major, so the ones `cpu_layout` stored column-major for the model's own forward get a row-major copy
@@ -210,6 +220,8 @@ class _Core(torch.nn.Module):
         if (not self.rows_native or self.norm_w.dtype != torch.float32
                 or os.environ.get("DRAFTSMITH_PACKED", "1") == "0"):
             return {}
+        if len(self.packed):  # packed already (a core the single and batched steps share)
+            return {name: ps[0].bits for name, ps in self.packed.items()}
         t0 = time.perf_counter()
         groups = self.weight_groups()
         packs = blockquant.pack_groups({k: [w.detach() for w in ws] for k, ws in groups.items()},
@@ -234,10 +246,10 @@ class _Core(torch.nn.Module):
         return w * x.to(dt)
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [1, 1, q, head_dim] by the model's own rotary module, computed eagerly (outside the compiled
-        graph, whose vectorised cos/sin round differently)."""
-        cos, sin = self.rotary(self.norm_w, pos)
-        return cos[:, None], sin[:, None]
+        """cos, sin [T, 1, head_dim] for the positions ``pos`` [T], by the model's own rotary module, computed
+        eagerly (outside the compiled graph, whose vectorised cos/sin round differently)."""
+        cos, sin = self.rotary(self.norm_w, pos[None])
+        return cos[0][:, None], sin[0][:, None]
 
     def qkv_in(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i's attention inputs for the states ``h`` [..., hidden]: q, k, v, flat per token (heads x dim)."""
@@ -259,41 +271,70 @@ class _Core(torch.nn.Module):
         gu = self.lin(x, self.gate_up[i], None, "gate_up", i)
         return h + self.lin(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], self.down[i], None, "down", i)
 
-    def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                slots: torch.Tensor, kv: list[torch.Tensor], logits: bool = True,
-                taps: tuple[int, ...] = (), last: torch.Tensor | None = None, allow: torch.Tensor | None = None
+    def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor | None,
+                slots: torch.Tensor, kv: list[torch.Tensor], attn: str, a: tuple = (),
+                logits: bool | torch.Tensor = True, taps: tuple[int, ...] = ()
                 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
-        """ids [1, q]; cos, sin from `rope`; mask [1, 1, q, e] additive over the first e cache slots; slots
-        [q] where the q new entries go; kv: the cache's key and value buffers, layer by layer. Returns the final
-        normed states, the logits (or None) and the outputs of the layers in ``taps`` (0-based), in that order.
-        ``last`` [1] instead of a mask (mask None): one query attending to slots [0, last], by `attend_one`.
-        ``last`` [q] and ``allow`` [q, q] bool (mask None): a block whose query j, at slot last[j], attends to
-        every slot before last[0] and to block slot last[0] + i where allow[j, i], by `attend_block`."""
-        q = ids.shape[1]
-        e = mask.shape[-1] if mask is not None else None
+        """The one ragged step, for prefill, decoding and verification alike: every layer over the flat run of
+        tokens ``ids`` [T] (token t at the position whose cos, sin [T, 1, head_dim] `rope` gave), token t's key
+        and value written at slot ``slots[t]`` of cache row ``rows[t]`` (``rows`` None: a one-row cache), then
+        attention by ``attn``, with its tensors ``a``:
+
+          * ``"mask"`` (mask [1, 1, T, e]): a one-row cache, SDPA over its first e slots with that additive mask;
+          * ``"one"`` (last [1]): one query over slots [0, last] of a one-row cache (`attend_one`);
+          * ``"block"`` (last [T], allow [T, T] bool): a block in a one-row cache, query j at slot last[j] seeing
+            every slot before last[0] and block slot last[0] + i where allow[j, i] (`attend_block`);
+          * ``"rows"`` (last [T]): token t alone in cache row t, over its slots [0, last[t]] (`attend_rows`);
+          * ``"blocks"`` (brows [n], last [T], allow [n, m, m]): n blocks of m tokens (T = n m), block g in cache
+            row brows[g], each as ``"block"`` (`ragged_block_attention`);
+          * ``"prefill"`` (g_rows, starts, offsets): prompts as one flat run (`ragged_prefill_attention`).
+
+        kv: the cache's key and value buffers, layer by layer ([rows, kv_heads, capacity, head_dim]).
+        ``logits``: True for every token's, False for none, or the indices of the tokens whose logits are wanted.
+        Returns the final normed states [T, hidden], the logits (or None) and the outputs of the layers in
+        ``taps`` (0-based), in that order."""
+        t = ids.shape[0]
         h = self.embed(ids)
         nh, nk, d = self.n_heads, self.n_kv, self.head_dim
+        scale = d ** -0.5
         tapped = {}
         for i in range(len(self.qkv)):
             qs, ks, vs = self.qkv_in(i, h)
-            qs = self.rotate(qs.view(1, q, nh, d).transpose(1, 2), cos, sin)
-            ks = self.rotate(ks.view(1, q, nk, d).transpose(1, 2), cos, sin)
-            vs = vs.view(1, q, nk, d).transpose(1, 2)
+            qs = self.rotate(qs.view(t, nh, d), cos, sin)
+            ks = self.rotate(ks.view(t, nk, d), cos, sin)
+            vs = vs.view(t, nk, d)
             kc, vc = kv[2 * i], kv[2 * i + 1]
-            kc.index_copy_(2, slots, ks)
-            vc.index_copy_(2, slots, vs)
-            if allow is not None:  # a block: the decode kernel with the block's mask, over the live slots only
-                att = self.attend_block(qs[0].transpose(0, 1), kc, vc, last, allow, d ** -0.5)[None]
-            elif last is not None:  # one query over slots [0, last]: the native decode kernel reads only those
-                att = self.attend_one(qs[:, :, 0], kc, vc, last, d ** -0.5)[:, None]
+            if rows is None:
+                kc.index_copy_(2, slots, ks.transpose(0, 1)[None])
+                vc.index_copy_(2, slots, vs.transpose(0, 1)[None])
             else:
-                att = F.scaled_dot_product_attention(qs, kc[:, :, :e], vc[:, :, :e], attn_mask=mask,
-                                                     enable_gqa=nk != nh).transpose(1, 2)
-            h = self.layer_out(i, h, att.reshape(1, q, nh * d))
+                kc[rows, :, slots] = ks
+                vc[rows, :, slots] = vs
+            if attn == "one":  # the native decode kernel reads only the live slots
+                att = self.attend_one(qs, kc, vc, a[0], scale)
+            elif attn == "block":  # the decode kernel with the block's mask, over the live slots only
+                att = self.attend_block(qs, kc, vc, a[0], a[1], scale)
+            elif attn == "rows":
+                att = self.attend_rows(qs, kc, vc, a[0], scale)
+            elif attn == "blocks":
+                att = ragged_block_attention(qs, kc, vc, a[0], a[1], a[2], scale)
+            elif attn == "prefill":
+                att = ragged_prefill_attention(qs, kc, vc, a[0], a[1], a[2], scale)
+            elif attn == "mask":
+                e = a[0].shape[-1]
+                att = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], kc[:, :, :e], vc[:, :, :e],
+                                                     attn_mask=a[0], enable_gqa=nk != nh)[0].transpose(0, 1)
+            else:
+                raise ValueError(f"unknown attention {attn!r}")
+            h = self.layer_out(i, h, att.reshape(t, nh * d))
             if i in taps:
                 tapped[i] = h
         h = self._rms(h, self.norm_w)
-        return h, self.lin(h, self.head_w, None, "head") if logits else None, tuple(tapped[i] for i in taps)
+        if isinstance(logits, bool):
+            lg = self.lin(h, self.head_w, None, "head") if logits else None
+        else:
+            lg = self.lin(h[logits], self.head_w, None, "head")
+        return h, lg, tuple(tapped[i] for i in taps)
 
 
 class FastBody(torch.nn.Module):
@@ -399,47 +440,45 @@ class FastBody(torch.nn.Module):
             attention_mask = torch.zeros(1, 1, q, e, dtype=self.dtype, device=dev)
             attention_mask.masked_fill_(~allowed, torch.finfo(attention_mask.dtype).min)
         kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        taps = tuple(i for i, layer in enumerate(self._layers) if layer._forward_hooks)
+        taps = hooked_layers(self._layers)
         b = min((h for h in self.hot if h >= q), default=None) if self.compiled is not None else None
         C = int(cache.capacity)
+        ids, pos = input_ids[0], position_ids[0]
         if b is None or s + b > C:
             # eager: a block of up to the largest bucket's rows attends by the native block kernel where it
             # applies (as the compiled graphs do), anything longer (a prompt) by SDPA
             allow = (self._block_mask(kv, attention_mask, s, q, q)
                      if self.block_native and q <= BUCKETS[-1] else None)
             slots_e = torch.arange(s, e, device=dev)
-            h, lg, outs = self.core(input_ids, *self.core.rope(position_ids),
-                                    attention_mask if allow is None else None, slots_e, kv,
-                                    logits=want_logits and not logits_from, taps=taps,
-                                    last=slots_e if allow is not None else None, allow=allow)
-            if want_logits and logits_from:
-                lg = self.core.lin(h[:, logits_from:], self.core.head_w, None, "head")
+            attn, a = ("block", (slots_e, allow)) if allow is not None else ("mask", (attention_mask,))
+            lg_at = (torch.arange(logits_from, q, device=dev) if logits_from else True) if want_logits else False
+            h, lg, outs = self.core(ids, *self.core.rope(pos), None, slots_e, kv, attn, a, logits=lg_at, taps=taps)
+            outs = tuple(o[None] for o in outs)
             self._call_hooks(taps, outs)
-            return FastOutput(h, lg)
+            return FastOutput(h[None], None if lg is None else lg[None])
         slots = torch.arange(s, s + b, device=dev)
         if q == 1 and b == 1 and self._one_query(kv, None if sees_all else attention_mask):
             # one query that sees every slot so far (plain decoding, drafting a chain): the native decode kernel
             # over slots [0, s], its length a tensor, so the shape stays static without masking the capacity
-            return self._run_compiled((1, C, str(dev), taps, "one"), taps, input_ids, position_ids, None, slots,
-                                      kv, q, last=slots, logits_from=logits_from)
+            return self._run_compiled((1, C, str(dev), taps, "one"), taps, ids, pos, slots, kv, q, "one",
+                                      (slots,), logits_from)
         pad = b - q
         if pad:
-            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(1, pad)], dim=1)
-            position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(1, pad)], dim=1)
+            ids = torch.cat([ids, ids[-1:].expand(pad)])
+            pos = torch.cat([pos, pos[-1:].expand(pad)])
         allow = self._block_mask(kv, attention_mask, s, q, b) if self.block_native else None
         if allow is not None:
             # a chain or tree block that sees every slot before it: the native kernel with the block's mask reads
             # the live slots only (masked SDPA below reads the whole capacity for every row)
-            return self._run_compiled((b, C, str(dev), taps, "block"), taps, input_ids, position_ids, None, slots,
-                                      kv, q, last=slots, logits_from=logits_from, allow=allow)
+            return self._run_compiled((b, C, str(dev), taps, "block"), taps, ids, pos, slots, kv, q, "block",
+                                      (slots, allow), logits_from)
         # every shape static: b rows over the whole capacity, the slots past the live length masked out
         # (gpt-fast's way; dynamic live lengths got specialised by the trace and recompiled on every step)
         m = torch.full((1, 1, b, C), torch.finfo(attention_mask.dtype).min, dtype=attention_mask.dtype, device=dev)
         m[:, :, :q, :e] = attention_mask
         if pad:
             m[0, 0, torch.arange(q, b), torch.arange(e, e + pad)] = 0  # a padded row sees only itself
-        return self._run_compiled((b, C, str(dev), taps), taps, input_ids, position_ids, m, slots, kv, q,
-                                  logits_from=logits_from)
+        return self._run_compiled((b, C, str(dev), taps), taps, ids, pos, slots, kv, q, "mask", (m,), logits_from)
 
     def _block_mask(self, kv: list[torch.Tensor], attention_mask: torch.Tensor, s: int, q: int, b: int
                     ) -> torch.Tensor | None:
@@ -463,40 +502,46 @@ class FastBody(torch.nn.Module):
             return False
         return attention_mask is None or not bool(attention_mask.ne(0).any())
 
-    def _run_compiled(self, key: tuple, taps: tuple[int, ...], input_ids, position_ids, m, slots, kv, q: int,
-                      last: torch.Tensor | None = None, logits_from: int = 0,
-                      allow: torch.Tensor | None = None) -> FastOutput:
+    def _run_compiled(self, key: tuple, taps: tuple[int, ...], ids, pos, slots, kv, q: int, attn: str, a: tuple,
+                      logits_from: int = 0) -> FastOutput:
         first = key not in self._seen
         if first:
             self._seen.add(key)
             t0 = time.perf_counter()
-        fn = self.compiled_one if last is not None and allow is None else self.compiled
+        fn = self.compiled_one if attn == "one" else self.compiled
         with frozen_weights():
-            h, lg, outs = fn(input_ids, *self.core.rope(position_ids), m, slots, kv, taps=taps, last=last,
-                             allow=allow)
+            h, lg, outs = fn(ids, *self.core.rope(pos), None, slots, kv, attn, a, taps=taps)
         if first:
             self.compile_s += time.perf_counter() - t0
             log.info("compiled the decoding forward for %d rows over a %d-slot cache%s%s in %.1f s", key[0], key[1],
                      f" (outputs of layers {list(taps)} kept for hooks)" if taps else "",
-                     (", a block by the native block kernel" if allow is not None else
-                      ", one query by the native decode kernel" if last is not None else ""), time.perf_counter() - t0)
-        if input_ids.shape[1] > q:
-            h, lg, outs = h[:, :q], lg[:, :q], tuple(o[:, :q] for o in outs)
-        if logits_from and lg is not None:
+                     {"block": ", a block by the native block kernel",
+                      "one": ", one query by the native decode kernel"}.get(attn, ""), time.perf_counter() - t0)
+        h, lg, outs = h[None, :q], lg[None, :q], tuple(o[None, :q] for o in outs)
+        if logits_from:
             lg = lg[:, logits_from:]
         self._call_hooks(taps, outs)
         return FastOutput(h, lg)
 
     def _call_hooks(self, taps: tuple[int, ...], outs: tuple[torch.Tensor, ...]) -> None:
-        """Call the forward hooks of the model's layers in ``taps`` with their outputs of this forward, as the
-        model's own forward would (``hook(layer, args, output)``; the args are not available: empty)."""
-        for i, out in zip(taps, outs):
-            layer = self._layers[i]
-            for hid, hook in list(layer._forward_hooks.items()):
-                if hid in layer._forward_hooks_with_kwargs:
-                    hook(layer, (), {}, (out,))
-                else:
-                    hook(layer, (), (out,))
+        call_layer_hooks(self._layers, taps, outs)
+
+
+def call_layer_hooks(layers, taps: tuple[int, ...], outs: tuple[torch.Tensor, ...]) -> None:
+    """Call the forward hooks of the model's ``layers`` in ``taps`` with their outputs of a forward of ours, as the
+    model's own forward would (``hook(layer, args, output)``; the args are not available: empty)."""
+    for i, out in zip(taps, outs):
+        layer = layers[i]
+        for hid, hook in list(layer._forward_hooks.items()):
+            if hid in layer._forward_hooks_with_kwargs:
+                hook(layer, (), {}, (out,))
+            else:
+                hook(layer, (), (out,))
+
+
+def hooked_layers(layers) -> tuple[int, ...]:
+    """The indices of the model's layers that carry forward hooks (a drafter reading their outputs)."""
+    return tuple(i for i, layer in enumerate(layers) if layer._forward_hooks)
 
 
 def use_fast_forward(target, mode: str = "compile", autotune: bool = True) -> dict:
@@ -519,7 +564,17 @@ def use_fast_forward(target, mode: str = "compile", autotune: bool = True) -> di
     import torch._dynamo
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     target.fast_body = FastBody(target.model, compile=mode == "compile", autotune=autotune)
+    _shared_cores[target.model] = target.fast_body.core
     return {"forward": mode}
+
+
+_shared_cores: "weakref.WeakKeyDictionary[torch.nn.Module, _Core]" = weakref.WeakKeyDictionary()
+
+
+def shared_core(model) -> _Core | None:
+    """The fused weights of the `FastBody` that `use_fast_forward` put on ``model``'s target, for the batched step
+    to run the same step on the same weights (one copy in memory); None if there is none."""
+    return _shared_cores.get(model)
 
 
 def add_forward_arg(ap, default: str | None = None) -> None:

@@ -249,6 +249,41 @@ def _(q, k, v, rows, starts, offsets, scale):
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("draftsmith::ragged_block_attention", mutates_args=())
+def ragged_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                           last: torch.Tensor, allow: torch.Tensor, scale: float) -> torch.Tensor:
+    """Speculative blocks of many sequences (a batched verification): block g is the m queries
+    ``q[g m:(g + 1) m]`` ([n m, heads, head_dim] in all), in cache row ``rows[g]`` at slots ``last[g m + j]``, the
+    first of them the block's start; query j attends to every slot before the block's start and to block slot
+    start + i where ``allow[g, j, i]`` ([n, m, m] bool; a padding query should see itself). Each block by the
+    native block kernel where it applies (``draftsmith_native::block_attention``, the live slots only), else by
+    one SDPA call over the row's slots up to its block's end."""
+    n, m = allow.shape[0], allow.shape[1]
+    out = torch.empty_like(q)
+    op = block_for(q.dtype, q.device, q.shape[-1])
+    if op is not None and not (k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and v.stride() == k.stride()):
+        op = None
+    gqa = k.shape[1] != q.shape[1]
+    for g, r in enumerate(rows.tolist()):
+        qs, ls = q[g * m:(g + 1) * m], last[g * m:(g + 1) * m]
+        kr, vr = k[r:r + 1], v[r:r + 1]
+        if op is not None:
+            out[g * m:(g + 1) * m] = op(qs, kr, vr, ls, allow[g], scale)
+            continue
+        s0 = int(ls[0])
+        seen = torch.ones(m, s0 + m, dtype=torch.bool, device=q.device)
+        seen[:, s0:] = allow[g]
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], kr[:, :, :s0 + m], vr[:, :, :s0 + m],
+                                           attn_mask=seen, scale=scale, enable_gqa=gqa)
+        out[g * m:(g + 1) * m] = o[0].transpose(0, 1)
+    return out
+
+
+@ragged_block_attention.register_fake
+def _(q, k, v, rows, last, allow, scale):
+    return torch.empty_like(q)
+
+
 ROWS_LINEAR_MAX = 16  # up to this many float32 rows a linear runs `rows_linear`; more go to the BLAS product
 
 

@@ -212,6 +212,30 @@ def test_plain_steps_through_the_fused_batched_step_equal_batch_one(mode, tgt, r
 
 
 
+@pytest.fixture(scope="module")
+def fused_tgt(tgt):
+    """``tgt``'s weights and stop tokens with our forward on it (eager): prefills, plain steps and every
+    verification of the batched decoder run the fused batched step."""
+    t = tiny(dtype=torch.float64)
+    t.model.generation_config.eos_token_id = list(tgt.model.generation_config.eos_token_id)
+    use_fast_forward(t, "fast")
+    return t
+
+
+@pytest.mark.parametrize("kind", ["first-layers", "other-model", "medusa", "hydra++", "hydra++-pruned"])
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_drafted_rows_through_the_fused_step_equal_batch_one(fused_tgt, reference, kind, tree):
+    """Draft verification through the fused batched step (`FastBatchBody.verify`: every row's block in one
+    flat forward, each row's block attending to its own cache row): every row equals batch-1 greedy decoding,
+    and drafts are accepted (the comparison has teeth)."""
+    dec = BatchedSpeculativeDecoder(fused_tgt, _drafters(fused_tgt)[kind](), tree=tree, k=3)
+    assert dec._fast() is not None
+    res = dec.generate(PROMPTS, N_NEW)
+    assert [r.tokens for r in res.rows] == [r.tokens for r in reference]
+    assert [r.stop_reason for r in res.rows] == [r.stop_reason for r in reference]
+    assert sum(s.accepted for s in res.steps) > 0
+
+
 def test_release_drops_finished_rows_and_changes_no_output(tgt, reference):
     """``release=True`` (a server's call that admits rows for hours): finished rows' states are let go and no
     step statistics are kept; ``on_step`` still streams every row's tokens, equal to the kept results."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftsmith.engine.native import block_for, native_for
+from draftsmith.engine.native import block_for, native_for, ragged_block_attention
 
 pytestmark = pytest.mark.skipif(native_for(torch.float32, "cpu", 64) is None, reason="native kernels unavailable")
 
@@ -44,6 +44,26 @@ def test_block_attention_equals_masked_sdpa(b, s, dtype):
     want = _reference(q.float(), k.float(), v.float(), s, allow, D ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got.float() - want).abs().max() < tol
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["native", "sdpa"])
+def test_ragged_blocks_each_attend_to_their_own_row(contiguous):
+    """`ragged_block_attention` (a batched verification): blocks of rows at different lengths, in cache rows
+    given out of order, each equal to its own row's masked SDPA (the native kernel where the cache's slots are
+    contiguous, one SDPA call per block otherwise)."""
+    g = torch.Generator().manual_seed(11)
+    n, m, H, KV, D, C = 3, 5, 9, 3, 64, 96
+    q = torch.randn(n * m, H, D, generator=g)
+    k, v = (torch.randn(4, KV, C, D, generator=g) for _ in range(2))
+    if not contiguous:  # the same numbers, slots no longer contiguous: the SDPA path
+        k, v = (x.transpose(2, 3).contiguous().transpose(2, 3) for x in (k, v))
+    rows, starts = torch.tensor([2, 0, 3]), [40, 7, 81]
+    last = torch.cat([torch.arange(s, s + m) for s in starts])
+    allow = torch.stack([_tree_mask(m, g) for _ in range(n)])
+    got = ragged_block_attention(q, k, v, rows, last, allow, D ** -0.5)
+    for i, (r, s) in enumerate(zip(rows.tolist(), starts)):
+        want = _reference(q[i * m:(i + 1) * m], k[r:r + 1], v[r:r + 1], s, allow[i], D ** -0.5)
+        assert (got[i * m:(i + 1) * m] - want).abs().max() < 1e-5
 
 
 def test_a_chain_row_is_the_one_query_kernels_bit_for_bit():

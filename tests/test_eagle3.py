@@ -270,15 +270,19 @@ BATCH_PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1] + list(range(3, 38)) + [4, 5, 6] *
 BATCH_NEW = [24, 30, 9, 30, 17]
 
 
+@pytest.mark.parametrize("forward", ["eager", "fast"])
 @pytest.mark.parametrize("tree", [None, [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]],
                          ids=["chain", "static"])
-def test_batched_rows_equal_batch_one_and_draft_the_same(tree):
+def test_batched_rows_equal_batch_one_and_draft_the_same(tree, forward):
     """Greedy: each batched row equals plain decoding, and drafts and accepts exactly what the single-sequence
     decoder with the same drafter does (the same trees: the rows' states come from the batched forwards'
-    hooks), with prompts of very different lengths, a one-token prompt and rows that leave early."""
+    hooks), with prompts of very different lengths, a one-token prompt and rows that leave early; with the
+    model's own forward and with ours (the fused batched step calls the layers' hooks with its outputs)."""
     from draftsmith.engine.batched import BatchedSpeculativeDecoder
+    from draftsmith.engine.fastpath import use_fast_forward
 
     t = tiny(vocab=40, layers=4, dtype=torch.float64)
+    use_fast_forward(t, forward)
     dr = module(t, std=0.3).decoder_drafter(t)
     plain = SpeculativeDecoder(t)
     ref = [plain.generate(p, n).tokens for p, n in zip(BATCH_PROMPTS, BATCH_NEW)]

@@ -171,6 +171,15 @@ def test_eager_or_an_unsupported_model_keeps_the_models_forward(caplog):
         FastBatchBody(m)
 
 
+def test_the_batched_step_runs_on_the_single_decoders_weights():
+    """With our forward on a target (`use_fast_forward`), the batched step (data engine, batched decoder) runs on
+    the single-sequence `FastBody`'s fused weights: one copy in memory, one step function."""
+    from draftsmith.engine.fastpath import use_fast_forward
+    t = make_tiny_target(seed=5)
+    use_fast_forward(t, "fast")
+    assert batch_body(t.model, "fast").core is t.fast_body.core
+
+
 @pytest.mark.real
 def test_real_target_fast_step_writes_what_the_models_forward_writes(real_target, tmp_path):
     """SmolLM2 in float32, 8 MT-Bench first turns x 48 tokens, greedy: the fused step (eager: the compiled graph
