@@ -258,7 +258,7 @@ def ragged_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ro
     start + i where ``allow[g, j, i]`` ([n, m, m] bool; a padding query should see itself). Each block by the
     native block kernel where it applies (``draftsmith_native::block_attention``, the live slots only), else by
     one SDPA call over the row's slots up to its block's end."""
-    n, m = allow.shape[0], allow.shape[1]
+    m = allow.shape[1]
     out = torch.empty_like(q)
     op = block_for(q.dtype, q.device, q.shape[-1])
     if op is not None and not (k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and v.stride() == k.stride()):
