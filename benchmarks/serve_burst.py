@@ -213,13 +213,15 @@ def phase(name: str, srv: Server, make, model: str, jobs: list[tuple[int, str, i
 
 def data_engine(a, prompts: list[str]) -> dict:
     """The data engine on the same prompts (chat template), ``max_batch`` rows, greedy: generated tok/s over
-    the wall time (prefills included), after a warm-up that compiles its step."""
+    the wall time (prefills included), after a warm-up that compiles each of its step's graphs
+    (`FastBatchBody.graph_rows`: up to 16 rows, and past 16)."""
     torch.set_num_threads(a.threads)
     target = load_target(a.target)
     ids = [chat_prompt_ids(target.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     gen = BatchGenerator(target.model, target.eos_token_ids, max_rows=a.max_batch, capacity=2048,
                          forward="compile")
-    gen.run([Job(0, ids[0], 4), Job(1, ids[1], 4)], lambda j, t, f: None)  # compiles the step
+    for n in gen.fast.graph_rows(a.max_batch) if gen.fast is not None else [2]:  # compiles each of its graphs
+        gen.run([Job(i, ids[i % len(ids)], 4) for i in range(n)], lambda j, t, f: None)
     done: list[int] = []
     t0 = time.perf_counter()
     gen.run([Job(i, p, a.tokens) for i, p in enumerate(ids)], lambda j, t, f: done.append(len(t)))

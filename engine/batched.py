@@ -383,9 +383,9 @@ class BatchedSpeculativeDecoder:
         m = max(counts)
         L = torch.tensor([s.length for s in states], device=dev)
         fast = self._fast()
-        if m == 1 and (fast is None or not self._drafting):
+        if m == 1 and (fast is None or not (self._drafting and fast.hooked())):
             ids = torch.stack([t.tokens() for t in trees])
-            if fast is not None:  # a plain step: one token per row, the fused step
+            if fast is not None:  # a plain step: one token per row, the fused step (no layer's hooks to call)
                 h, lg = fast.step(ids[:, 0], L, self._kv())
                 return list(lg[:, None]), h[:, None]
             block = torch.ones((n, 1, 1), dtype=torch.bool, device=dev)
@@ -400,13 +400,13 @@ class BatchedSpeculativeDecoder:
             depth[i, :c] = torch.tensor(t.depth)
             block[i, :c, :c] = t.ancestor_mask("cpu") if not t.is_chain() else torch.ones(c, c, dtype=torch.bool).tril()
             block[i, range(c, m), range(c, m)] = True  # padding sees itself only
-        keep = torch.cat([torch.arange(c, device=dev) + i * m for i, c in enumerate(counts)])
         pos = L[:, None] + depth.to(dev)
         if fast is not None:
-            # the fused step over every row's block (the layers' hooks called for a drafter that reads them)
-            h, lg = fast.verify(ids, pos, L, block.to(dev), self._kv(), keep=keep, hooks=self._drafting)
+            # the fused step over every row's block, unpadded (the layers' hooks called for a drafter that reads them)
+            h, lg = fast.verify(ids, pos, L, block.to(dev), counts, self._kv(), hooks=self._drafting)
             return list(torch.split(lg, counts)), h
         h = ragged_forward(self.body, self.cache, ids, L, pos, L, block.to(dev), L, 0)
+        keep = torch.cat([torch.arange(c, device=dev) + i * m for i, c in enumerate(counts)])
         lg = project(self.lm_head, h.reshape(n * m, -1)[keep])
         return list(torch.split(lg, counts)), h
 
@@ -542,6 +542,18 @@ class BatchedSpeculativeDecoder:
                                       stop_reason=st.stop_reason or "max_new_tokens")
         batch.rows, batch.prefill_s, batch.wall_s = results, t1 - t0, t2 - t0
         return batch
+
+    def warmup(self, prompt: Sequence[int], new_tokens: int, max_rows: int, capacity: int) -> list[int]:
+        """Decode ``prompt`` (and twice it, rows of two lengths) in batches of each row count whose step compiles a
+        graph of its own, up to ``max_rows`` (`FastBatchBody.graph_rows`), in a cache of ``max_rows`` rows and
+        ``capacity`` positions, so that no request waits for a compile. Returns the batch sizes run."""
+        fast = self._fast()
+        sizes = fast.graph_rows(max_rows) if fast is not None else [min(2, max_rows)]
+        p = [int(t) for t in prompt]
+        for n in sizes:
+            self.generate([p if i % 2 == 0 else p + p for i in range(n)], new_tokens, max_rows=max_rows,
+                          capacity=max(capacity, self.positions(2 * len(p), new_tokens)))
+        return sizes
 
     def positions(self, prompt_len: int, max_new_tokens: int) -> int:
         """Cache positions a row needs: its prompt, its new tokens and two draft blocks (the one being verified

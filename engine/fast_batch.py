@@ -38,7 +38,7 @@ import torch._dynamo
 
 from draftsmith.engine.fastpath import (MODES, _Core, call_layer_hooks, frozen_weights, hooked_layers, shared_core,
                                        unsupported)
-from draftsmith.engine.native import native_for
+from draftsmith.engine.native import ROWS_LINEAR_MAX, native_for
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,21 @@ class FastBatchBody:
         if compile:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.compiled = torch.compile(self.core, dynamic=False, options={"emulate_precision_casts": True})
+
+    def hooked(self) -> bool:
+        """Whether any of the model's layers carries a forward hook (a drafter reading its outputs): then a
+        drafting decoder's steps go through `verify`, which calls them, and not the compiled `step`."""
+        return bool(hooked_layers(self._layers))
+
+    def graph_rows(self, max_rows: int) -> list[int]:
+        """Row counts up to ``max_rows`` whose compiled steps are graphs of their own, one for each: 2 (a step of up to
+        `ROWS_LINEAR_MAX` rows multiplies by the native kernels) and, where the core multiplies by them, the first
+        count past it (the BLAS products). A server compiles them all before its first request: measured on the
+        2-core AVX2 EPYC, the 32-row graph compiled in the middle of a burst of 32 requests for 73-83 s."""
+        sizes = [min(2, max_rows)]
+        if self.compiled is not None and self.core.rows_native and max_rows > ROWS_LINEAR_MAX:
+            sizes.append(ROWS_LINEAR_MAX + 1)
+        return sizes
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, slots: torch.Tensor, kv: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,23 +150,33 @@ class FastBatchBody:
 
     @torch.no_grad()
     def verify(self, ids: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, allow: torch.Tensor,
-               kv: list[torch.Tensor], keep: torch.Tensor | None = None, hooks: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Speculative blocks of n rows in one forward (a batched verification): row r's m tokens ``ids[r]``
-        ([n, m]) at positions ``pos[r]``, written at slots ``start[r] .. start[r] + m - 1`` of cache row r, token j
-        seeing the row's slots before ``start[r]`` and block token i where ``allow[r, j, i]`` ([n, m, m] bool; a
-        padding token sees itself and is never read). Returns the final states [n, m, hidden] and the logits of
-        the flat tokens ``keep`` (indices into the n m; None: all, [n, m, vocab]). ``hooks``: call the forward
-        hooks on the model's layers with their outputs ([n, m, hidden])."""
+               counts: list[int], kv: list[torch.Tensor], hooks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative blocks of n rows in one forward (a batched verification): row r's first ``counts[r]``
+        tokens of ``ids[r]`` ([n, m]) at positions ``pos[r]``, written at slots ``start[r]``, ``start[r] + 1``, ...
+        of cache row r, token j seeing the row's slots before ``start[r]`` and block token i where ``allow[r, j,
+        i]`` ([n, m, m] bool). The blocks run as one flat run without padding (a row with no draft is one token).
+        Returns the final states [n, m, hidden] (zero past a row's count) and the logits of the flat run [sum of
+        counts, vocab], row after row. ``hooks``: call the forward hooks on the model's layers with their outputs,
+        laid out [n, m, hidden] as the states."""
         n, m = ids.shape
         dev = ids.device
+        c = torch.tensor(counts, device=dev)
+        live = torch.arange(m, device=dev)[None] < c[:, None]  # [n, m]: the real tokens
         rows = torch.arange(n, device=dev)
-        slots = (start[:, None] + torch.arange(m, device=dev)).reshape(-1)
+        starts = torch.zeros(n + 1, dtype=torch.long, device=dev)
+        starts[1:] = c.cumsum(0)
+        slots = (start[:, None] + torch.arange(m, device=dev))[live]
         taps = hooked_layers(self._layers) if hooks else ()
-        h, lg, outs = self.core(ids.reshape(-1), *self.core.rope(pos.reshape(-1)), rows.repeat_interleave(m), slots,
-                                kv, "blocks", (rows, slots, allow), logits=True if keep is None else keep, taps=taps)
-        call_layer_hooks(self._layers, taps, tuple(o.view(n, m, -1) for o in outs))
-        return h.view(n, m, -1), lg.view(n, m, -1) if keep is None else lg
+        h, lg, outs = self.core(ids[live], *self.core.rope(pos[live]), rows.repeat_interleave(c), slots, kv, "blocks",
+                                (rows, starts, slots, allow), taps=taps)
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            full = x.new_zeros(n, m, x.shape[-1])
+            full[live] = x
+            return full
+
+        call_layer_hooks(self._layers, taps, tuple(pad(o) for o in outs))
+        return pad(h), lg
 
 
 def _frames_compiled() -> int:

@@ -285,8 +285,9 @@ class _Core(torch.nn.Module):
           * ``"block"`` (last [T], allow [T, T] bool): a block in a one-row cache, query j at slot last[j] seeing
             every slot before last[0] and block slot last[0] + i where allow[j, i] (`attend_block`);
           * ``"rows"`` (last [T]): token t alone in cache row t, over its slots [0, last[t]] (`attend_rows`);
-          * ``"blocks"`` (brows [n], last [T], allow [n, m, m]): n blocks of m tokens (T = n m), block g in cache
-            row brows[g], each as ``"block"`` (`ragged_block_attention`);
+          * ``"blocks"`` (brows [n], starts [n + 1], last [T], allow [n, m, m]): n blocks one after the other,
+            block g (tokens starts[g] to starts[g + 1]) in cache row brows[g], each as ``"block"``
+            (`ragged_block_attention`);
           * ``"prefill"`` (g_rows, starts, offsets): prompts as one flat run (`ragged_prefill_attention`).
 
         kv: the cache's key and value buffers, layer by layer ([rows, kv_heads, capacity, head_dim]).
@@ -317,7 +318,7 @@ class _Core(torch.nn.Module):
             elif attn == "rows":
                 att = self.attend_rows(qs, kc, vc, a[0], scale)
             elif attn == "blocks":
-                att = ragged_block_attention(qs, kc, vc, a[0], a[1], a[2], scale)
+                att = ragged_block_attention(qs, kc, vc, a[0], a[1], a[2], a[3], scale)
             elif attn == "prefill":
                 att = ragged_prefill_attention(qs, kc, vc, a[0], a[1], a[2], scale)
             elif attn == "mask":

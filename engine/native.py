@@ -251,36 +251,41 @@ def _(q, k, v, rows, starts, offsets, scale):
 
 @torch.library.custom_op("draftsmith::ragged_block_attention", mutates_args=())
 def ragged_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
-                           last: torch.Tensor, allow: torch.Tensor, scale: float) -> torch.Tensor:
-    """Speculative blocks of many sequences (a batched verification): block g is the m queries
-    ``q[g m:(g + 1) m]`` ([n m, heads, head_dim] in all), in cache row ``rows[g]`` at slots ``last[g m + j]``, the
-    first of them the block's start; query j attends to every slot before the block's start and to block slot
-    start + i where ``allow[g, j, i]`` ([n, m, m] bool; a padding query should see itself). Each block by the
-    native block kernel where it applies (``draftsmith_native::block_attention``, the live slots only), else by
-    one SDPA call over the row's slots up to its block's end."""
-    m = allow.shape[1]
+                           starts: torch.Tensor, last: torch.Tensor, allow: torch.Tensor, scale: float) -> torch.Tensor:
+    """Speculative blocks of many sequences (a batched verification), as one flat run of queries: block g is
+    ``q[starts[g]:starts[g + 1]]`` ([T, heads, head_dim] in all; its width c_g, no padding), in cache row
+    ``rows[g]`` at slots ``last[starts[g] + j]``, the first of them the block's start; query j attends to every
+    slot before the block's start and to block slot start + i where ``allow[g, j, i]`` ([n, m, m] bool, m at
+    least every width; entries past c_g are not read). Each block by the native block kernel where it applies
+    (``draftsmith_native::block_attention``, the live slots only), else by one SDPA call over the row's slots
+    up to its block's end."""
     out = torch.empty_like(q)
     op = block_for(q.dtype, q.device, q.shape[-1])
     if op is not None and not (k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and v.stride() == k.stride()):
         op = None
     gqa = k.shape[1] != q.shape[1]
+    bounds = starts.tolist()
     for g, r in enumerate(rows.tolist()):
-        qs, ls = q[g * m:(g + 1) * m], last[g * m:(g + 1) * m]
+        a, b = bounds[g], bounds[g + 1]
+        c = b - a
+        if c == 0:
+            continue
+        qs, ls, al = q[a:b], last[a:b], allow[g, :c, :c]
         kr, vr = k[r:r + 1], v[r:r + 1]
         if op is not None:
-            out[g * m:(g + 1) * m] = op(qs, kr, vr, ls, allow[g], scale)
+            out[a:b] = op(qs, kr, vr, ls, al, scale)
             continue
         s0 = int(ls[0])
-        seen = torch.ones(m, s0 + m, dtype=torch.bool, device=q.device)
-        seen[:, s0:] = allow[g]
-        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], kr[:, :, :s0 + m], vr[:, :, :s0 + m],
+        seen = torch.ones(c, s0 + c, dtype=torch.bool, device=q.device)
+        seen[:, s0:] = al
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], kr[:, :, :s0 + c], vr[:, :, :s0 + c],
                                            attn_mask=seen, scale=scale, enable_gqa=gqa)
-        out[g * m:(g + 1) * m] = o[0].transpose(0, 1)
+        out[a:b] = o[0].transpose(0, 1)
     return out
 
 
 @ragged_block_attention.register_fake
-def _(q, k, v, rows, last, allow, scale):
+def _(q, k, v, rows, starts, last, allow, scale):
     return torch.empty_like(q)
 
 

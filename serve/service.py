@@ -386,10 +386,8 @@ class DecodingService:
         t0 = time.perf_counter()
         ids = [int(t) for t in self.target.tokenizer("Hello")["input_ids"]] or [min(self.target.eos_token_ids)]
         with self.lock:
-            if self.batched is not None:  # two rows in the cache a batched call allocates: the step's graph
-                self.batched.generate([ids, ids + ids], new_tokens, max_rows=self.max_batch,
-                                      capacity=max(self.batch_positions, self.batched.positions(2 * len(ids),
-                                                                                                new_tokens)))
+            if self.batched is not None:  # in the cache a batched call allocates: each of the step's graphs
+                self.batched.warmup(ids, new_tokens, self.max_batch, self.batch_positions)
             self.decoder.generate(ids, new_tokens)
         return time.perf_counter() - t0
 

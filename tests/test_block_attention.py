@@ -48,22 +48,26 @@ def test_block_attention_equals_masked_sdpa(b, s, dtype):
 
 @pytest.mark.parametrize("contiguous", [True, False], ids=["native", "sdpa"])
 def test_ragged_blocks_each_attend_to_their_own_row(contiguous):
-    """`ragged_block_attention` (a batched verification): blocks of rows at different lengths, in cache rows
-    given out of order, each equal to its own row's masked SDPA (the native kernel where the cache's slots are
-    contiguous, one SDPA call per block otherwise)."""
+    """`ragged_block_attention` (a batched verification): blocks of different widths (one of a single token) of
+    rows at different lengths, one flat run without padding, in cache rows given out of order, each equal to its
+    own row's masked SDPA (the native kernel where the cache's slots are contiguous, one SDPA call per block
+    otherwise)."""
     g = torch.Generator().manual_seed(11)
-    n, m, H, KV, D, C = 3, 5, 9, 3, 64, 96
-    q = torch.randn(n * m, H, D, generator=g)
+    H, KV, D, C, m = 9, 3, 64, 96, 5
+    widths, rows, starts = [5, 1, 3], torch.tensor([2, 0, 3]), [40, 7, 81]
+    T = sum(widths)
+    q = torch.randn(T, H, D, generator=g)
     k, v = (torch.randn(4, KV, C, D, generator=g) for _ in range(2))
     if not contiguous:  # the same numbers, slots no longer contiguous: the SDPA path
         k, v = (x.transpose(2, 3).contiguous().transpose(2, 3) for x in (k, v))
-    rows, starts = torch.tensor([2, 0, 3]), [40, 7, 81]
-    last = torch.cat([torch.arange(s, s + m) for s in starts])
-    allow = torch.stack([_tree_mask(m, g) for _ in range(n)])
-    got = ragged_block_attention(q, k, v, rows, last, allow, D ** -0.5)
-    for i, (r, s) in enumerate(zip(rows.tolist(), starts)):
-        want = _reference(q[i * m:(i + 1) * m], k[r:r + 1], v[r:r + 1], s, allow[i], D ** -0.5)
-        assert (got[i * m:(i + 1) * m] - want).abs().max() < 1e-5
+    bounds = torch.tensor([0, 5, 6, 9])
+    last = torch.cat([torch.arange(s, s + w) for s, w in zip(starts, widths)])
+    allow = torch.stack([_tree_mask(m, g) for _ in range(3)])
+    got = ragged_block_attention(q, k, v, rows, bounds, last, allow, D ** -0.5)
+    for i, (r, s, w) in enumerate(zip(rows.tolist(), starts, widths)):
+        a = int(bounds[i])
+        want = _reference(q[a:a + w], k[r:r + 1], v[r:r + 1], s, allow[i, :w, :w], D ** -0.5)
+        assert (got[a:a + w] - want).abs().max() < 1e-5
 
 
 def test_a_chain_row_is_the_one_query_kernels_bit_for_bit():

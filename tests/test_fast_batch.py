@@ -180,6 +180,17 @@ def test_the_batched_step_runs_on_the_single_decoders_weights():
     assert batch_body(t.model, "fast").core is t.fast_body.core
 
 
+def test_graph_rows_name_each_compiled_regime():
+    """The row counts a server warms up: 2, and past the native products' row limit the first count that
+    multiplies by BLAS (its own graph); nothing more for an eager body."""
+    from draftsmith.engine.native import ROWS_LINEAR_MAX
+    m = make_tiny_model(hidden_size=64, heads=4, kv_heads=2, seed=3)
+    fb = FastBatchBody(m, compile=True)
+    assert fb.graph_rows(8) == [2] and fb.graph_rows(1) == [1]
+    assert fb.graph_rows(32) == ([2, ROWS_LINEAR_MAX + 1] if fb.core.rows_native else [2])
+    assert FastBatchBody(m, compile=False).graph_rows(32) == [2]
+
+
 @pytest.mark.real
 def test_real_target_fast_step_writes_what_the_models_forward_writes(real_target, tmp_path):
     """SmolLM2 in float32, 8 MT-Bench first turns x 48 tokens, greedy: the fused step (eager: the compiled graph
