@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 
 class FastBatchBody:
-    """The decode step of `BatchGenerator` as one function (see the module docstring).
+    """The batched step of the data engine (`BatchGenerator`) and the batched decoder: decode steps, prefills and
+    verification through the one ragged step (see the module docstring).
 
     Args:
       model: a Llama-family causal LM (`fastpath.unsupported` is None for it); its weights are copied fused.
