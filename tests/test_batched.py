@@ -236,6 +236,18 @@ def test_drafted_rows_through_the_fused_step_equal_batch_one(fused_tgt, referenc
     assert sum(s.accepted for s in res.steps) > 0
 
 
+def test_warmup_decodes_at_each_graph_size(fused_tgt, monkeypatch):
+    """`warmup` (a server's, before its first request) runs one batch of each row count whose step is a graph of
+    its own (`FastBatchBody.graph_rows`), in the cache the server's calls use."""
+    dec = plain_batched_decoder(fused_tgt)
+    monkeypatch.setattr(dec._fast(), "graph_rows", lambda max_rows: [2, 5])
+    seen, generate = [], dec.generate
+    monkeypatch.setattr(dec, "generate", lambda prompts, n, **kw: seen.append((len(prompts), kw["max_rows"]))
+                        or generate(prompts, n, **kw))
+    assert dec.warmup([1, 5, 6], 3, max_rows=8, capacity=64) == [2, 5]
+    assert seen == [(2, 8), (5, 8)] and dec.cache.n_rows == 8
+
+
 def test_release_drops_finished_rows_and_changes_no_output(tgt, reference):
     """``release=True`` (a server's call that admits rows for hours): finished rows' states are let go and no
     step statistics are kept; ``on_step`` still streams every row's tokens, equal to the kept results."""
