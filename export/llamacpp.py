@@ -22,6 +22,7 @@ dequantised from, so ``--gguf-type q4_1`` of the default target is that file, by
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -157,8 +158,20 @@ def add_metadata(src: Path, dst: Path, kv: dict, ll: LlamaCpp) -> None:
         os.unlink(f.name)
 
 
+def converter_problem() -> str | None:
+    """Why llama.cpp's converter cannot run in this Python (None when it can): it imports sentencepiece, which
+    `scripts/llamacpp_env.sh` installs into .venv beside the build."""
+    if importlib.util.find_spec("sentencepiece") is None:
+        return (f"llama.cpp's convert_hf_to_gguf.py needs sentencepiece in this Python ({sys.executable}): "
+                f"`bash {ENV_SCRIPT}` installs it into .venv (or `pip install sentencepiece`)")
+    return None
+
+
 def convert_hf(ll: LlamaCpp, model_dir: Path, out: Path, outtype: str, target_dir: Path | None = None) -> Path:
-    """llama.cpp's converter on a Hugging Face directory."""
+    """llama.cpp's converter on a Hugging Face directory (a clear error first where this Python cannot run it)."""
+    why = converter_problem()
+    if why is not None:
+        raise LlamaCppError(why)
     cmd = [sys.executable, ll.src / "convert_hf_to_gguf.py", model_dir, "--outfile", out, "--outtype", outtype]
     if target_dir is not None:
         cmd += ["--target-model-dir", target_dir]

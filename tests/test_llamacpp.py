@@ -12,8 +12,19 @@ from draftsmith.export import llamacpp as lc
 from draftsmith.export import llamacpp_server as srv
 from draftsmith.export.llamacpp import LlamaCppError, check_pair
 
-WHY = lc.have_llamacpp()
+WHY = lc.have_llamacpp() or lc.converter_problem()  # every test that needs the build converts a tiny target
 needs_build = pytest.mark.skipif(WHY is not None, reason=f"no usable llama.cpp build: {(WHY or '-').splitlines()[0]}")
+
+
+def test_the_converter_without_sentencepiece_is_refused_by_name(monkeypatch, tmp_path):
+    """A build whose Python lacks sentencepiece (the converter imports it): a clear error that says how to get it,
+    before llama.cpp's own traceback."""
+    real = lc.importlib.util.find_spec
+    monkeypatch.setattr(lc.importlib.util, "find_spec", lambda name, *a: None if name == "sentencepiece"
+                        else real(name, *a))
+    assert "sentencepiece" in lc.converter_problem()
+    with pytest.raises(LlamaCppError, match="needs sentencepiece in this Python"):
+        lc.convert_hf(None, tmp_path, tmp_path / "x.gguf", "f32")
 
 
 def info(arch="llama", tokens="a" * 64, n_tokens=100, kv=None, path="x.gguf"):
