@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from draftsmith import paths
 from draftsmith.engine import blockquant
 from draftsmith.engine.kvcache import KVCache
-from draftsmith.engine.native import (block_for, decode_linear, native_for, ragged_block_attention,
+from draftsmith.engine.native import (block_for, contiguous_slots, decode_linear, native_for, ragged_block_attention,
                                      ragged_decode_attention, ragged_prefill_attention, rows_linear_dtypes)
 from draftsmith.recipe import default_forward
 
@@ -136,13 +136,6 @@ def bucket(q: int) -> int | None:
     return None
 
 
-def _contiguous_slots(kv: list[torch.Tensor]) -> bool:
-    """Whether the cache's slots are contiguous (what the native attention kernels read): each key a run of
-    head_dim numbers, the values laid out as the keys."""
-    k = kv[0]
-    return k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and kv[1].stride() == k.stride()
-
-
 class _Core(torch.nn.Module):
     """The weights (fused, registered so that inductor's freezing sees them) and the computation."""
 
@@ -221,7 +214,7 @@ class _Core(torch.nn.Module):
                 or os.environ.get("DRAFTSMITH_PACKED", "1") == "0"):
             return {}
         if len(self.packed):  # packed already (a core the single and batched steps share)
-            return {name: ps[0].bits for name, ps in self.packed.items()}
+            return self.packed_bits()
         t0 = time.perf_counter()
         groups = self.weight_groups()
         packs = blockquant.pack_groups({k: [w.detach() for w in ws] for k, ws in groups.items()},
@@ -237,6 +230,10 @@ class _Core(torch.nn.Module):
                      "%.0f MB, in %.1f s", ", ".join(f"{k} {v}-bit" for k, v in got.items()), now / 1e6, fp32 / 1e6,
                      time.perf_counter() - t0)
         return got
+
+    def packed_bits(self) -> dict[str, int]:
+        """The weight groups `pack_weights` packed, with their bit widths (empty: none)."""
+        return {name: ps[0].bits for name, ps in self.packed.items()}
 
     # the computation -------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -393,7 +390,7 @@ class FastBody(torch.nn.Module):
     @property
     def packed(self) -> dict[str, int]:
         """The weight groups decoding steps multiply from packed copies, with their bit widths (empty: none)."""
-        return {name: ps[0].bits for name, ps in self.core.packed.items()}
+        return self.core.packed_bits()
 
     def step_bytes(self) -> int:
         """Bytes of weights a decoding step of up to 16 rows reads: the matrices (packed where `pack_weights` packed
@@ -486,7 +483,7 @@ class FastBody(torch.nn.Module):
         """The block's mask as ``allow`` [b, b] for `_Core.forward` (padded rows see only themselves), where the
         native block kernel applies and the caller's mask [1, 1, q, s + q] lets every row see every slot before
         the block; None otherwise (the masked SDPA path)."""
-        if self.core.attend_block is None or s == 0 or not _contiguous_slots(kv):
+        if self.core.attend_block is None or s == 0 or not contiguous_slots(kv[0], kv[1]):
             return None
         mk = attention_mask[0, 0]
         if mk.shape != (q, s + q) or bool(mk[:, :s].ne(0).any()):
@@ -499,7 +496,7 @@ class FastBody(torch.nn.Module):
         """Whether a 1-row call can attend by the native decode kernel: it applies (dtype, device, head size), the
         cache's slots are contiguous, and the caller's mask (None: none given) lets the query see every slot so
         far."""
-        if self.core.attend_one is None or not _contiguous_slots(kv):
+        if self.core.attend_one is None or not contiguous_slots(kv[0], kv[1]):
             return False
         return attention_mask is None or not bool(attention_mask.ne(0).any())
 

@@ -205,12 +205,18 @@ def uses_native(q: torch.Tensor) -> bool:
     return native_for(q.dtype, q.device, q.shape[-1]) is not None
 
 
+def contiguous_slots(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a cache's slots are contiguous, as the native attention kernels read them: each key a run of
+    head_dim numbers, the values laid out as the keys."""
+    return k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and v.stride() == k.stride()
+
+
 @torch.library.custom_op("draftsmith::ragged_decode_attention", mutates_args=())
 def ragged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor,
                             scale: float) -> torch.Tensor:
     """Row i's one query attends to its own slots [0, last[i]]; see the module docstring."""
     op = native_for(q.dtype, q.device, q.shape[-1])
-    if op is not None and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and v.stride() == k.stride():
+    if op is not None and contiguous_slots(k, v):
         return op(q, k, v, last, scale)
     return masked_decode_attention(q, k, v, last, scale)
 
@@ -261,7 +267,7 @@ def ragged_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ro
     up to its block's end."""
     out = torch.empty_like(q)
     op = block_for(q.dtype, q.device, q.shape[-1])
-    if op is not None and not (k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and v.stride() == k.stride()):
+    if op is not None and not contiguous_slots(k, v):
         op = None
     gqa = k.shape[1] != q.shape[1]
     bounds = starts.tolist()
