@@ -7,6 +7,7 @@ the target's GGUF files, and each drafter's speedup over the fastest of them.
 One process of ours runs its methods interleaved per prompt (a seeded shuffle per prompt, as eval/bench.py):
   * ``plain (ours, compiled)``: our static-shape forward compiled with inductor (engine/fastpath.py);
   * ``--blas-linears``: the same with the BLAS products and masked attention (the native kernels off);
+  * ``--extra-dtype D``: ours compiled in a second dtype too (and vLLM in it), e.g. bfloat16 beside float32;
   * ``plain (ours, eager)``: the model's own forward with the CPU weight layout (what the decoder used before);
   * ``HF generate``;
   * each ``--checkpoint`` with each ``--tree``, on the compiled forward.
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    ap.add_argument("--extra-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="also ours and vLLM in this dtype, side by side in the same run (e.g. bfloat16 on a CPU "
+                         "with native bf16, beside float32's packed weights)")
     ap.add_argument("--checkpoint", action="append", default=[])
     ap.add_argument("--tree", action="append", default=None, help="trees for the checkpoints (default: chain)")
     ap.add_argument("--vllm-modes", default="compiled,eager", help="comma list of compiled, eager; '' = no vLLM")
@@ -141,6 +145,12 @@ def main(argv: list[str] | None = None) -> dict:
                 raise SystemExit(f"two checkpoints would both be labelled {label!r}: give them distinct run names")
             methods[label] = SpeculativeDecoder(target, d, tree=parse_tree(spec, path))
     target.fast_body = None
+    extra = None
+    if a.extra_dtype and a.extra_dtype != choice.name:  # ours in a second dtype, interleaved with the rest
+        extra = load_target(a.target, dtype=resolve_dtype(a.extra_dtype, "cpu").dtype)
+        extra.fast_body = FastBody(extra.model, compile=True)
+        methods[f"plain (ours, compiled, {a.extra_dtype})"] = SpeculativeDecoder(extra)
+        extra.fast_body = None
     if not a.no_eager:
         methods["plain (ours, eager)"] = SpeculativeDecoder(target)
     run = {name: ours(name, dec).run for name, dec in methods.items()}
@@ -153,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
         f(longest, a.max_new_tokens, a.seed)
     report["warmup_s"] = round(time.perf_counter() - t0, 1)
     report["compile_s"] = round(fast.compile_s, 1)
+    if extra is not None:
+        report["compile_s_extra_dtype"] = round(methods[f"plain (ours, compiled, {a.extra_dtype})"].fast.compile_s, 1)
     print(f"warm-up {report['warmup_s']} s, of which compiling {report['compile_s']} s")
     outs = {n: [] for n in run}
     walls = {n: 0.0 for n in run}
@@ -188,26 +200,30 @@ def main(argv: list[str] | None = None) -> dict:
     if fast.packed:  # ours reads the packed copies: its floor is their bytes (`FastBody.step_bytes`)
         report["methods"]["plain (ours, compiled)"]["weight_bytes"] = fast.step_bytes()
         report["packed"] = fast.packed
+    if extra is not None:  # its floor: the bytes of its own dtype's weights
+        report["methods"][f"plain (ours, compiled, {a.extra_dtype})"]["weight_bytes"] = forward_bytes(extra.model)
 
     py = vllm_python(a.vllm_python)
     modes = [m for m in a.vllm_modes.split(",") if m]
     if modes and py is None:
         print("vLLM: no .venv-vllm (bash scripts/vllm_env.sh builds it): left out")
         report["vllm"] = "not built"
-    for mode in modes if py else []:
-        out = Path(a.out).with_suffix(f".vllm-{mode}.json")
+    vllm_dtypes = [choice.name] + ([a.extra_dtype] if extra is not None else [])
+    for mode, dt in [(m, d) for m in modes for d in vllm_dtypes] if py else []:
+        tag = mode if dt == choice.name else f"{mode}, {dt}"
+        out = Path(a.out).with_suffix(f".vllm-{mode}{'' if dt == choice.name else '-' + dt}.json")
         res = run_vllm(py, str(target.path), ids, a.max_new_tokens, out, threads=a.threads,
-                       extra={"enforce_eager": mode == "eager", "dtype": choice.name})
-        name = f"vLLM plain ({mode})"
+                       extra={"enforce_eager": mode == "eager", "dtype": dt})
+        name = f"vLLM plain ({tag})"
         report["methods"][name] = {"tokens": res["generated"], "wall_s": round(res["wall_s"], 2),
                                    "tok_s": round(res["generated"] / res["wall_s"], 3),
                                    "equal_to_ours_compiled": agree(res["tokens"])}
         print(f"{name}: {report['methods'][name]['tok_s']:.2f} tok/s", flush=True)
         if a.batched:
             res = run_vllm(py, str(target.path), ids, a.max_new_tokens, out.with_suffix(".batched.json"),
-                           threads=a.threads, extra={"enforce_eager": mode == "eager", "dtype": choice.name,
+                           threads=a.threads, extra={"enforce_eager": mode == "eager", "dtype": dt,
                                                      "batched": True})
-            report["methods"][f"vLLM batched ({mode})"] = {
+            report["methods"][f"vLLM batched ({tag})"] = {
                 "tokens": res["generated"], "wall_s": round(res["wall_s"], 2),
                 "tok_s": round(res["generated"] / res["wall_s"], 3)}
     ll_types = [t for t in a.llamacpp.split(",") if t]

@@ -44,7 +44,8 @@ SRC="$DEST/llama_cpp_python-$VERSION/vendor/llama.cpp"
 if [ ! -f "$SRC/CMakeLists.txt" ]; then
   if [ ! -f "$DEST/llama_cpp_python-$VERSION.tar.gz" ]; then
     step "fetch the sdist llama-cpp-python==$VERSION (no dependencies; about a minute)"
-    "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DEST" 2>&1 | tail -n 3
+    "$PY" -m pip download -q --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$DEST" 2>&1 \
+      | { grep -v -e "is ignored: it is neither a file nor a directory" || true; } | tail -n 3
   fi
   step "unpack vendor/llama.cpp"
   tar -xzf "$DEST/llama_cpp_python-$VERSION.tar.gz" -C "$DEST" "llama_cpp_python-$VERSION/vendor/llama.cpp"
