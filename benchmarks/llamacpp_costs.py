@@ -27,7 +27,8 @@ def bench(ll, model: Path, threads: int, args: list[str], reps: int) -> list[dic
     cmd = [str(ll.bin("llama-bench")), "-m", str(model), "-t", str(threads), "-r", str(reps), "-o", "json", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=1800)
     if r.returncode != 0:
-        raise SystemExit(f"llama-bench failed on {model}: {r.stderr[-2000:]}")
+        raise SystemExit(f"llama-bench failed on {model} (exit {r.returncode}, command {' '.join(cmd)}): "
+                         f"{(r.stderr or r.stdout)[-2000:] or 'no output'}")
     return json.loads(r.stdout)
 
 
