@@ -203,6 +203,21 @@ def main(argv: list[str] | None = None) -> dict:
     if extra is not None:  # its floor: the bytes of its own dtype's weights
         report["methods"][f"plain (ours, compiled, {a.extra_dtype})"]["weight_bytes"] = forward_bytes(extra.model)
 
+    def save() -> None:
+        """The report so far: an engine that fails later loses nothing measured before it."""
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(report, indent=1))
+
+    save()
+    Path(a.out).with_suffix(".tokens.json").write_text(json.dumps({"prompts": ids, "outputs": outs}))
+    report["failed"] = {}
+
+    def engine_failed(name: str, e: Exception) -> None:
+        print(f"{name}: FAILED ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); left out, the "
+              f"rest goes on", flush=True)
+        report["failed"][name] = f"{type(e).__name__}: {e}"
+        save()
+
     py = vllm_python(a.vllm_python)
     modes = [m for m in a.vllm_modes.split(",") if m]
     if modes and py is None:
@@ -212,13 +227,18 @@ def main(argv: list[str] | None = None) -> dict:
     for mode, dt in [(m, d) for m in modes for d in vllm_dtypes] if py else []:
         tag = mode if dt == choice.name else f"{mode}, {dt}"
         out = Path(a.out).with_suffix(f".vllm-{mode}{'' if dt == choice.name else '-' + dt}.json")
-        res = run_vllm(py, str(target.path), ids, a.max_new_tokens, out, threads=a.threads,
-                       extra={"enforce_eager": mode == "eager", "dtype": dt})
         name = f"vLLM plain ({tag})"
+        try:
+            res = run_vllm(py, str(target.path), ids, a.max_new_tokens, out, threads=a.threads,
+                           extra={"enforce_eager": mode == "eager", "dtype": dt})
+        except Exception as e:  # noqa: BLE001 (one engine's failure is recorded; the others still run)
+            engine_failed(name, e)
+            continue
         report["methods"][name] = {"tokens": res["generated"], "wall_s": round(res["wall_s"], 2),
                                    "tok_s": round(res["generated"] / res["wall_s"], 3),
                                    "equal_to_ours_compiled": agree(res["tokens"])}
         print(f"{name}: {report['methods'][name]['tok_s']:.2f} tok/s", flush=True)
+        save()
         if a.batched:
             res = run_vllm(py, str(target.path), ids, a.max_new_tokens, out.with_suffix(".batched.json"),
                            threads=a.threads, extra={"enforce_eager": mode == "eager", "dtype": dt,
@@ -232,15 +252,20 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"llama.cpp: left out ({why.splitlines()[0]})")
         report["llamacpp"] = why
     for t in ll_types if not why else []:
-        gguf = target_gguf(target, t)
-        with LlamaServer(gguf, threads=a.threads, log=Path(a.out).with_suffix(f".llamacpp-{t}.log")) \
-                as server:
-            res = run_prompts(server, ids, a.max_new_tokens)
         name = f"llama.cpp plain ({t})"
+        try:
+            gguf = target_gguf(target, t)
+            with LlamaServer(gguf, threads=a.threads, log=Path(a.out).with_suffix(f".llamacpp-{t}.log")) \
+                    as server:
+                res = run_prompts(server, ids, a.max_new_tokens)
+        except Exception as e:  # noqa: BLE001 (one engine's failure is recorded; the others still run)
+            engine_failed(name, e)
+            continue
         report["methods"][name] = {"tokens": res["generated"], "wall_s": round(res["wall_s"], 2),
                                    "tok_s": round(res["tok_s"], 3), "equal_to_ours_compiled": agree(res["tokens"]),
                                    "weight_bytes": gguf.stat().st_size}
         print(f"{name}: {res['tok_s']:.2f} tok/s", flush=True)
+        save()
     if a.batched:
         from draftsmith.engine.batched import BatchedSpeculativeDecoder
         bd = BatchedSpeculativeDecoder(target)
@@ -271,8 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
             # ours, packed: the bytes its step reads
             floor = m["weight_bytes"] / bw * 1e3 if "weight_bytes" in m else floor_ms
             m["x_memory_floor"] = round(1e3 / m["tok_s"] / floor, 2)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=1))
+    save()
     print(f"\nmemory floor: {nbytes / 1e6:.0f} MB of weights per forward at {bw / 1e9:.1f} GB/s read = "
           f"{floor_ms:.1f} ms per token")
     print(f"fastest plain decoding here: {fastest}")
@@ -287,6 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
                 same += " (top-2 gaps " + ", ".join(str(d["top2_gap"]) for d in eq["divergences"][:5]) + ")"
         print(f"| {n} | {m['tok_s']:.2f} | {m.get('x_fastest_plain', '-')} | {m.get('tau', '-')} | "
               f"{m.get('ms_per_token', '-')} ({m.get('x_memory_floor', '-')}) | {same} |")
+    for n, why in report["failed"].items():
+        print(f"| {n} | failed: {why.splitlines()[0][:120]} | | | | |")
     return report
 
 

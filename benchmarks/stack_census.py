@@ -33,8 +33,12 @@ What is counted (each list entry carries its file; names match case-sensitively)
    per builtin, and ``distinct_names``: the number of distinct string literals passed as the second
    argument (a probe whose name is not a string literal counts in ``non_literal``).
 
+7. ``config_dicts``: hand-built drafter configs: assignments ``self.config = ...`` whose value is a dict display,
+   a dict comprehension or a ``dict(...)`` call, in the kinds' folders (a kind whose config is its pydantic
+   class assigns that instead); listed as ``file:line``.
+
 A file that fails to parse (``SyntaxError``, ``ValueError``) is counted in ``skipped`` with its error and
-contributes nothing to counts 2-6.
+contributes nothing to counts 2-7.
 """
 
 from __future__ import annotations
@@ -112,6 +116,12 @@ class FileCensus:
     probes: Counter = field(default_factory=Counter)  # builtin name -> calls
     probe_names: Counter = field(default_factory=Counter)  # string-literal attribute name -> calls
     non_literal: int = 0
+    config_dicts: list[int] = field(default_factory=list)  # lines of ``self.config = {...}``
+
+
+def _is_dict_value(v: ast.expr) -> bool:
+    return (isinstance(v, (ast.Dict, ast.DictComp))
+            or (isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "dict"))
 
 
 def nonblank_lines(source: str) -> int:
@@ -132,7 +142,7 @@ def is_sampler(name: str) -> bool:
 
 
 def census_source(source: str) -> FileCensus:
-    """Counts 2-6 of the module docstring for one file's text; raises SyntaxError/ValueError if it does not parse."""
+    """Counts 2-7 of the module docstring for one file's text; raises SyntaxError/ValueError if it does not parse."""
     tree = ast.parse(source)
     out = FileCensus()
     for qual, node in _defs_in_body(tree.body):
@@ -147,6 +157,10 @@ def census_source(source: str) -> FileCensus:
                 out.caches.append(node.name)
             if node.name.endswith(LOOP_CLASS_SUFFIXES):
                 out.loops.append(node.name)
+        elif isinstance(node, ast.Assign) and _is_dict_value(node.value) and any(
+                isinstance(t, ast.Attribute) and t.attr == "config" and isinstance(t.value, ast.Name)
+                and t.value.id == "self" for t in node.targets):
+            out.config_dicts.append(node.lineno)
         elif isinstance(node, ast.Call):
             func = node.func
             if (isinstance(func, ast.Attribute) and func.attr == "compile"
@@ -169,7 +183,7 @@ def census(files: dict[str, str]) -> dict:
     """The census of one revision, given its files (path -> text; must include setup.py)."""
     folders = package_folders(files["setup.py"])
     per_folder = {f: {"lines": 0, "modules": 0} for f in folders}
-    caches, samplers, loops, compiles, skipped = [], [], [], [], []
+    caches, samplers, loops, compiles, skipped, config_dicts = [], [], [], [], [], []
     probe_folder: Counter = Counter()
     probe_kind: Counter = Counter()
     probe_names: Counter = Counter()
@@ -191,6 +205,8 @@ def census(files: dict[str, str]) -> dict:
         samplers += [{"name": n, "file": path} for n in fc.samplers]
         loops += [{"name": n, "file": path} for n in fc.loops]
         compiles += [f"{path}:{line}" for line in fc.compiles]
+        if folder in KIND_FOLDERS:
+            config_dicts += [f"{path}:{line}" for line in fc.config_dicts]
         if folder not in KIND_FOLDERS:
             probe_folder[folder] += sum(fc.probes.values())
             probe_kind.update(fc.probes)
@@ -206,6 +222,7 @@ def census(files: dict[str, str]) -> dict:
                    "per_builtin": {b: probe_kind[b] for b in PROBES},
                    "distinct_names": len(probe_names), "non_literal": non_literal,
                    "names": dict(sorted(probe_names.items()))},
+        "config_dicts": config_dicts,
         "skipped": skipped,
     }
 
@@ -242,6 +259,7 @@ def table(results: list[dict]) -> str:
         rows.append((f"probes {f}/", [r["probes"]["per_folder"].get(f, "-") for r in results]))
     rows.append(("distinct probed names", [r["probes"]["distinct_names"] for r in results]))
     rows.append(("probes with a non-literal name", [r["probes"]["non_literal"] for r in results]))
+    rows.append(("**hand-built drafter config dicts**", [len(r.get("config_dicts", [])) for r in results]))
     rows.append(("files skipped (parse error)", [len(r["skipped"]) for r in results]))
     lines = ["| count | " + " | ".join(_label(r) for r in results) + " |",
              "|---|" + "---:|" * len(results)]
@@ -256,7 +274,8 @@ def details(r: dict) -> str:
            f"- KV caches: {names(r['kv_caches'])}",
            f"- samplers: {names(r['samplers'])}",
            f"- generation loops: {names(r['generation_loops'])}",
-           f"- torch.compile: {', '.join(r['compiled_steps']) or 'none'}"]
+           f"- torch.compile: {', '.join(r['compiled_steps']) or 'none'}",
+           f"- hand-built config dicts: {', '.join(r.get('config_dicts', [])) or 'none'}"]
     if r["skipped"]:
         out.append("- skipped: " + ", ".join(f"{s['file']} ({s['error']})" for s in r["skipped"]))
     return "\n".join(out)

@@ -46,8 +46,8 @@ def variants(ckpt: Path, target, ks: int | list[int], sampling: SamplingParams, 
     if manifest["kind"] != "standalone":
         raise ValueError(f"{ckpt} holds a {manifest['kind']!r} drafter; this table is for standalone drafters")
     name = (manifest.get("recipe") or {}).get("name") or ckpt.name
-    info = {"checkpoint": str(ckpt), "vocab_keep": module.config["vocab_keep"], "vocab": target.vocab_size,
-            "divergence": module.config["divergence"], "lora": bool(module.config.get("lora"))}
+    info = {"checkpoint": str(ckpt), "vocab_keep": module.config.vocab_keep, "vocab": target.vocab_size,
+            "divergence": module.config.divergence, "lora": module.config.lora is not None}
     out = []
     for use_rdk in ([False, True] if module.rdk is not None and rdk else [False]):
         d = module.decoder_drafter(target, target.fingerprint, f"{name}/{'rdk' if use_rdk else 'renorm'}",

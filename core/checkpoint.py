@@ -170,7 +170,7 @@ def save_checkpoint(path: str | Path, module: torch.nn.Module, target: Target, *
     os.replace(tmp, path / WEIGHTS)
     if callable(getattr(module, "save_extra", None)):  # files a kind keeps beside its weights (a tokenizer)
         module.save_extra(path)
-    _atomic_write_json(path / CONFIG, {"kind": module.kind, **module.config})
+    _atomic_write_json(path / CONFIG, config_json(module))
     manifest = {
         "kind": module.kind,
         "target": {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint,
@@ -184,6 +184,22 @@ def save_checkpoint(path: str | Path, module: torch.nn.Module, target: Target, *
         manifest.update(extra)
     _atomic_write_json(path / MANIFEST, manifest)
     return path
+
+
+def config_json(module) -> dict:
+    """A drafter module's config.json: its pydantic config dumped (the kind's recipe fields and the target's
+    shapes), or its dict, with its ``kind``."""
+    c = module.config
+    c = c.model_dump(mode="json") if hasattr(c, "model_dump") else dict(c)
+    return {"kind": module.kind, **{k: v for k, v in c.items() if k != "kind"}}
+
+
+def config_value(module, key: str, default=None):
+    """One field of a drafter module's config (its kind's pydantic config, or a dict), or ``default``."""
+    c = getattr(module, "config", None)
+    if c is None:
+        return default
+    return c.get(key, default) if isinstance(c, dict) else getattr(c, key, default)
 
 
 def read_manifest(path: str | Path) -> dict:

@@ -21,6 +21,8 @@ import pkgutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, runtime_checkable
 
+from pydantic import ValidationError
+
 if TYPE_CHECKING:
     import torch
 
@@ -49,7 +51,8 @@ class DrafterKind(Protocol):
       * ``make_objective(recipe, cache, target, exclude)``: its training objective (``prepare``,
         ``loss``, ``stats``, ``chunks``).
     Instance level:
-      * ``config``: a JSON-able dict (config.json);
+      * ``config``: what config.json holds: the kind's pydantic config (`KindBase.config_class`: its recipe
+        section and the target's shapes, the constructor's argument), or a JSON-able dict;
       * ``decoder_drafter(target, fingerprint, name)``: the module as a decoder drafter.
     Optional hooks with defaults in `KindBase`: ``fit_to_cache``, ``heldout_metrics``,
     ``trains_on_text``, ``conditional_accuracy``, ``builds_trees``.
@@ -57,7 +60,7 @@ class DrafterKind(Protocol):
     """
 
     kind: ClassVar[str]
-    config: dict
+    config: Any
 
     @staticmethod
     def cache_needs(config: dict) -> list[str]: ...
@@ -85,6 +88,21 @@ class KindBase:
     builds_trees: ClassVar[bool] = False
     #: the target's modules the kind shares (not stored in its checkpoint)
     shared_with_target: tuple[str, ...] = ()
+    #: the kind's config.json and its constructor's one config argument: its recipe section plus the target's
+    #: shapes (`draftsmith.schema.TargetShape`); None for a kind that keeps a plain dict
+    config_class: ClassVar[Any] = None
+
+    @classmethod
+    def read_config(cls, config):
+        """``config`` (a config.json's dict without or with its ``kind``, or the config itself) as `config_class`,
+        validated: an unknown or missing field is a clear error naming it."""
+        if isinstance(config, cls.config_class):
+            return config
+        try:
+            return cls.config_class.model_validate({**dict(config), "kind": cls.kind})  # type: ignore[attr-defined]
+        except ValidationError as e:  # one line a field, named
+            raise ValueError("; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}"
+                                       for err in e.errors())) from None
 
     def fit_to_cache(self, cache, target, exclude: set[int] | None = None) -> dict | None:
         """Statistics of the training data the module keeps, computed before the first step."""

@@ -1,11 +1,14 @@
 """The base of every typed config: unknown keys are errors, assignments are validated.
 
-The recipe schema (`draftsmith.recipe`) and each kind's own config section build on these.
+The recipe schema (`draftsmith.recipe`) and each kind's own config section build on these. A drafter kind's
+fields are written once, in its recipe section (a `KindConfig` subclass); its checkpoint's config.json is that
+section plus the target's shapes the module was built for (the subclass that also derives from `TargetShape`),
+and that one object is the module's constructor argument.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class StrictModel(BaseModel):
@@ -22,3 +25,47 @@ class KindConfig(StrictModel):
     """
 
     kind: str
+
+
+class TargetShape(StrictModel):
+    """The target's sizes a drafter module is built for: set from the target (`KindBase.for_target`), written to
+    its config.json, and checked against the target a checkpoint is loaded for (`check_shape`)."""
+
+    hidden_size: int = Field(ge=1, description="the target's hidden size (from the target, not the recipe)")
+    vocab_size: int = Field(ge=1, description="the target's vocabulary size (from the target, not the recipe)")
+
+    def check_shape(self, target, what: str) -> None:
+        """ValueError naming the sizes when ``target`` is not the shape this config was built for."""
+        if (self.hidden_size, self.vocab_size) != (target.hidden_size, target.vocab_size):
+            raise ValueError(f"{what} config is for hidden size {self.hidden_size} and vocabulary {self.vocab_size}; "
+                             f"the target has {target.hidden_size} and {target.vocab_size}")
+
+
+class DecoderShape(TargetShape):
+    """The target's sizes and one decoder layer's shape, for a drafter that runs a layer of the target's shape
+    (EAGLE-3's, Kangaroo's adapter) and checks its layer ids against the target's count."""
+
+    num_layers: int = Field(ge=1, description="the target's decoder layers")
+    num_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    intermediate_size: int = Field(ge=1)
+    eps: float = 1e-6
+
+    @staticmethod
+    def of(target) -> dict:
+        """These fields read off ``target`` (its Hugging Face config)."""
+        c = target.model.config
+        nh = int(c.num_attention_heads)
+        return {"hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+                "num_layers": int(c.num_hidden_layers), "num_heads": nh,
+                "num_kv_heads": int(getattr(c, "num_key_value_heads", None) or nh),
+                "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // nh),
+                "intermediate_size": int(c.intermediate_size), "eps": float(getattr(c, "rms_norm_eps", 1e-6))}
+
+    def check_layers(self, target, what: str) -> None:
+        """`check_shape`, and the target's layer count."""
+        self.check_shape(target, what)
+        n = int(target.model.config.num_hidden_layers)
+        if self.num_layers != n:
+            raise ValueError(f"{what} drafter was trained on a target with {self.num_layers} layers, this one has {n}")

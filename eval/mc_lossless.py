@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                   tokenize=True, return_dict=False)
     sampling = SamplingParams(a.temperature, a.top_k, a.top_p)
     torch.manual_seed(a.seed)
-    heads = MedusaHeads(target.hidden_size, target.vocab_size, target.lm_head, num_heads=3)
+    heads = MedusaHeads.for_target(target, num_heads=3)
     for blk in heads.blocks:  # random, non-identity heads: a poor but valid drafter
         torch.nn.init.normal_(blk[0].linear.weight, std=0.02)
     medusa = HeadDrafter(heads.to(target.dtype).eval(), target.fingerprint)

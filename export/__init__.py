@@ -40,7 +40,7 @@ from draftsmith import __version__
 from draftsmith.checkpoint import (CONFIG, MANIFEST, WEIGHTS, CheckpointError, MissingFileError, check_safetensors,
                                    load_checkpoint, read_json, read_manifest, save_checkpoint)
 from draftsmith import registry
-from draftsmith.checkpoint import drafter_from_checkpoint
+from draftsmith.checkpoint import config_value, drafter_from_checkpoint
 from draftsmith.drafters.standalone.decode import first_layers_drafter, ModelDrafter
 from draftsmith.registry import ExportFormat
 from draftsmith.target import DEFAULT_TARGET, Target
@@ -215,7 +215,7 @@ def model_card(src: Source, target: Target, fmt: str, base_model: str, files: li
              f"* files: {', '.join(f'`{f}`' for f in files)}", "", "## Loading", "", FORMATS[fmt].usage, ""]
     if FORMATS[fmt].note:
         lines += [FORMATS[fmt].note, ""]
-    keep = (getattr(src.module, "config", None) or {}).get("vocab_keep") if fmt == "hf" else None
+    keep = config_value(src.module, "vocab_keep") if fmt == "hf" else None
     if keep:  # a pruned standalone drafter: HF assisted generation has no id map
         lines += [f"This drafter was trained to draft over {keep} kept token ids (a pruned vocabulary); the export "
                   f"holds its full-size output head, so Hugging Face drafts over the whole vocabulary (the id map "

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from draftsmith.checkpoint import command_line, environment
+from draftsmith.checkpoint import command_line, config_value, environment
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.checkpoint import drafter_from_checkpoint
@@ -65,7 +65,7 @@ def check(ckpt: str | Path, out: str | Path, prompts: int = 16, max_new_tokens: 
     fmts = formats_for(src)
     # a pruned standalone drafter exports its full-size head to hf: that export drafts over the whole vocabulary,
     # so its steps may differ from the checkpoint's (its tokens may not: decoding is lossless)
-    pruned = "hf" in fmts and bool((getattr(src.module, "config", None) or {}).get("vocab_keep"))
+    pruned = "hf" in fmts and bool(config_value(src.module, "vocab_keep"))
     drafters = {"checkpoint": drafter_from_checkpoint(ckpt, tgt)}
     for fmt in fmts:
         t0 = time.time()

@@ -113,6 +113,11 @@ def find_llamacpp(home: str | Path | None = None) -> LlamaCpp:
         raise LlamaCppError(f"the llama.cpp build at {h} was made for another CPU ({stamp.get('cpu_model')}; "
                             f"instructions this CPU lacks: {', '.join(missing) or 'none'}, and the flag sets differ): "
                             f"rebuild for this one with `LLAMACPP_FORCE=1 bash {ENV_SCRIPT}`")
+    if "amx_tile" in here["cpu_isa"] and "-mno-amx-tile" not in str(stamp.get("cflags", "")):
+        raise LlamaCppError(f"the llama.cpp build at {h} has llama.cpp's AMX kernels, which die with an illegal "
+                            f"instruction on this CPU in any forward of more than one token (their worker threads "
+                            f"never ask the kernel for the AMX tile state): rebuild without them with "
+                            f"`LLAMACPP_FORCE=1 bash {ENV_SCRIPT}`")
     ll = LlamaCpp(h, stamp)
     for prog in ("llama-server", "llama-quantize", "llama-speculative-simple"):
         ll.bin(prog)

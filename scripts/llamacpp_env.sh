@@ -18,6 +18,16 @@ DEST="$ROOT/.llamacpp"
 JOBS=${JOBS:-$(nproc)}
 TARGETS="llama-bench llama-server llama-speculative-simple llama-cli llama-quantize llama-lookup"
 CMAKE_OPTS="-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_UI=OFF -DGGML_CCACHE=OFF"
+# llama.cpp's AMX path (ggml-cpu/amx) runs tile instructions on worker threads that never asked the kernel for
+# the AMX tile state (only the main thread asks), so on a CPU with AMX a forward of more than one token dies with
+# SIGILL (seen on a 2-core Xeon: `llama-bench -p 2`, every llama-server prompt). There the build leaves AMX out
+# (-mno-amx-*); its AVX-512 kernels (VNNI, BF16) stay.
+NO_AMX=""
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+  NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
+EXTRA=()
+[ -z "$NO_AMX" ] || EXTRA=("-DCMAKE_C_FLAGS=$NO_AMX" "-DCMAKE_CXX_FLAGS=$NO_AMX")
 STEP="start"
 trap 'echo "llamacpp_env.sh: FAILED at step \"$STEP\" (exit $?)" >&2' ERR
 step() { STEP=$*; echo "llamacpp_env: $*"; }
@@ -27,7 +37,8 @@ STAMP=$("$PY" -c '
 import json, sys
 from draftsmith.export.llamacpp import cpu_stamp
 print(json.dumps({"sdist": f"llama-cpp-python=={sys.argv[1]}", "cmake": sys.argv[2].split(),
-                  "targets": sys.argv[3].split(), **cpu_stamp()}, sort_keys=True))' "$VERSION" "$CMAKE_OPTS" "$TARGETS")
+                  "cflags": sys.argv[4], "targets": sys.argv[3].split(), **cpu_stamp()}, sort_keys=True))' \
+  "$VERSION" "$CMAKE_OPTS" "$TARGETS" "$NO_AMX")
 if [ -z "${LLAMACPP_FORCE:-}" ] && [ -f "$DEST/BUILD.json" ] && [ "$(cat "$DEST/BUILD.json")" = "$STAMP" ]; then
   echo "llamacpp_env: up to date ($DEST/BUILD.json matches this CPU and pin); LLAMACPP_FORCE=1 rebuilds"
   exit 0
@@ -50,8 +61,8 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
   step "unpack vendor/llama.cpp"
   tar -xzf "$DEST/llama_cpp_python-$VERSION.tar.gz" -C "$DEST" "llama_cpp_python-$VERSION/vendor/llama.cpp"
 fi
-step "configure ($CMAKE_OPTS)"
-cmake -S "$SRC" -B "$DEST/build" -G Ninja $CMAKE_OPTS > "$DEST/configure.log" 2>&1 \
+step "configure ($CMAKE_OPTS${NO_AMX:+ C/C++ flags: $NO_AMX})"
+cmake -S "$SRC" -B "$DEST/build" -G Ninja $CMAKE_OPTS "${EXTRA[@]}" > "$DEST/configure.log" 2>&1 \
   || { tail -n 30 "$DEST/configure.log" >&2; false; }
 step "compile $TARGETS on $JOBS jobs (a few minutes to a quarter hour; log: $DEST/build.log)"
 cmake --build "$DEST/build" -j "$JOBS" --target $TARGETS > "$DEST/build.log" 2>&1 \

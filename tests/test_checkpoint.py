@@ -10,7 +10,7 @@ from tests.tiny import make_tiny_target
 
 
 def _heads(t, share=True):
-    m = MedusaHeads(t.hidden_size, t.vocab_size, t.lm_head, num_heads=2, share_lm_head=share)
+    m = MedusaHeads.for_target(t, num_heads=2, share_lm_head=share)
     with torch.no_grad():
         for p in m.parameters():
             if p.requires_grad:

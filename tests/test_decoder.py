@@ -29,7 +29,7 @@ def tiny(vocab=40, seed=0, std=0.3, layers=3, dtype=torch.float32):
 def random_medusa(target, num_heads=3, std=0.3, seed=3) -> HeadDrafter:
     """Medusa heads with random (non-identity) ResBlocks sharing the target's LM head."""
     torch.manual_seed(seed)
-    heads = MedusaHeads(target.hidden_size, target.vocab_size, target.lm_head, num_heads=num_heads, num_layers=1)
+    heads = MedusaHeads.for_target(target, num_heads=num_heads, num_layers=1)
     for blk in heads.blocks:
         torch.nn.init.normal_(blk[0].linear.weight, std=std)
     heads.to(next(target.model.parameters()).dtype).eval()
@@ -250,7 +250,7 @@ def test_drafter_of_another_target_is_refused(tgt, tmp_path):
     with pytest.raises(TargetMismatchError):
         SpeculativeDecoder(tgt, random_medusa(other))
     from draftsmith.checkpoint import save_checkpoint
-    heads = MedusaHeads(other.hidden_size, other.vocab_size, other.lm_head, num_heads=2)
+    heads = MedusaHeads.for_target(other, num_heads=2)
     save_checkpoint(tmp_path / "ck", heads, other)
     with pytest.raises(TargetMismatchError):
         drafter_from_checkpoint(tmp_path / "ck", tgt)

@@ -20,7 +20,7 @@ def test_parse_tree_specs():
 def test_eval_cli_writes_report(tmp_path):
     target = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, save_to=tmp_path / "target")
     torch.manual_seed(0)
-    heads = MedusaHeads(target.hidden_size, target.vocab_size, target.lm_head, num_heads=2)
+    heads = MedusaHeads.for_target(target, num_heads=2)
     save_checkpoint(tmp_path / "ck", heads, target)
     out = tmp_path / "report"
     report = eval_main([str(tmp_path / "ck"), "--plain", "--drafter-layers", "1", "--hf-assisted", "--draft-len", "2",
@@ -44,7 +44,7 @@ def test_draftsmith_eval_exit_status(tmp_path, capsys):
     from draftsmith.cli import main
 
     target = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, save_to=tmp_path / "target")
-    heads = MedusaHeads(target.hidden_size, target.vocab_size, target.lm_head, num_heads=2)
+    heads = MedusaHeads.for_target(target, num_heads=2)
     save_checkpoint(tmp_path / "ck", heads, target)
     args = ["eval", str(tmp_path / "ck"), "--prompts", "1", "--max-new-tokens", "3", "--temperature", "0",
             "--device", "cpu"]
@@ -88,7 +88,7 @@ def test_eval_on_a_users_prompts_file(tmp_path, capsys):
     from draftsmith.eval.mtbench import user_prompts
 
     target = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, save_to=tmp_path / "target")
-    heads = MedusaHeads(target.hidden_size, target.vocab_size, target.lm_head, num_heads=2)
+    heads = MedusaHeads.for_target(target, num_heads=2)
     save_checkpoint(tmp_path / "ck", heads, target)
     f = tmp_path / "mine.jsonl"
     f.write_text("\n".join([

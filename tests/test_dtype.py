@@ -202,7 +202,7 @@ def test_checkpoint_records_dtype_and_warns_on_another(tmp_path):
     fp32, low = load_target(tmp_path / "tiny"), load_target(tmp_path / "tiny", dtype="bfloat16")
     from draftsmith.heads.medusa.model import MedusaHeads
 
-    heads = MedusaHeads(fp32.hidden_size, fp32.vocab_size, fp32.lm_head, num_heads=2)
+    heads = MedusaHeads.for_target(fp32, num_heads=2)
     save_checkpoint(tmp_path / "ck", heads, fp32)
     assert read_manifest(tmp_path / "ck")["target"]["dtype"] == "float32"
     with pytest.warns(DtypeMismatchWarning, match="trained on features of the target in float32"):

@@ -33,7 +33,7 @@ def test_hooked_states_are_the_cached_and_reference_states(real_target, tmp_path
     assert torch.allclose(state.drafter_state.feats, want, atol=1e-4)
     # the cache stage stores the same states ("layer:N" = hidden_states[N]) for the training objective
     build_cache(real_target, [{"ids": prompt, "mask": [0] * (len(prompt) - 4) + [1] * 4}],
-                Eagle3Module.cache_needs(m.config), tmp_path / "c", dtype="float32")
+                Eagle3Module.cache_needs(m.config.model_dump()), tmp_path / "c", dtype="float32")
     obj = Eagle3Objective(HiddenCache(tmp_path / "c", real_target), real_target, [2, 15, 27], steps=2, chunk_len=512)
     feats = obj.example(0, 0, len(prompt) - 1)[0]
     assert torch.allclose(feats, want, atol=1e-4)

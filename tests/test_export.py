@@ -38,7 +38,7 @@ def target(tmp_path):
 
 def medusa_ckpt(target, path, share=True, layers=1, heads=3, seed=3):
     torch.manual_seed(seed)
-    m = MedusaHeads(target.hidden_size, target.vocab_size, target.lm_head, num_heads=heads, num_layers=layers,
+    m = MedusaHeads.for_target(target, num_heads=heads, num_layers=layers,
                     share_lm_head=share)
     with torch.no_grad():
         for name, p in m.named_parameters():

@@ -20,8 +20,8 @@ def _heads(tgt, vocab_keep=None, **kw):
     m = random_hydra(tgt, **kw)
     if vocab_keep:
         from draftsmith.heads.hydra.model import HydraHeads
-        cfg = dict(m.config, vocab_keep=vocab_keep)
-        pruned = HydraHeads(lm_head=tgt.lm_head, embed=tgt.model.get_input_embeddings(), **cfg)
+        cfg = m.config.model_copy(update={"vocab_keep": vocab_keep})
+        pruned = HydraHeads(cfg, tgt.lm_head, tgt.model.get_input_embeddings())
         pruned.load_state_dict(m.state_dict(), strict=False)
         pruned.set_draft_vocab(torch.arange(0, 2 * vocab_keep, 2))
         m = pruned.to(next(tgt.model.parameters()).dtype).eval()

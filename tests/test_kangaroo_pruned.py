@@ -58,7 +58,7 @@ def test_pruned_kangaroo_trains_saves_its_id_map_and_decodes_the_targets_tokens(
     seen = {int(x) for i in range(len(cache)) for x in cache.tokens(i)[cache.mask(i) > 0]}
     assert len(kept) == 12 and set(kept.tolist()) >= seen  # the cycle's 11 ids are all kept (plus one filler)
     m, _ = load_checkpoint(ckpt, t)
-    assert torch.equal(m.draft_head.kept_ids, kept) and m.config["vocab_keep"] == 12
+    assert torch.equal(m.draft_head.kept_ids, kept) and m.config.vocab_keep == 12
     fresh = build_drafter(r, t)
     fresh.set_draft_vocab(kept)
     assert heldout_metrics(m, cache, t)["expected_acceptance"] > heldout_metrics(fresh, cache, t)["expected_acceptance"]

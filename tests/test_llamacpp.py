@@ -44,8 +44,29 @@ def test_a_build_for_another_cpu_is_refused(tmp_path):
         lc.find_llamacpp(tmp_path)
 
 
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
 def test_a_stale_build_missing_a_program_is_refused(tmp_path):
-    (tmp_path / "BUILD.json").write_text(json.dumps({"sdist": "x", **lc.cpu_stamp()}))
+    (tmp_path / "BUILD.json").write_text(json.dumps({"sdist": "x", "cflags": NO_AMX, **lc.cpu_stamp()}))
+    with pytest.raises(LlamaCppError, match="llama-server: not built"):
+        lc.find_llamacpp(tmp_path)
+
+
+def test_a_build_with_amx_kernels_is_refused_on_an_amx_cpu(tmp_path, monkeypatch):
+    """llama.cpp's AMX kernels die with SIGILL in batched forwards (scripts/llamacpp_env.sh): a build that has
+    them is stale on a CPU with AMX, and says how to rebuild; on a CPU without AMX the same stamp is fine."""
+    amx = {"cpu_model": "Xeon", "cpu_isa": ["amx_tile", "avx2", "avx512f"]}
+    monkeypatch.setattr(lc, "cpu_stamp", lambda: amx)
+    (tmp_path / "BUILD.json").write_text(json.dumps({"sdist": "x", "cflags": "", **amx}))
+    with pytest.raises(LlamaCppError, match="AMX kernels.*LLAMACPP_FORCE=1"):
+        lc.find_llamacpp(tmp_path)
+    (tmp_path / "BUILD.json").write_text(json.dumps({"sdist": "x", "cflags": NO_AMX, **amx}))
+    with pytest.raises(LlamaCppError, match="llama-server: not built"):  # past the AMX check
+        lc.find_llamacpp(tmp_path)
+    plain = {"cpu_model": "EPYC", "cpu_isa": ["avx2"]}
+    monkeypatch.setattr(lc, "cpu_stamp", lambda: plain)
+    (tmp_path / "BUILD.json").write_text(json.dumps({"sdist": "x", "cflags": "", **plain}))
     with pytest.raises(LlamaCppError, match="llama-server: not built"):
         lc.find_llamacpp(tmp_path)
 

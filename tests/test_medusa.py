@@ -6,7 +6,7 @@ from draftsmith.heads.objective import head_labels
 
 
 def test_zero_init_heads_start_as_the_lm_head(tiny_target):
-    m = MedusaHeads(tiny_target.hidden_size, tiny_target.vocab_size, tiny_target.lm_head, num_heads=3)
+    m = MedusaHeads.for_target(tiny_target, num_heads=3)
     h = torch.randn(2, 5, tiny_target.hidden_size)
     out = m(h)
     assert out.shape == (3, 2, 5, tiny_target.vocab_size)
@@ -16,7 +16,7 @@ def test_zero_init_heads_start_as_the_lm_head(tiny_target):
 
 def test_no_weight_sharing_between_heads_or_layers(tiny_target):
     for share in (True, False):
-        m = MedusaHeads(tiny_target.hidden_size, tiny_target.vocab_size, tiny_target.lm_head, num_heads=3,
+        m = MedusaHeads.for_target(tiny_target, num_heads=3,
                         num_layers=2, share_lm_head=share)
         ptrs = [p.data_ptr() for n, p in m.named_parameters() if not n.startswith("lm_head")]
         assert len(ptrs) == len(set(ptrs))

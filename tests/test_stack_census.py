@@ -71,6 +71,15 @@ def test_two_getattr_one_compile():
     assert not fc.caches and not fc.samplers and not fc.loops
 
 
+def test_hand_built_config_dicts_in_kinds_only():
+    src = ("class A:\n    def __init__(self, c):\n        self.config = {'a': 1}\n"
+           "class B:\n    def __init__(self, c):\n        self.config = dict(c)\n"
+           "class C:\n    def __init__(self, c):\n        self.config = c\n        other.config = {}\n")
+    assert sc.census_source(src).config_dicts == [3, 6]
+    r = sc.census({"setup.py": SETUP, "heads/h.py": src, "engine/e.py": src})
+    assert r["config_dicts"] == ["heads/h.py:3", "heads/h.py:6"]
+
+
 def test_syntax_error_raises():
     with pytest.raises(SyntaxError):
         sc.census_source("def broken(:\n")

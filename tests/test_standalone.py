@@ -115,7 +115,7 @@ def test_user_model_directory_with_another_tokenizer_is_refused(tmp_path):
     first_layers_drafter(t, 1).model.save_pretrained(good)
     t.tokenizer.save_pretrained(good)
     d = StandaloneDrafter.for_target(t, init=str(good))
-    assert d.config["model"]["num_hidden_layers"] == 1
+    assert d.config.model["num_hidden_layers"] == 1
     bad = tmp_path / "bad"
     first_layers_drafter(t, 1).model.save_pretrained(bad)
     tok = make_tokenizer(96)
@@ -278,7 +278,7 @@ def test_save_and_load_a_full_vocabulary_drafter(tmp_path):
     one = (ids, torch.ones_like(ids), torch.ones(1, 7, dtype=torch.bool))
     with torch.no_grad():
         torch.testing.assert_close(m(*one), d(*one))
-    assert m.config["divergence"] == "jsd" and m.draft_head is None
+    assert m.config.divergence == "jsd" and m.draft_head is None
 
 
 def test_objective_aligns_the_drafter_with_the_teacher_at_the_same_position(tmp_path):

@@ -24,7 +24,7 @@ def test_exports_decode_in_vllm_as_without_a_drafter(tmp_path):
     e3.set_draft_vocab(torch.arange(48) * 2)
     save_checkpoint(tmp_path / "e3" / "final", e3, t)
     torch.manual_seed(0)
-    med = MedusaHeads(t.hidden_size, t.vocab_size, t.lm_head, num_heads=3)
+    med = MedusaHeads.for_target(t, num_heads=3)
     save_checkpoint(tmp_path / "med" / "final", med, t)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Name a colour.", "Count to five.", "Hi!")))

@@ -48,7 +48,7 @@ def test_pruned_head_maps_ids_both_ways():
 
 def test_pruned_label_counts_as_a_miss_not_as_nothing():
     t = tiny(vocab=12, layers=1)
-    heads = MedusaHeads(t.hidden_size, t.vocab_size, t.lm_head, num_heads=1, vocab_keep=3)
+    heads = MedusaHeads.for_target(t, num_heads=1, vocab_keep=3)
     heads.set_draft_vocab(torch.tensor([0, 1, 2]))
     obj = HeadObjective.__new__(HeadObjective)
     obj.K, obj.loss_kind, obj.soft_weight, obj.head_decay = 1, "hard", 0.5, 1.0
@@ -72,7 +72,7 @@ def test_checkpoint_round_trips_the_kept_ids(tmp_path):
 
 def _pruned_medusa(t, keep_ids, seed=3, std=0.5):
     torch.manual_seed(seed)
-    heads = MedusaHeads(t.hidden_size, t.vocab_size, t.lm_head, num_heads=2, num_layers=1,
+    heads = MedusaHeads.for_target(t, num_heads=2, num_layers=1,
                         vocab_keep=len(keep_ids))
     for blk in heads.blocks:
         torch.nn.init.normal_(blk[0].linear.weight, std=std)
@@ -134,7 +134,7 @@ def test_pruned_medusa_is_not_widened_silently_on_export(tmp_path):
     from draftsmith.export import ExportError, export
 
     t = tiny(vocab=40, layers=1)
-    heads = MedusaHeads(t.hidden_size, t.vocab_size, t.lm_head, num_heads=2, vocab_keep=8)
+    heads = MedusaHeads.for_target(t, num_heads=2, vocab_keep=8)
     heads.set_draft_vocab(torch.arange(0, 40, 5))
     save_checkpoint(tmp_path / "ck", heads, t)
     with pytest.raises(ExportError, match="draftsmith"):

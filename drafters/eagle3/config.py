@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 from pydantic import Field, field_validator
 
 from draftsmith.registry import register_config
-from draftsmith.schema import KindConfig
+from draftsmith.schema import DecoderShape, KindConfig
 
 
 @register_config
@@ -33,3 +33,8 @@ class Eagle3Config(KindConfig):
         if len(v) != 3 or any(i < 1 for i in v) or sorted(v) != v or len(set(v)) != 3:
             raise ValueError(f"aux_layers must be three increasing layer indices >= 1 (low, middle, high), got {v}")
         return v
+
+
+class Eagle3ModelConfig(Eagle3Config, DecoderShape):
+    """config.json of an EAGLE-3 drafter and `Eagle3Module`'s one config argument: the recipe's fields, the
+    target's sizes, its layer count and the shape of the one decoder layer it runs."""

@@ -45,7 +45,7 @@ PREFIX = {"vllm-eagle3": "layers.0.", "eagle3": "midlayer."}
 
 def _llama_config(m: Eagle3Module, target: Target) -> dict:
     """The one-layer Llama config of the drafter (the target's shape, its vocabulary)."""
-    c, tc = m.config, target.config
+    c, tc = m.config.model_dump(), target.config
     rope = getattr(tc, "rope_parameters", None) or {}
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     theta = float(theta or getattr(tc, "rope_theta", 10000.0))
@@ -64,7 +64,7 @@ def engine_tensors(m: Eagle3Module, fmt: str) -> dict[str, torch.Tensor]:
     sd = m.state_dict()
     out = {PREFIX[fmt] + eng: sd[ours] for ours, eng in LAYER_NAMES.items()}
     out["fc.weight"], out["norm.weight"] = sd["fc.weight"], sd["norm.weight"]
-    V = int(m.config["vocab_size"])
+    V = m.config.vocab_size
     if m.draft_head is not None:
         kept = m.draft_head.kept_ids.long()
         out["lm_head.weight"] = m.draft_head.weight
@@ -79,7 +79,7 @@ def engine_tensors(m: Eagle3Module, fmt: str) -> dict[str, torch.Tensor]:
 
 
 def engine_config(m: Eagle3Module, target: Target, fmt: str, base_model: str, provenance: dict) -> dict:
-    c = m.config
+    c = m.config.model_dump()
     n_draft = len(m.draft_head.kept_ids) if m.draft_head is not None else int(c["vocab_size"])
     aux = [int(i) for i in c["aux_layers"]]
     layer = _llama_config(m, target)
@@ -186,9 +186,9 @@ def _check(fmt: str):
         back, _ = read_eagle3_dir(out, target)
         a, b = src.module.eval(), back.to(next(src.module.parameters()).dtype)
         g = torch.Generator().manual_seed(0)
-        H = a.config["hidden_size"]
+        H = a.config.hidden_size
         feats = torch.randn(1, 6, 3 * H, generator=g).to(a.fc.weight)
-        ids = torch.randint(0, a.config["vocab_size"], (1, 6 + a.ttt_steps), generator=g).to(a.fc.weight.device)
+        ids = torch.randint(0, a.config.vocab_size, (1, 6 + a.ttt_steps), generator=g).to(a.fc.weight.device)
         return torch.stack(a.ttt(feats, ids, 2)), torch.stack(b.ttt(feats, ids, 2)), True
     return check
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from draftsmith.common.hidden_cache import HiddenCache, decoder_of
 from draftsmith.common.layers import RMSNorm, rotate_half
 from draftsmith.common.vocab import PrunedVocab
+from draftsmith.drafters.eagle3.config import Eagle3ModelConfig
 from draftsmith.drafters.eagle3.decode import Eagle3Drafter
 from draftsmith.drafters.eagle3.fast import FastEagle3
 from draftsmith.drafters.eagle3.objective import Eagle3Objective, heldout_metrics, rank_acceptance
@@ -85,14 +86,6 @@ class Eagle3Layer(nn.Module):
         return kv.repeat_interleave(self.nh // self.nkv, dim=-3)
 
 
-def attention_shape(target) -> dict:
-    c = target.config
-    nh = int(c.num_attention_heads)
-    return {"num_heads": nh, "num_kv_heads": int(getattr(c, "num_key_value_heads", None) or nh),
-            "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // nh),
-            "intermediate_size": int(c.intermediate_size), "eps": float(getattr(c, "rms_norm_eps", 1e-6))}
-
-
 def check_aux_layers(aux: list[int], num_layers: int) -> None:
     if len(aux) != 3 or not all(1 <= i < num_layers for i in aux) or sorted(set(aux)) != list(aux):
         conv = [2, num_layers // 2, num_layers - 3]
@@ -106,28 +99,25 @@ class Eagle3Module(PrunedVocab, KindBase, nn.Module):
     builds_trees = True  # from its steps' acceptance by rank (`rank_acceptance`), as Hydra's from its heads'
     conditional_accuracy = True  # step k's figures are over the indices where steps 1..k-1 drafted right
 
-    def __init__(self, hidden_size: int, vocab_size: int, lm_head: nn.Module, embed: nn.Module, rotary: nn.Module,
-                 num_layers: int, aux_layers: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
-                 intermediate_size: int, eps: float = 1e-6, vocab_keep: int | None = 8192, ttt_steps: int = 7,
-                 step_decay: float = 0.8, train_head: bool = False, draft_len: int = 4):
+    config_class = Eagle3ModelConfig
+
+    def __init__(self, config: Eagle3ModelConfig, lm_head: nn.Module, embed: nn.Module, rotary: nn.Module):
         super().__init__()
-        check_aux_layers(list(aux_layers), num_layers)
-        if train_head and not vocab_keep:
+        c = config
+        check_aux_layers(list(c.aux_layers), c.num_layers)
+        if c.train_head and not c.vocab_keep:
             raise ValueError("train_head trains the draft vocabulary's head: it needs vocab_keep")
-        self.config = {"hidden_size": hidden_size, "vocab_size": vocab_size, "num_layers": num_layers,
-                       "aux_layers": list(aux_layers), "num_heads": num_heads, "num_kv_heads": num_kv_heads,
-                       "head_dim": head_dim, "intermediate_size": intermediate_size, "eps": eps,
-                       "vocab_keep": vocab_keep, "ttt_steps": ttt_steps, "step_decay": step_decay,
-                       "train_head": train_head, "draft_len": draft_len}
-        self.aux_layers, self.ttt_steps, self.step_decay = list(aux_layers), ttt_steps, step_decay
-        self.draft_len = draft_len
+        self.config = c
+        self.aux_layers, self.ttt_steps, self.step_decay = list(c.aux_layers), c.ttt_steps, c.step_decay
+        self.draft_len = c.draft_len
+        hidden_size, eps = c.hidden_size, c.eps
         self.fc = nn.Linear(3 * hidden_size, hidden_size, bias=False)
-        self.layer = Eagle3Layer(hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps)
+        self.layer = Eagle3Layer(hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, eps)
         self.norm = RMSNorm(hidden_size, eps)
         self.lm_head, self.embed = lm_head, embed  # the target's, frozen and not stored
         self.shared_with_target = ("lm_head", "embed")
-        self.init_pruned_vocab(lm_head, vocab_keep)
-        if self.draft_head is not None and train_head:
+        self.init_pruned_vocab(lm_head, c.vocab_keep)
+        if self.draft_head is not None and c.train_head:
             self.draft_head.requires_grad_(True)
         # The target's RoPE frequencies, copied (a buffer of ours: casting the drafter leaves the target's alone).
         self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
@@ -139,27 +129,19 @@ class Eagle3Module(PrunedVocab, KindBase, nn.Module):
         return [f"layer:{int(i)}" for i in config["aux_layers"]] + ["final"]
 
     @classmethod
-    def for_target(cls, target, aux_layers: list[int] = (2, 15, 27), vocab_keep: int | None = 8192,
-                   ttt_steps: int = 7, step_decay: float = 0.8, train_head: bool = False,
-                   draft_len: int = 4) -> "Eagle3Module":
-        """A fresh drafter for ``target``: random layer and ``fc``, the target's embedding and head rows."""
-        body = decoder_of(target.model)
-        m = cls(target.hidden_size, target.vocab_size, target.lm_head, target.model.get_input_embeddings(),
-                body.rotary_emb, len(body.layers), list(aux_layers), vocab_keep=vocab_keep, ttt_steps=ttt_steps,
-                step_decay=step_decay, train_head=train_head, draft_len=draft_len, **attention_shape(target))
+    def for_target(cls, target, **fields) -> "Eagle3Module":
+        """A fresh drafter for ``target`` from a recipe's fields: random layer and ``fc``, the target's embedding
+        and head rows."""
+        config = cls.read_config({**Eagle3ModelConfig.of(target), **fields})
+        m = cls(config, target.lm_head, target.model.get_input_embeddings(), decoder_of(target.model).rotary_emb)
         p = next(target.model.parameters())
         return m.to(device=p.device)
 
     @classmethod
-    def from_config(cls, config: dict, target) -> "Eagle3Module":
-        body = decoder_of(target.model)
-        if int(config["hidden_size"]) != target.hidden_size or int(config["vocab_size"]) != target.vocab_size:
-            raise ValueError("EAGLE-3 config does not match the target's hidden or vocabulary size")
-        if int(config["num_layers"]) != len(body.layers):
-            raise ValueError(f"EAGLE-3 drafter was trained on a target with {config['num_layers']} layers, "
-                             f"this one has {len(body.layers)}")
-        return cls(lm_head=target.lm_head, embed=target.model.get_input_embeddings(), rotary=body.rotary_emb,
-                   **config)
+    def from_config(cls, config, target) -> "Eagle3Module":
+        config = cls.read_config(config)
+        config.check_layers(target, "EAGLE-3")
+        return cls(config, target.lm_head, target.model.get_input_embeddings(), decoder_of(target.model).rotary_emb)
 
     @classmethod
     def make_objective(cls, recipe, cache: HiddenCache, target, exclude: set[int]) -> Eagle3Objective:

@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 from pydantic import Field
 
 from draftsmith.registry import register_config
-from draftsmith.schema import KindConfig
+from draftsmith.schema import DecoderShape, KindConfig
 
 
 @register_config
@@ -22,3 +22,8 @@ class KangarooConfig(KindConfig):
     vocab_keep: Optional[Union[int, float]] = Field(
         None, gt=0, description="draft over the N most frequent assistant-token ids of the training data (an int "
         "N, or a float ratio of the vocabulary), trained against the target renormalised over them (lossless)")
+
+
+class KangarooModelConfig(KangarooConfig, DecoderShape):
+    """config.json of a Kangaroo adapter and `KangarooAdapter`'s one config argument: the recipe's fields, the
+    target's sizes, its layer count and the shape of the layer the adapter copies."""

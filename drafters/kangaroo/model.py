@@ -34,18 +34,10 @@ from draftsmith.common.hidden_cache import HiddenCache, decoder_of, teacher_logi
 from draftsmith.common.layers import rotate_half
 from draftsmith.common.losses import hard_ce, soft_ce, topk_hits
 from draftsmith.common.vocab import PrunedVocab, draft_head
+from draftsmith.drafters.kangaroo.config import KangarooModelConfig
 from draftsmith.drafters.kangaroo.decode import KangarooDrafter, check_exit_layer, check_threshold
 from draftsmith.registry import KindBase, register
 from torch import nn
-
-
-def attention_shape(target) -> dict:
-    """The target's attention layout (the adapter's attention is full size, like one target layer)."""
-    c = target.model.config
-    nh = int(c.num_attention_heads)
-    return {"num_heads": nh, "num_kv_heads": int(getattr(c, "num_key_value_heads", None) or nh),
-            "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // nh),
-            "intermediate_size": int(c.intermediate_size), "eps": float(getattr(c, "rms_norm_eps", 1e-6))}
 
 
 @register
@@ -54,37 +46,34 @@ class KangarooAdapter(PrunedVocab, KindBase, nn.Module):
 
     kind = "kangaroo"
 
-    def __init__(self, hidden_size: int, vocab_size: int, lm_head: nn.Module, rotary: nn.Module, num_layers: int,
-                 exit_layer: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
-                 eps: float = 1e-6, adapter_mlp: bool = False, threshold: float = 0.6, max_draft_len: int = 6,
-                 vocab_keep: int | None = None):
+    config_class = KangarooModelConfig
+
+    def __init__(self, config: KangarooModelConfig, lm_head: nn.Module, rotary: nn.Module):
         super().__init__()
-        check_exit_layer(exit_layer, num_layers)
-        check_threshold(threshold)
-        if max_draft_len < 1:
-            raise ValueError(f"kangaroo max_draft_len must be >= 1, got {max_draft_len}")
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        self.config = {"hidden_size": hidden_size, "vocab_size": vocab_size, "num_layers": num_layers,
-                       "exit_layer": exit_layer, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
-                       "head_dim": head_dim, "intermediate_size": intermediate_size, "eps": eps,
-                       "adapter_mlp": adapter_mlp, "threshold": threshold, "max_draft_len": max_draft_len,
-                       "vocab_keep": vocab_keep}
-        self.exit_layer, self.threshold, self.max_draft_len = exit_layer, threshold, max_draft_len
-        self.nh, self.nkv, self.hd = num_heads, num_kv_heads, head_dim
+        c = config
+        check_exit_layer(c.exit_layer, c.num_layers)
+        check_threshold(c.threshold)
+        if c.num_heads % c.num_kv_heads:
+            raise ValueError(f"num_heads {c.num_heads} is not a multiple of num_kv_heads {c.num_kv_heads}")
+        self.config = c
+        self.exit_layer, self.threshold, self.max_draft_len = c.exit_layer, c.threshold, c.max_draft_len
+        self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
+        hidden_size, eps, num_heads, num_kv_heads, head_dim = (c.hidden_size, c.eps, c.num_heads, c.num_kv_heads,
+                                                                c.head_dim)
+        intermediate_size, vocab_keep, vocab_size = c.intermediate_size, c.vocab_keep, c.vocab_size
         self.norm1 = nn.RMSNorm(hidden_size, eps=eps)
         self.q = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
         self.k = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.v = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.o = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         nn.init.zeros_(self.o.weight)
-        if adapter_mlp:
+        if c.adapter_mlp:
             self.norm_mlp = nn.RMSNorm(hidden_size, eps=eps)
             self.gate = nn.Linear(hidden_size, intermediate_size, bias=False)
             self.up = nn.Linear(hidden_size, intermediate_size, bias=False)
             self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
             nn.init.zeros_(self.down.weight)
-        self.mlp = adapter_mlp
+        self.mlp = c.adapter_mlp
         self.norm_out = nn.RMSNorm(hidden_size, eps=eps)
         self.lm_head = lm_head.requires_grad_(False)
         self.shared_with_target = ("lm_head",)
@@ -103,19 +92,19 @@ class KangarooAdapter(PrunedVocab, KindBase, nn.Module):
         return [f"layer:{int(config['exit_layer'])}", "final"]
 
     @classmethod
-    def for_target(cls, target, exit_layer: int = 2, adapter_mlp: bool = False, threshold: float = 0.6,
-                   max_draft_len: int = 6, vocab_keep: int | None = None) -> "KangarooAdapter":
-        """A fresh adapter for ``target``, initialised from its layer l+1 and final norm (see the module doc)."""
+    def for_target(cls, target, **fields) -> "KangarooAdapter":
+        """A fresh adapter for ``target`` from a recipe's fields, initialised from its layer l+1 and final norm
+        (see the module doc)."""
         body = decoder_of(target.model)
-        L = len(body.layers)
-        check_exit_layer(exit_layer, L)
-        m = cls(target.hidden_size, target.vocab_size, target.lm_head, body.rotary_emb, L, exit_layer,
-                adapter_mlp=adapter_mlp, threshold=threshold, max_draft_len=max_draft_len, vocab_keep=vocab_keep,
-                **attention_shape(target))
-        nxt = body.layers[exit_layer]  # decoder layer l+1 (0-based index l) reads h^l in the target
+        # the layer named against the target's count first (the config alone knows only l >= 1)
+        check_exit_layer(int(fields.get("exit_layer", KangarooModelConfig.model_fields["exit_layer"].default)),
+                         len(body.layers))
+        config = cls.read_config({**KangarooModelConfig.of(target), **fields})
+        m = cls(config, target.lm_head, body.rotary_emb)
+        nxt = body.layers[config.exit_layer]  # decoder layer l+1 (0-based index l) reads h^l in the target
         pairs = [(m.norm1, "input_layernorm"), (m.q, "self_attn.q_proj"), (m.k, "self_attn.k_proj"),
                  (m.v, "self_attn.v_proj")]
-        if adapter_mlp:
+        if config.adapter_mlp:
             pairs += [(m.norm_mlp, "post_attention_layernorm"), (m.gate, "mlp.gate_proj"), (m.up, "mlp.up_proj")]
         with torch.no_grad():
             for mine, name in pairs:
@@ -124,14 +113,10 @@ class KangarooAdapter(PrunedVocab, KindBase, nn.Module):
         return m
 
     @classmethod
-    def from_config(cls, config: dict, target) -> "KangarooAdapter":
-        body = decoder_of(target.model)
-        if int(config["hidden_size"]) != target.hidden_size or int(config["vocab_size"]) != target.vocab_size:
-            raise ValueError("Kangaroo config does not match the target's hidden or vocabulary size")
-        if int(config["num_layers"]) != len(body.layers):
-            raise ValueError(f"Kangaroo adapter was trained on a target with {config['num_layers']} layers, "
-                             f"this one has {len(body.layers)}")
-        return cls(lm_head=target.lm_head, rotary=body.rotary_emb, **config)
+    def from_config(cls, config, target) -> "KangarooAdapter":
+        config = cls.read_config(config)
+        config.check_layers(target, "Kangaroo")
+        return cls(config, target.lm_head, decoder_of(target.model).rotary_emb)
 
     @staticmethod
     def make_objective(recipe, cache: HiddenCache, target, exclude: set[int] | None = None) -> "KangarooObjective":

@@ -32,3 +32,11 @@ class OwnTokenizerConfig(KindConfig):
         if self.init == "target" and set_:
             raise ValueError(f"{set_} come from the target with init: target; use init: scratch to choose them")
         return self
+
+
+class OwnTokenizerModelConfig(OwnTokenizerConfig):
+    """config.json of an own-tokenizer drafter and `OwnTokenizerDrafter`'s config argument: the recipe's fields,
+    and its tokenizer's size and sha256 (set from the tokenizer it is built with)."""
+
+    vocab_size: Optional[int] = Field(None, ge=1, description="the drafter's own vocabulary (from its tokenizer)")
+    tokenizer_sha256: Optional[str] = Field(None, description="its tokenizer.json's digest (checked on load)")

@@ -28,6 +28,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from draftsmith.checkpoint import CheckpointError, MissingFileError
+from draftsmith.drafters.own_tokenizer.config import OwnTokenizerModelConfig
 from draftsmith.drafters.own_tokenizer.decode import TLIDrafter
 from draftsmith.registry import KindBase, register
 from draftsmith.target import Target
@@ -195,15 +196,19 @@ class OwnTokenizerDrafter(KindBase, torch.nn.Module):
     # loader accepts them missing; tie_weights restores them).
     shared_with_target = ("model.lm_head",)
 
-    def __init__(self, config: dict, tokenizer: Tokenizer, target: Target | None = None):
+    config_class = OwnTokenizerModelConfig
+
+    def __init__(self, config: OwnTokenizerModelConfig | dict, tokenizer: Tokenizer, target: Target | None = None):
+        """``config``: the recipe's fields (or a checkpoint's config.json); its tokenizer fields are set from
+        ``tokenizer``."""
         super().__init__()
         vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         self.tokenizer = tokenizer
-        self.config = {k: v for k, v in config.items() if k not in ("vocab_size", "tokenizer_sha256")}
-        self.config.update(vocab_size=vocab, tokenizer_sha256=tokenizer_sha256(tokenizer))
+        self.config = self.read_config(config).model_copy(
+            update={"vocab_size": vocab, "tokenizer_sha256": tokenizer_sha256(tokenizer)})
         if target is None:
             raise ValueError("an own-tokenizer drafter is built for a target (its rope and norm settings)")
-        self.model = LlamaForCausalLM(llama_config(target, vocab, self.config))
+        self.model = LlamaForCausalLM(llama_config(target, vocab, self.config.model_dump()))
         # the target's end-of-turn tokens in the drafter's ids (an HF export stops where the target stops)
         eos = [tokenizer.token_to_id(s) for s in target_special_tokens(target.tokenizer)
                if target.tokenizer.convert_tokens_to_ids(s) in target.eos_token_ids]

@@ -44,3 +44,12 @@ class StandaloneConfig(KindConfig):
     rdk_positions: int = Field(20000, ge=1, description="training positions the RDK map is estimated from")
     rdk_topk: int = Field(16, ge=1, description="RDK: pairs among the top-k kept and top-k pruned ids per position")
     draft_len: int = Field(4, ge=1, le=32, description="default chain length when decoding")
+
+
+class StandaloneModelConfig(StandaloneConfig):
+    """config.json of a standalone drafter and `StandaloneDrafter`'s config argument: the recipe's fields and
+    ``model``, the Hugging Face config of the network itself (the authority on its sizes: the recipe's sizes say
+    only how it was built)."""
+
+    model: dict = Field(default_factory=dict, description="the drafter network's Hugging Face config (set when "
+                        "the network is built)")

@@ -42,6 +42,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.common.divergences import DIVERGENCES, divergence
+from draftsmith.drafters.standalone.config import StandaloneModelConfig
 from draftsmith.drafters.standalone.rdk import RDKMap, build_rdk
 from draftsmith.drafters.standalone.decode import StandaloneModelDrafter
 from draftsmith.drafters.standalone.decode import first_layers_drafter
@@ -93,36 +94,31 @@ class StandaloneDrafter(PrunedVocab, KindBase, nn.Module):
 
     kind = "standalone"
 
-    def __init__(self, model: nn.Module, *, vocab_keep: int | None = None, rdk: bool = False,
-                 divergence: str = "fkl", jsd_beta: float = 0.5, draft_len: int = 4, init: str = "scratch",
-                 lora: dict | None = None, train_embeddings: bool | None = None, rdk_positions: int = 20000,
-                 rdk_topk: int = 16, source_config: dict | None = None):
+    config_class = StandaloneModelConfig
+
+    def __init__(self, config: StandaloneModelConfig, model: nn.Module, *, add_lora: bool = True):
+        """``config.model`` is set from ``model`` when empty; ``add_lora``: False for a checkpoint's weights
+        (LoRA-merged: a plain model; its config keeps ``lora`` as provenance)."""
         super().__init__()
-        if divergence not in DIVERGENCES:
-            raise ValueError(f"standalone divergence must be one of {DIVERGENCES}, got {divergence!r}")
-        if not 0.0 < jsd_beta < 1.0:
-            raise ValueError(f"standalone jsd_beta must be in (0, 1), got {jsd_beta}")
-        if rdk and not vocab_keep:
+        c = config
+        if c.rdk and not c.vocab_keep:
             raise ValueError("standalone rdk: true needs vocab_keep (RDK redistributes a pruned vocabulary)")
         self.model = model
         head = model.get_output_embeddings()
         V = int(head.weight.shape[0])
-        if vocab_keep is not None and not 1 <= int(vocab_keep) <= V:
-            raise ValueError(f"vocab_keep {vocab_keep} must keep between 1 and the vocabulary's {V} ids")
-        self.init_pruned_vocab(head, vocab_keep)
-        self.rdk = RDKMap(torch.arange(int(vocab_keep)), V) if rdk else None
-        self.divergence, self.jsd_beta, self.draft_len = divergence, float(jsd_beta), int(draft_len)
-        self.rdk_positions, self.rdk_topk = int(rdk_positions), int(rdk_topk)
+        if c.vocab_keep is not None and not 1 <= int(c.vocab_keep) <= V:
+            raise ValueError(f"vocab_keep {c.vocab_keep} must keep between 1 and the vocabulary's {V} ids")
+        self.init_pruned_vocab(head, c.vocab_keep)
+        self.rdk = RDKMap(torch.arange(int(c.vocab_keep)), V) if c.rdk else None
+        self.divergence, self.jsd_beta, self.draft_len = c.divergence, float(c.jsd_beta), int(c.draft_len)
+        self.rdk_positions, self.rdk_topk = int(c.rdk_positions), int(c.rdk_topk)
         tied = model.get_input_embeddings().weight is head.weight
         # A tied output head is the embedding: saved once (safetensors refuses shared tensors), re-tied on load.
         self.shared_with_target = ("model.lm_head",) if tied else ()
-        if train_embeddings is None:
-            train_embeddings = init == "scratch"
-        self.lora_config = dict(lora) if lora else None
-        self.config = {"model": source_config or model.config.to_dict(), "vocab_keep": vocab_keep, "rdk": bool(rdk),
-                       "divergence": divergence, "jsd_beta": float(jsd_beta), "draft_len": int(draft_len),
-                       "init": str(init), "lora": self.lora_config, "train_embeddings": bool(train_embeddings),
-                       "rdk_positions": int(rdk_positions), "rdk_topk": int(rdk_topk)}
+        train_embeddings = c.train_embeddings if c.train_embeddings is not None else c.init == "scratch"
+        self.lora_config = c.lora.model_dump() if c.lora is not None and add_lora else None
+        self.config = c.model_copy(update={"model": c.model or model.config.to_dict(),
+                                           "train_embeddings": bool(train_embeddings)})
         self.model.requires_grad_(True)
         if not train_embeddings:
             model.get_input_embeddings().requires_grad_(False)
@@ -136,10 +132,12 @@ class StandaloneDrafter(PrunedVocab, KindBase, nn.Module):
         return ["final"]
 
     @classmethod
-    def for_target(cls, target, init: str = "target", num_layers: int = 2, hidden_size: int | None = None,
-                   num_heads: int | None = None, num_kv_heads: int | None = None,
-                   intermediate_size: int | None = None, seed: int = 0, **kw) -> "StandaloneDrafter":
-        """A fresh drafter for ``target`` (see the module doc for ``init``)."""
+    def for_target(cls, target, seed: int = 0, **fields) -> "StandaloneDrafter":
+        """A fresh drafter for ``target`` from a recipe's fields (see the module doc for ``init``); ``seed``: a
+        scratch network's initialisation."""
+        config = cls.read_config(fields)
+        init, num_layers, hidden_size = config.init, config.num_layers, config.hidden_size
+        num_heads, num_kv_heads, intermediate_size = config.num_heads, config.num_kv_heads, config.intermediate_size
         sizes = {"hidden_size": hidden_size, "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
                  "intermediate_size": intermediate_size}
         if init == "target":
@@ -176,22 +174,19 @@ class StandaloneDrafter(PrunedVocab, KindBase, nn.Module):
                                              f"{target.vocab_size}")
         model = model.float()
         model.generation_config = copy.deepcopy(target.model.generation_config)
-        return cls(model, init=init, **kw)
+        return cls(config, model)
 
     @classmethod
-    def from_config(cls, config: dict, target) -> "StandaloneDrafter":
+    def from_config(cls, config, target) -> "StandaloneDrafter":
         """The module a checkpoint's weights load into (LoRA already merged: a plain model)."""
-        cfg = dict(config["model"])
+        config = cls.read_config(config)
+        cfg = dict(config.model)
         if int(cfg.get("vocab_size", -1)) != target.vocab_size:
             raise ValueError(f"standalone drafter vocabulary {cfg.get('vocab_size')} is not the target's "
                              f"{target.vocab_size}")
         model = _model_from_config(cfg).float()
         model.generation_config = copy.deepcopy(target.model.generation_config)
-        kw = {k: config[k] for k in ("vocab_keep", "rdk", "divergence", "jsd_beta", "draft_len", "init",
-                                     "train_embeddings", "rdk_positions", "rdk_topk") if k in config}
-        m = cls(model, source_config=cfg | {"model_type": config["model"]["model_type"]}, **kw)
-        m.config["lora"] = config.get("lora")  # provenance: these weights are LoRA-merged
-        return m
+        return cls(config, model, add_lora=False)
 
     @staticmethod
     def make_objective(recipe, cache: HiddenCache, target, exclude: set[int] | None = None) -> "StandaloneObjective":
@@ -298,7 +293,7 @@ class StandaloneDrafter(PrunedVocab, KindBase, nn.Module):
     def to_hf_model(self) -> nn.Module:
         """The plain transformers model (export ``hf``); a pruned drafter exports its full-size output head."""
         m = copy.deepcopy(self.plain_model())
-        m.config.draftsmith_vocab_keep = self.config["vocab_keep"]
+        m.config.draftsmith_vocab_keep = self.config.vocab_keep
         return m
 
     def heldout_metrics(self, cache: HiddenCache, target) -> dict:

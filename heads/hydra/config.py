@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 from pydantic import Field
 
 from draftsmith.registry import register_config
-from draftsmith.schema import KindConfig
+from draftsmith.schema import KindConfig, StrictModel, TargetShape
 
 
 @register_config
@@ -20,3 +20,21 @@ class HydraConfig(KindConfig):
     vocab_keep: Optional[Union[int, float]] = Field(
         None, gt=0, description="draft over the N most frequent assistant-token ids of the training data (an int "
         "N, or a float ratio of the vocabulary); training and drafting get N/V times cheaper (lossless)")
+
+
+class PrefixShape(StrictModel):
+    """Hydra++'s prefix layer: the target's attention and MLP sizes (from its config)."""
+
+    num_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    intermediate_size: int = Field(ge=1)
+    rope_theta: float = 10000.0
+    eps: float = 1e-6
+
+
+class HydraModelConfig(HydraConfig, TargetShape):
+    """config.json of Hydra/Hydra++ heads and `HydraHeads`' one config argument: the recipe's fields, the
+    target's sizes and, with ``prefix_layer``, the prefix layer's shape."""
+
+    prefix: Optional[PrefixShape] = Field(None, description="the prefix layer's shape (with prefix_layer)")

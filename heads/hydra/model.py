@@ -27,6 +27,7 @@ from draftsmith.common.layers import RMSNorm, rotate_half
 from draftsmith.common.vocab import PrunedVocab
 from draftsmith.heads.decode import HeadDrafter
 from draftsmith.heads.common import ResBlock
+from draftsmith.heads.hydra.config import HydraModelConfig, PrefixShape
 from draftsmith.heads.hydra.fast import FastHydra
 from draftsmith.heads.objective import HydraObjective
 from draftsmith.registry import KindBase, register
@@ -123,25 +124,25 @@ class HydraHeads(PrunedVocab, KindBase, nn.Module):
     builds_trees = True
     conditional_accuracy = True  # each head reads the drafts before it
 
-    def __init__(self, hidden_size: int, vocab_size: int, lm_head: nn.Module, embed: nn.Module, num_heads: int = 4,
-                 num_layers: int = 1, dropout: float = 0.0, prefix_layer: bool = False,
-                 prefix: dict | None = None, vocab_keep: int | None = None):
+    config_class = HydraModelConfig
+
+    def __init__(self, config: HydraModelConfig, lm_head: nn.Module, embed: nn.Module):
         super().__init__()
-        if num_heads < 1 or num_layers < 1:
-            raise ValueError(f"num_heads and num_layers must be >= 1, got {num_heads}, {num_layers}")
-        if prefix_layer and not prefix:
+        if config.prefix_layer and config.prefix is None:
             raise ValueError("prefix_layer needs the layer's shape (prefix: heads, kv_heads, head_dim, ...)")
-        self.config = {"hidden_size": hidden_size, "vocab_size": vocab_size, "num_heads": num_heads,
-                       "num_layers": num_layers, "dropout": dropout, "prefix_layer": prefix_layer,
-                       "prefix": dict(prefix) if prefix_layer else None, "vocab_keep": vocab_keep}
+        if not config.prefix_layer and config.prefix is not None:
+            config = config.model_copy(update={"prefix": None})
+        self.config = config
+        hidden_size, num_heads, num_layers, dropout = (config.hidden_size, config.num_heads, config.num_layers,
+                                                       config.dropout)
         self.num_heads = num_heads
         self.heads = nn.ModuleList(HydraHead(hidden_size, i, num_layers, dropout) for i in range(1, num_heads + 1))
-        self.prefix = PrefixLayer(hidden_size, **prefix) if prefix_layer else None
+        self.prefix = PrefixLayer(hidden_size, **config.prefix.model_dump()) if config.prefix_layer else None
         self.lm_head = lm_head.requires_grad_(False)
         self.embed = embed.requires_grad_(False)
         self.shared_with_target = ("lm_head", "embed")
         # the kept rows of the LM head (heads/vocab.py); ids are set from the training data before training
-        self.init_pruned_vocab(lm_head, vocab_keep)
+        self.init_pruned_vocab(lm_head, config.vocab_keep)
 
     @property
     def out_head(self) -> nn.Module:
@@ -164,21 +165,22 @@ class HydraHeads(PrunedVocab, KindBase, nn.Module):
                 "eps": float(getattr(c, "rms_norm_eps", 1e-6))}
 
     @classmethod
-    def for_target(cls, target, num_heads: int = 4, num_layers: int = 1, dropout: float = 0.0,
-                   prefix_layer: bool = False, vocab_keep: int | None = None) -> "HydraHeads":
-        """New heads for ``target``; a prefix layer starts from the target's last decoder layer."""
-        m = cls(target.hidden_size, target.vocab_size, target.lm_head, target.model.get_input_embeddings(),
-                num_heads, num_layers, dropout, prefix_layer, cls.prefix_shape(target) if prefix_layer else None,
-                vocab_keep)
-        if prefix_layer:
+    def for_target(cls, target, **fields) -> "HydraHeads":
+        """New heads for ``target`` from a recipe's fields; a prefix layer starts from the target's last decoder
+        layer."""
+        config = cls.read_config({"hidden_size": target.hidden_size, "vocab_size": target.vocab_size, **fields})
+        if config.prefix_layer:
+            config = config.model_copy(update={"prefix": PrefixShape(**cls.prefix_shape(target))})
+        m = cls(config, target.lm_head, target.model.get_input_embeddings())
+        if config.prefix_layer:
             m.prefix.init_from(target.model.get_decoder().layers[-1])
         return m
 
     @classmethod
-    def from_config(cls, config: dict, target) -> "HydraHeads":
-        if int(config["hidden_size"]) != target.hidden_size or int(config["vocab_size"]) != target.vocab_size:
-            raise ValueError("Hydra config does not match the target's hidden or vocabulary size")
-        return cls(lm_head=target.lm_head, embed=target.model.get_input_embeddings(), **config)
+    def from_config(cls, config, target) -> "HydraHeads":
+        config = cls.read_config(config)
+        config.check_shape(target, "Hydra")
+        return cls(config, target.lm_head, target.model.get_input_embeddings())
 
     @classmethod
     def make_objective(cls, recipe, cache, target, exclude: set[int]) -> HydraObjective:

@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 from pydantic import Field
 
 from draftsmith.registry import register_config
-from draftsmith.schema import KindConfig
+from draftsmith.schema import KindConfig, TargetShape
 
 
 @register_config
@@ -19,3 +19,8 @@ class MedusaConfig(KindConfig):
     vocab_keep: Optional[Union[int, float]] = Field(
         None, gt=0, description="draft over the N most frequent assistant-token ids of the training data (an int "
         "N, or a float ratio of the vocabulary); training and drafting get N/V times cheaper (lossless)")
+
+
+class MedusaModelConfig(MedusaConfig, TargetShape):
+    """config.json of Medusa heads and `MedusaHeads`' one config argument: the recipe's fields and the target's
+    sizes."""

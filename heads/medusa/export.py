@@ -50,7 +50,7 @@ def _head_projection(heads: MedusaHeads, i: int) -> torch.Tensor:
 
 def engine_tensors(heads: MedusaHeads) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(vLLM state dict, TGI / original-Medusa state dict) of ``heads``, each tensor its own contiguous copy."""
-    n = int(heads.config["num_layers"])
+    n = heads.config.num_layers
     vllm: dict[str, torch.Tensor] = {}
     tgi: dict[str, torch.Tensor] = {}
 
@@ -71,7 +71,7 @@ def engine_tensors(heads: MedusaHeads) -> tuple[dict[str, torch.Tensor], dict[st
 
 def engine_config(heads: MedusaHeads, base_model: str, provenance: dict) -> dict:
     """The one ``config.json`` vLLM and TGI both read (``provenance``: extra top-level keys)."""
-    c = heads.config
+    c = heads.config.model_dump()
     bad = [k for k in provenance if "num" in k and ("heads" in k or "layers" in k)]
     if bad:  # vLLM renames every key holding "num" and "heads"/"layers": it would clobber num_heads
         raise ValueError(f"provenance keys {bad} would be renamed by vLLM's MedusaConfig")
@@ -155,7 +155,7 @@ def read_medusa_dir(src: str | Path, target: Target) -> tuple[MedusaHeads, dict]
     projs = [get(names(i, 0)[2], (V, d)) for i in range(K)]
     lm_w = target.lm_head.weight.detach().to("cpu", torch.float32)
     share = getattr(target.lm_head, "bias", None) is None and all(torch.equal(p, lm_w) for p in projs)
-    heads = MedusaHeads(d, V, target.lm_head, num_heads=K, num_layers=n, share_lm_head=share)
+    heads = MedusaHeads.for_target(target, num_heads=K, num_layers=n, share_lm_head=share)
     with torch.no_grad():
         for i in range(K):
             for j in range(n):

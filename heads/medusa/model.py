@@ -18,6 +18,7 @@ from torch import nn
 from draftsmith.heads.common import ResBlock, copy_of_linear
 from draftsmith.common.vocab import PrunedVocab
 from draftsmith.heads.decode import HeadDrafter
+from draftsmith.heads.medusa.config import MedusaModelConfig
 from draftsmith.heads.objective import HeadObjective
 from draftsmith.registry import KindBase, register
 
@@ -27,20 +28,19 @@ class MedusaHeads(PrunedVocab, KindBase, nn.Module):
     kind = "medusa"
     builds_trees = True
 
-    def __init__(self, hidden_size: int, vocab_size: int, lm_head: nn.Module, num_heads: int = 4,
-                 num_layers: int = 1, share_lm_head: bool = True, vocab_keep: int | None = None):
+    config_class = MedusaModelConfig
+
+    def __init__(self, config: MedusaModelConfig, lm_head: nn.Module):
         super().__init__()
-        if num_heads < 1 or num_layers < 0:
-            raise ValueError(f"num_heads must be >= 1 and num_layers >= 0, got {num_heads}, {num_layers}")
-        if vocab_keep is not None and not share_lm_head:
+        if config.vocab_keep is not None and not config.share_lm_head:
             raise ValueError("vocab_keep prunes the shared LM head; it needs share_lm_head: true")
-        self.config = {"hidden_size": hidden_size, "vocab_size": vocab_size, "num_heads": num_heads,
-                       "num_layers": num_layers, "share_lm_head": share_lm_head, "vocab_keep": vocab_keep}
+        self.config = config
+        hidden_size, num_heads, num_layers = config.hidden_size, config.num_heads, config.num_layers
         self.num_heads = num_heads
         # A list comprehension builds distinct modules: [ResBlock(d)] * n would share one.
         self.blocks = nn.ModuleList(
             nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)]) for _ in range(num_heads))
-        if share_lm_head:
+        if config.share_lm_head:
             self.lm_head = lm_head
             self.lm_head.requires_grad_(False)
             self.shared_with_target = ("lm_head",)
@@ -50,17 +50,17 @@ class MedusaHeads(PrunedVocab, KindBase, nn.Module):
             self.shared_with_target = ()
             self.proj = nn.ModuleList(copy_of_linear(lm_head) for _ in range(num_heads))
         # the kept rows of the LM head (heads/vocab.py); ids are set from the training data before training
-        self.init_pruned_vocab(lm_head, vocab_keep)
+        self.init_pruned_vocab(lm_head, config.vocab_keep)
 
     @staticmethod
     def cache_needs(config: dict) -> list[str]:
         return ["final"]
 
     @classmethod
-    def from_config(cls, config: dict, target) -> "MedusaHeads":
-        if int(config["hidden_size"]) != target.hidden_size or int(config["vocab_size"]) != target.vocab_size:
-            raise ValueError("Medusa config does not match the target's hidden or vocabulary size")
-        return cls(lm_head=target.lm_head, **config)
+    def from_config(cls, config, target) -> "MedusaHeads":
+        config = cls.read_config(config)
+        config.check_shape(target, "Medusa")
+        return cls(config, target.lm_head)
 
     @classmethod
     def make_objective(cls, recipe, cache, target, exclude: set[int]) -> HeadObjective:
