@@ -15,6 +15,7 @@ import torch
 
 from draftsmith.pipeline import stages as pipeline
 from draftsmith.cli.shared import add_dtype_arg, recipe_from, target_of
+from draftsmith.eval.bench import is_plain
 from draftsmith.target import resolve_dtype
 
 STAGES = ("data", "cache", "train", "trees", "report", "bench")
@@ -133,9 +134,13 @@ def run(args: argparse.Namespace) -> int:
             pipeline.stage_report(recipe, target, ckpt)
             print((recipe.out / "report.md").read_text())
         elif st == "bench":
-            b = pipeline.stage_bench(recipe, target, ckpt)
+            # plain decoding in float32 too where the recipe decodes in another dtype: the fastest plain decoding on
+            # this machine may be a dtype the drafters do not run in (the float32 model trees/train loaded is reused)
+            others = tuple(loaded[d] if d in loaded else target_of(recipe, d) for d in pipeline.plain_dtypes(
+                recipe, choice.name, "cuda" if torch.cuda.is_available() else "cpu"))
+            b = pipeline.stage_bench(recipe, target, ckpt, plain_targets=others)
             print(f"decoding {b['prompts']} MT-Bench first turns, {b['max_new_tokens']} new tokens, greedy "
-                  f"(interleaved, this machine):")
+                  f"(interleaved, this machine; plain (ours) and the drafters in {b['dtype']}):")
             print(b["table"])
             si = b.get("suffix_index")
             if si:
@@ -144,8 +149,7 @@ def run(args: argparse.Namespace) -> int:
                       f"{sum(si['skipped'].values())} rows {si['skipped'] or ''}".rstrip())
             ms = b["methods"]
             plain = ms.get("plain (ours)")
-            drafted = {n: m for n, m in ms.items() if n not in ("plain (ours)", "HF generate")
-                       and not n.startswith("llama.cpp plain")}
+            drafted = {n: m for n, m in ms.items() if not is_plain(n)}
             if b.get("llamacpp"):
                 print(f"llama.cpp: left out of the table ({b['llamacpp'].splitlines()[0]})")
             if plain and drafted:
@@ -154,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                 fw = b.get("forward", {})
                 print(f"best: {best}, {drafted[best]['tokens_per_s']:.2f} tok/s = "
                       f"{drafted[best]['tokens_per_s'] / plain['tokens_per_s']:.2f}x our plain decoding "
-                      f"({plain['tokens_per_s']:.2f} tok/s, {fw.get('forward', 'eager')} forward"
+                      f"in {b['dtype']} ({plain['tokens_per_s']:.2f} tok/s, {fw.get('forward', 'eager')} forward"
                       + (f", compiled in {fw['compile_s']:.0f} s" if fw.get("compile_s") else "")
                       + (f"; drafting compiled in {fw['drafter_compile_s']:.0f} s" if fw.get("drafter_compile_s")
                          else "") + ")"

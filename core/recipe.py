@@ -160,6 +160,11 @@ class EvalConfig(StrictModel):
     llamacpp: list[str] = Field(["q4_1"], description="also time llama.cpp's plain decoding on the target's GGUF of "
                                 "these types (q4_1 = the default target's shipped file) when a llama.cpp build "
                                 "exists (scripts/llamacpp_env.sh); [] = never. Every speedup then names it too")
+    plain_float32: Optional[bool] = Field(
+        None, description="also time our plain decoding in float32 when the recipe's dtype is another one, so the "
+        "table holds the fastest plain decoding on the machine: a target dequantised from a GGUF file decodes its "
+        "float32 weights from their packed 4/8-bit blocks, which on one row can beat bf16 (costs one more compiled "
+        "1-row graph). None (auto): on a CPU whenever the dtype is not float32; true: always; false: never")
     suffix_from_data: bool = Field(
         False, description="also bench SuffixDecoding alone and beside the trained drafter (the hybrid), its global "
         "index seeded with the training split's answers (data/train.jsonl; the held-out MT-Bench answers never), "

@@ -33,6 +33,28 @@ from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams
 
 BASELINE = "plain (ours)"
+PLAIN = ("plain (ours", "HF generate", "llama.cpp plain")  # how every plain decoding's method name starts
+
+
+def is_plain(name: str) -> bool:
+    """Whether a benchmark method is plain decoding (ours in any dtype, HF ``generate``, llama.cpp's)."""
+    return name.startswith(PLAIN)
+
+
+def mark_fastest_plain(figures: dict) -> str | None:
+    """Name the fastest plain decoding among ``figures``' methods (`is_plain`) as ``figures["fastest_plain"]``
+    and give every method its speedup against it (once). Returns its name; None when no plain method ran."""
+    ms = figures["methods"]
+    plains = [n for n in ms if is_plain(n)]
+    if not plains:
+        return None
+    fastest = max(plains, key=lambda n: ms[n]["tokens_per_s"])
+    figures["fastest_plain"] = fastest
+    for s in ms.values():
+        s.setdefault("speedup", [])
+        if not any(x["baseline"] == fastest for x in s["speedup"]):
+            s["speedup"].append(speedup(s["tokens_per_s"], ms[fastest]["tokens_per_s"], fastest))
+    return fastest
 
 
 @dataclass

@@ -146,7 +146,7 @@ def add_llamacpp_plain(figures: dict, target, prompts: list, max_new_tokens: int
     import torch  # noqa: PLC0415
 
     from draftsmith.engine.metrics import speedup  # noqa: PLC0415
-    from draftsmith.eval.bench import BASELINE  # noqa: PLC0415
+    from draftsmith.eval.bench import BASELINE, mark_fastest_plain  # noqa: PLC0415
     if not types:
         return []
     why = have_llamacpp()
@@ -178,13 +178,11 @@ def add_llamacpp_plain(figures: dict, target, prompts: list, max_new_tokens: int
         figures["llamacpp"] = "; ".join(failed)
     if not added:
         return []
-    fastest = max((n for n in figures["methods"] if n == BASELINE or n == "HF generate" or n in added),
-                  key=lambda n: figures["methods"][n]["tokens_per_s"])
-    figures["fastest_plain"] = fastest
     for s in figures["methods"].values():
         s["speedup"] = [x for x in s.get("speedup", []) if x["baseline"] in (BASELINE, "HF generate")]
         for b in added:
             s["speedup"].append(speedup(s["tokens_per_s"], figures["methods"][b]["tokens_per_s"], b))
+    mark_fastest_plain(figures)
     return added
 
 

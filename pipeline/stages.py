@@ -25,7 +25,7 @@ from draftsmith import paths, registry
 from draftsmith.checkpoint import command_line, environment, load_checkpoint, update_metrics
 from draftsmith.train.training import predictors as classifier_stage
 from draftsmith.export.llamacpp_server import add_llamacpp_plain
-from draftsmith.eval.bench import compile_seconds, default_methods, run_bench, table
+from draftsmith.eval.bench import BASELINE, compile_seconds, default_methods, mark_fastest_plain, ours, run_bench, table
 from draftsmith.eval.suffix import suffix_methods, suffix_stats
 from draftsmith.drafters.suffix import SuffixConfig
 from draftsmith.train.data.suffix_seed import save_index_from_data
@@ -34,11 +34,12 @@ from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.eval.head_accuracy import head_accuracy
 from draftsmith.eval.mtbench import mtbench_prompts
+from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.tree_build import build_trees, measure_draft_cost, measure_step_cost, parse_tree, save_trees
 from draftsmith.common.chunks import calibration_split
 from draftsmith.recipe import Recipe
-from draftsmith.target import Target
+from draftsmith.target import Target, dtype_name
 from draftsmith.train.data import generate, remote, sources
 from draftsmith.common.hidden_cache import HiddenCache
 from draftsmith.train.data.cache import build_cache, merge_caches
@@ -473,8 +474,12 @@ def stage_traces(recipe: Recipe, target: Target, **options) -> dict:
     return classifier_stage.stage_traces(recipe, target, **options)
 
 
-def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
-    """Decode MT-Bench first turns with the trained drafter: tau and speedup, measured interleaved."""
+def stage_bench(recipe: Recipe, target: Target, ckpt: Path, plain_targets: tuple[Target, ...] = ()) -> dict:
+    """Decode MT-Bench first turns with the trained drafter: tau and speedup, measured interleaved.
+
+    ``plain_targets``: the same target loaded in other dtypes (`plain_dtypes` says which the recipe asks for),
+    each timed as one more plain decoding, ``plain (ours, DTYPE)``, in the same interleaved run; the speedups
+    then also name the fastest plain decoding measured (``figures["fastest_plain"]``)."""
 
     e = recipe.eval
     drafter = drafter_from_checkpoint(ckpt, target)
@@ -485,6 +490,14 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
     greedy = SamplingParams(0.0)
     methods = default_methods(target, greedy, drafter_layers=None, hf=e.hf_generate,
                               hf_assisted_too=False, heads=drafter, trees=trees)
+    for other in plain_targets:
+        if other.fingerprint != target.fingerprint:
+            raise ValueError(f"plain_targets must be the bench's target in another dtype: {other.name} "
+                             f"({other.fingerprint}) is not {target.name} ({target.fingerprint})")
+        apply_cpu_layout(other)
+        use_fast_forward(other, e.forward)
+        methods.insert(1, ours(f"{BASELINE[:-1]}, {dtype_name(other.dtype)})", SpeculativeDecoder(other,
+                                                                                                  sampling=greedy)))
     seeded = members = None
     if e.suffix_from_data:
         seeded = stage_suffix_index(recipe, target)
@@ -492,17 +505,31 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path) -> dict:
                                         hf_lookup=False, ours_lookup=False, index_dir=recipe.out / "suffix_index")
         methods += extra
     figures = run_bench(methods, mtbench_prompts(target.tokenizer, e.prompts, spread=True), e.max_new_tokens,
-                        log=None, compile_clock=lambda: compile_seconds(target, [drafter]))
+                        log=None, compile_clock=lambda: compile_seconds(target, [drafter]) + sum(
+                            compile_seconds(t) for t in plain_targets))
     if seeded is not None:
         figures["suffix_index"], figures["suffix"] = seeded, suffix_stats(members)
     add_llamacpp_plain(figures, target, mtbench_prompts(target.tokenizer, e.prompts, spread=True), e.max_new_tokens,
                        e.llamacpp)
+    mark_fastest_plain(figures)
+    figures["dtype"] = dtype_name(target.dtype)
     figures["table"] = table(figures)
     figures["forward"] = dict(forward, compile_s=round(getattr(target.fast_body, "compile_s", 0.0), 1),
-                              drafter_compile_s=round(getattr(drafter, "compile_s", 0.0), 1))
+                              drafter_compile_s=round(getattr(drafter, "compile_s", 0.0), 1),
+                              plain_compile_s={dtype_name(t.dtype): round(compile_seconds(t), 1)
+                                               for t in plain_targets})
     figures["command"], figures["environment"] = command_line(), environment()
     (recipe.out / "bench.json").write_text(json.dumps(figures, indent=2))
     return figures
+
+
+def plain_dtypes(recipe: Recipe, dtype: str, device: str = "cpu") -> list[str]:
+    """The other dtypes the bench stage times plain decoding in, besides ``dtype`` (the recipe's, resolved):
+    float32 where ``eval.plain_float32`` asks for it (None: on a CPU whenever ``dtype`` is another one)."""
+    want = recipe.eval.plain_float32
+    if want is None:
+        want = device == "cpu"
+    return ["float32"] if want and dtype != "float32" else []
 
 
 def stage_suffix_index(recipe: Recipe, target: Target) -> dict:

@@ -4,6 +4,7 @@ import pytest
 import yaml
 
 from draftsmith.cli import main
+from draftsmith.eval.bench import is_plain
 from tests.tiny import make_tiny_target
 
 
@@ -115,8 +116,31 @@ def test_trees_measure_step_costs_in_the_decoding_dtype(tmp_path, tiny_dir, caps
     monkeypatch.setattr(pipeline, "stage_bench", lambda r, t, *a, **k:
                         benched.append(next(t.model.parameters()).dtype) or real_bench(r, t, *a, **k))
     assert main(["run", str(_recipe_file(tmp_path, tiny_dir, dtype="bfloat16"))]) == 0
-    assert "train: the target in float32" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "train: the target in float32" in out
     assert seen == [torch.bfloat16] and benched == [torch.bfloat16]
+    # on a CPU the bench also times plain decoding in float32 (the fastest plain decoding may be in a dtype the
+    # drafters do not run in), and every speedup names the fastest plain decoding measured
+    bench = json.loads((tmp_path / "run" / "bench.json").read_text())
+    ms = bench["methods"]
+    assert bench["dtype"] == "bfloat16" and "plain (ours, float32)" in ms and "plain (ours, float32)" in out
+    fastest = bench["fastest_plain"]
+    assert fastest in ms and ms[fastest]["tokens_per_s"] == max(ms[n]["tokens_per_s"] for n in ms if is_plain(n))
+    assert all(any(x["baseline"] == fastest for x in m["speedup"]) for m in ms.values())
+
+
+def test_bench_times_plain_float32_only_when_asked(tmp_path, tiny_dir):
+    """eval.plain_float32: None times float32 plain decoding beside another dtype on a CPU, false never, and a
+    float32 recipe never twice."""
+    from draftsmith.pipeline.stages import plain_dtypes
+    from draftsmith.recipe import Recipe
+    base = {"name": "x", "target": str(tiny_dir), "drafter": {"kind": "medusa"}}
+    r = Recipe.model_validate(base)
+    assert plain_dtypes(r, "bfloat16") == ["float32"] and plain_dtypes(r, "float32") == []
+    assert plain_dtypes(r, "bfloat16", "cuda") == []
+    off = Recipe.model_validate({**base, "eval": {"plain_float32": False}})
+    on = Recipe.model_validate({**base, "eval": {"plain_float32": True}})
+    assert plain_dtypes(off, "bfloat16") == [] and plain_dtypes(on, "bfloat16", "cuda") == ["float32"]
 
 
 def test_eagle3_run_builds_trees_from_its_steps_rank_acceptance(tmp_path, capsys):
