@@ -185,6 +185,15 @@ def test_specdec_head_trains_saves_and_loads(tmp_path):
     no_hidden = Traces({k: v for k, v in tr.columns.items() if k != "hidden"}, tr.meta, "train")
     with pytest.raises(TraceError, match="no drafter hidden states"):
         specdec.train_head(no_hidden)
+    # config.json is the head's pydantic config: read back equal; a wrong field is refused by name
+    cfg_file = tmp_path / "s" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    assert cfg["kind"] == specdec.KIND and back.config == head.config
+    for bad, field in (({**cfg, "num_layers": -1}, "num_layers"), ({**cfg, "width": 3}, "width"),
+                       ({"kind": specdec.KIND, "num_layers": 3}, "hidden_size")):
+        cfg_file.write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=field):
+            specdec.load(tmp_path / "s", tgt)
 
 
 # ---------------------------------------------------------------------------- stop rules

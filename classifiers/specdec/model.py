@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pydantic import Field, ValidationError
 from torch import nn
 
 from draftsmith.checkpoint import (CheckpointError, read_json, read_manifest, read_safetensors, save_checkpoint)
@@ -38,6 +39,7 @@ from draftsmith.classifiers.traces import TraceError, Traces, check_same_drafter
 from draftsmith.classifiers.tuning import best_fixed, calibration_rounds, quality, tune_threshold_and_cap
 from draftsmith.engine.policies import DraftSignal
 from draftsmith.registry import register_predictor
+from draftsmith.schema import StrictModel
 from draftsmith.target import Target, check_fingerprint
 
 KIND = "specdec-head"
@@ -55,18 +57,34 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
+class AcceptanceHeadConfig(StrictModel):
+    """The acceptance head's config.json and its constructor's one argument."""
+
+    hidden_size: int = Field(ge=1, description="the drafter's hidden size (the width of the states it reads)")
+    num_layers: int = Field(3, ge=0, description="distinct ResBlocks before the output layer")
+
+    @classmethod
+    def read(cls, raw: dict, where: str) -> "AcceptanceHeadConfig":
+        """``raw`` (a config.json's dict, its ``kind`` ignored) validated; a wrong field is a `CheckpointError`
+        naming ``where`` and the field."""
+        try:
+            return cls.model_validate({k: v for k, v in raw.items() if k != "kind"})
+        except ValidationError as e:
+            raise CheckpointError(f"{where}: " + "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: "
+                                                           f"{err['msg']}" for err in e.errors())) from None
+
+
 class AcceptanceHead(nn.Module):
     """L distinct ResBlocks then Linear(d, 2) on a drafter hidden state [n, d] -> logits [n, 2]."""
 
     kind = KIND
 
-    def __init__(self, hidden_size: int, num_layers: int = 3):
+    def __init__(self, config: AcceptanceHeadConfig):
         super().__init__()
-        if hidden_size < 1 or num_layers < 0:
-            raise ValueError(f"need hidden_size >= 1 and num_layers >= 0, got {hidden_size}, {num_layers}")
-        self.config = {"hidden_size": int(hidden_size), "num_layers": int(num_layers)}
-        self.blocks = nn.ModuleList([ResBlock(hidden_size) for _ in range(num_layers)])  # distinct, not [m] * L
-        self.out = nn.Linear(hidden_size, 2)
+        self.config = config
+        d = config.hidden_size
+        self.blocks = nn.ModuleList([ResBlock(d) for _ in range(config.num_layers)])  # distinct, not [m] * L
+        self.out = nn.Linear(d, 2)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
@@ -117,7 +135,7 @@ def train_head(train: Traces, *, num_layers: int = 3, epochs: int = 20, lr: floa
                          f"{'none' if len(x) == 0 else 'all one class'}: record longer drafts")
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    head = AcceptanceHead(x.shape[1], num_layers)
+    head = AcceptanceHead(AcceptanceHeadConfig(hidden_size=x.shape[1], num_layers=num_layers))
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y).float()
     head.train()
@@ -180,8 +198,8 @@ def load(path: str | Path, target: Target) -> tuple[AcceptanceHead, dict]:
     if manifest.get("kind") != KIND:
         raise CheckpointError(f"{path}: holds a {manifest.get('kind')!r} checkpoint, not a SpecDec++ head ({KIND})")
     check_fingerprint(manifest["target"]["fingerprint"], target, what=f"SpecDec++ head {path}")
-    cfg = read_json(path / "config.json", "SpecDec++ head config", required=("hidden_size", "num_layers"))
-    head = AcceptanceHead(int(cfg["hidden_size"]), int(cfg["num_layers"]))
+    cfg = AcceptanceHeadConfig.read(read_json(path / "config.json", "SpecDec++ head config"), str(path / "config.json"))
+    head = AcceptanceHead(cfg)
     sd = read_safetensors(path / "model.safetensors", "SpecDec++ head weights")
     try:
         head.load_state_dict(sd, strict=True)
