@@ -1,8 +1,24 @@
-"""Small layer pieces the kinds' own decoder layers share (Hydra++'s prefix layer, Kangaroo's adapter, EAGLE-3)."""
+"""The one decoder layer the kinds run (Hydra++'s prefix layer, EAGLE-3's layer, Kangaroo's adapter), eagerly and
+in their compiled drafting, and its pieces.
+
+`DecoderLayer` is a pre-norm layer of the target's attention shape: RMS-normed input, q/k/v projections with RoPE,
+grouped-query attention, the output projection and the residual, then (optionally) an RMS-normed SwiGLU MLP and its
+residual. It is split in the phases every caller shares, because the kinds attend differently (a cache they
+concatenate, a pre-allocated buffer with a mask, EAGLE-3's training-time test over diagonal keys):
+
+  * `attention_input` (the input norm; EAGLE-3's layer reads two inputs, each normed, concatenated),
+  * `qkv` (projections and RoPE at given positions), `expand` (grouped-query heads), `attend` (SDPA),
+  * `finish` (output projection, residual, MLP).
+
+Its parameter names are the kinds' checkpoint names: ``input_norm`` (and ``hidden_norm``), ``q``, ``k``, ``v``, ``o``,
+``post_norm``, ``gate``, ``up``, ``down``. Checkpoints written with a kind's earlier names load through
+`rename_on_load`.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -23,3 +39,134 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """RoPE's rotation of the last dimension's two halves."""
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
+
+
+def rope_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """RoPE's inverse frequencies for ``head_dim`` and base ``theta`` (float32, [head_dim / 2])."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer (see the module docstring).
+
+    Args:
+      hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps: the layer's shape.
+      inputs: 1, or 2 for EAGLE-3's layer (token embedding and hidden state, each normed, concatenated: the
+        projections read 2 x hidden_size).
+      mlp: with the MLP and its norm (Kangaroo's adapter may leave them out).
+      inv_freq, rope_scale: RoPE's inverse frequencies (copied into a buffer of the layer's own, not stored in
+        checkpoints) and the attention scaling applied to cos and sin (a target's rotary module gives both).
+      zero_outputs: start the output projections (``o`` and ``down``) at zero, so the layer starts as the identity.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
+                 eps: float = 1e-6, *, inputs: int = 1, mlp: bool = True, inv_freq: torch.Tensor | None = None,
+                 rope_scale: float = 1.0, zero_outputs: bool = False):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if inputs not in (1, 2):
+            raise ValueError(f"a decoder layer reads 1 or 2 inputs, got {inputs}")
+        self.nh, self.nkv, self.hd = num_heads, num_kv_heads, head_dim
+        self.inputs, self.mlp = inputs, bool(mlp)
+        self.input_norm = RMSNorm(hidden_size, eps)
+        if inputs == 2:
+            self.hidden_norm = RMSNorm(hidden_size, eps)
+        width = inputs * hidden_size
+        self.q = nn.Linear(width, num_heads * head_dim, bias=False)
+        self.k = nn.Linear(width, num_kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(width, num_kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        if mlp:
+            self.post_norm = RMSNorm(hidden_size, eps)
+            self.gate = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.up = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+        if zero_outputs:
+            nn.init.zeros_(self.o.weight)
+            if mlp:
+                nn.init.zeros_(self.down.weight)
+        inv = rope_frequencies(head_dim, 10000.0) if inv_freq is None else inv_freq.detach().float().clone()
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.rope_scale = float(rope_scale)
+
+    # ------------------------------------------------------------------ the phases
+    def attention_input(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+        """The projections' input: ``input_norm(x)``, or for a 2-input layer ``[input_norm(x); hidden_norm(h)]``."""
+        if self.inputs == 1:
+            return self.input_norm(x)
+        return torch.cat([self.input_norm(x), self.hidden_norm(h)], dim=-1)
+
+    def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [..., heads, T, hd] at positions pos [..., T]. The angles are computed in float32 whatever the layer's
+        dtype (as the target's rotary embedding does): positions past 256 are not exact in bf16."""
+        ang = pos.float()[..., None] * self.inv_freq.float()  # [..., T, hd/2]
+        emb = torch.cat([ang, ang], dim=-1).unsqueeze(-3)  # [..., 1, T, hd]
+        cos, sin = (emb.cos() * self.rope_scale).to(x.dtype), (emb.sin() * self.rope_scale).to(x.dtype)
+        return x * cos + rotate_half(x) * sin
+
+    def qkv(self, a: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention input a [..., T, width] (`attention_input`) at positions pos [..., T] -> q [..., nh, T, hd]
+        and k, v [..., nkv, T, hd], RoPE applied to q and k."""
+        *lead, T, _ = a.shape
+
+        def heads(t: torch.Tensor, n: int) -> torch.Tensor:
+            return t.view(*lead, T, n, self.hd).transpose(-2, -3)
+
+        q = self.rope(heads(self.q(a), self.nh), pos)
+        k = self.rope(heads(self.k(a), self.nkv), pos)
+        return q, k, heads(self.v(a), self.nkv)
+
+    def expand(self, kv: torch.Tensor) -> torch.Tensor:
+        """[..., nkv, S, hd] -> [..., nh, S, hd] (grouped-query attention)."""
+        rep = self.nh // self.nkv
+        return kv if rep == 1 else kv.repeat_interleave(rep, dim=-3)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Scaled dot-product attention of q [..., nh, T, hd] over k, v [..., nkv, S, hd]; ``mask`` [T, S] (bool:
+        True = may attend, or additive), None = every key."""
+        return F.scaled_dot_product_attention(q, self.expand(k), self.expand(v), attn_mask=mask)
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual h [..., T, H] plus the output projection of attn [..., nh, T, hd], then the MLP with its
+        residual."""
+        *lead, _, T, _ = attn.shape
+        x = h + self.o(attn.transpose(-2, -3).reshape(*lead, T, self.nh * self.hd))
+        if not self.mlp:
+            return x
+        y = self.post_norm(x)
+        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+    # ------------------------------------------------------------------ construction
+    def init_from(self, layer: nn.Module, mlp: bool = True, outputs: bool = False) -> None:
+        """Copy a Hugging Face Llama-style decoder layer's weights where their shapes match: the input norm, q, k,
+        v, and with ``mlp`` the MLP's norm, gate and up; with ``outputs`` also o and down (else they keep their
+        values, zero for a layer that starts as the identity)."""
+        pairs = [(self.input_norm, "input_layernorm"), (self.q, "self_attn.q_proj"), (self.k, "self_attn.k_proj"),
+                 (self.v, "self_attn.v_proj")]
+        if outputs:
+            pairs.append((self.o, "self_attn.o_proj"))
+        if mlp and self.mlp:
+            pairs += [(self.post_norm, "post_attention_layernorm"), (self.gate, "mlp.gate_proj"),
+                      (self.up, "mlp.up_proj")] + ([(self.down, "mlp.down_proj")] if outputs else [])
+        with torch.no_grad():
+            for mine, name in pairs:
+                src = layer.get_submodule(name)
+                if src.weight.shape == mine.weight.shape:
+                    mine.weight.copy_(src.weight.float())
+
+
+def rename_on_load(module: nn.Module, renames: dict[str, str]) -> None:
+    """Let ``module`` load state dicts written with earlier parameter names: each key starting with an old prefix
+    (relative to ``module``) is renamed to its new prefix before loading. Keys already in the new names pass."""
+
+    def hook(state_dict, prefix, *_):
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            rel = key[len(prefix):]
+            for old, new in renames.items():
+                if rel.startswith(old):
+                    state_dict[prefix + new + rel[len(old):]] = state_dict.pop(key)
+                    break
+
+    module._register_load_state_dict_pre_hook(hook)

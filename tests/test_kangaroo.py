@@ -35,9 +35,9 @@ def random_adapter(target, exit_layer=2, std=0.1, seed=1, mlp=False, **kw) -> Ka
     a = KangarooAdapter.for_target(target, exit_layer=exit_layer, adapter_mlp=mlp, **kw)
     torch.manual_seed(seed)
     with torch.no_grad():
-        a.o.weight.normal_(0, std)
+        a.layer.o.weight.normal_(0, std)
         if mlp:
-            a.down.weight.normal_(0, std)
+            a.layer.down.weight.normal_(0, std)
     return a.to(next(target.model.parameters()).dtype).eval()
 
 
@@ -115,7 +115,7 @@ def test_adapter_incremental_equals_full_sequence(tgt):
     a = random_adapter(tgt, mlp=True)
     h = torch.randn(12, tgt.hidden_size)
     full = a.adapt(h, torch.arange(12))
-    kv = (torch.zeros(a.nkv, 16, a.hd), torch.zeros(a.nkv, 16, a.hd))
+    kv = (torch.zeros(a.layer.nkv, 16, a.layer.hd), torch.zeros(a.layer.nkv, 16, a.layer.hd))
     parts = [a.adapt(h[s:e], torch.arange(s, e), kv, s) for s, e in ((0, 5), (5, 6), (6, 12))]
     torch.testing.assert_close(torch.cat(parts), full, atol=1e-5, rtol=1e-5)
 
@@ -143,9 +143,9 @@ def test_target_cache_matches_a_fresh_forward_after_each_step(tgt, make, samplin
         if dr.heads is not None and ds.a_valid:  # the adapter's cache holds the committed prefix too
             with torch.no_grad():
                 hl = tgt.model(torch.tensor([state.tokens[:ds.a_valid]]), output_hidden_states=True)
-                k = dr.heads.k(dr.heads.norm1(hl.hidden_states[dr.exit_layer][0]))
-            k = dr.heads._rope(k.view(ds.a_valid, dr.heads.nkv, dr.heads.hd).transpose(0, 1),
-                               torch.arange(ds.a_valid))
+                lay = dr.heads.layer
+                k = lay.k(lay.input_norm(hl.hidden_states[dr.exit_layer][0]))
+            k = lay.rope(k.view(ds.a_valid, lay.nkv, lay.hd).transpose(0, 1), torch.arange(ds.a_valid))
             torch.testing.assert_close(ds.kv[0][:, :ds.a_valid], k, atol=1e-4, rtol=1e-4)
     assert steps < 30 and sum(s.accepted for s in state.steps) > 0  # drafts were accepted and committed
 
@@ -202,8 +202,9 @@ def test_tree_step_leaves_both_caches_equal_to_a_fresh_forward(tgt, sampling):
                                    atol=5e-4, rtol=1e-4)  # states are O(1-10): fp32 summation order
         if ds.a_valid:
             with torch.no_grad():
-                k = dr.heads.k(dr.heads.norm1(out.hidden_states[dr.exit_layer][0, :ds.a_valid]))
-            k = dr.heads._rope(k.view(ds.a_valid, dr.heads.nkv, dr.heads.hd).transpose(0, 1), torch.arange(ds.a_valid))
+                lay = dr.heads.layer
+                k = lay.k(lay.input_norm(out.hidden_states[dr.exit_layer][0, :ds.a_valid]))
+            k = lay.rope(k.view(ds.a_valid, lay.nkv, lay.hd).transpose(0, 1), torch.arange(ds.a_valid))
             torch.testing.assert_close(ds.kv[0][:, :ds.a_valid], k, atol=1e-4, rtol=1e-4)
     assert any(p != list(range(len(p))) for p in paths)  # an accepted path off the first ranks: compacted
 
@@ -437,8 +438,8 @@ def test_real_target_skip_and_full_verification_equal_plain(real_target):
     a = KangarooAdapter.for_target(t, exit_layer=1, adapter_mlp=True, vocab_keep=8192)
     torch.manual_seed(0)
     with torch.no_grad():
-        a.o.weight.normal_(0, 0.002)
-        a.down.weight.normal_(0, 0.002)
+        a.layer.o.weight.normal_(0, 0.002)
+        a.layer.down.weight.normal_(0, 0.002)
     skip = a.to(next(t.model.parameters()).dtype).eval().decoder_drafter(t, t.fingerprint)
     decs = [SpeculativeDecoder(t), SpeculativeDecoder(t, skip), SpeculativeDecoder(t, skip.variant(full_verify=True)),
             SpeculativeDecoder(t, skip, tree=STAR), SpeculativeDecoder(t, skip, tree=BRANCHY)]

@@ -26,7 +26,7 @@ def pruned_adapter(t, keep, seed=1, std=0.5):
     a = KangarooAdapter.for_target(t, exit_layer=1, vocab_keep=len(keep))
     torch.manual_seed(seed)
     with torch.no_grad():
-        a.o.weight.normal_(0, std)
+        a.layer.o.weight.normal_(0, std)
     a.set_draft_vocab(torch.tensor(keep))
     return a.to(next(t.model.parameters()).dtype).eval()
 

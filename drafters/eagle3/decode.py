@@ -157,7 +157,7 @@ class Eagle3Drafter:
         ids = torch.tensor(state.tokens[c + 1: L + 1], dtype=torch.long, device=dev)
         pos = torch.arange(c, L, device=dev)
         h = m.fc(ds.feats)
-        q, k, v = lay.qkv(m.embed_tokens(ids), h, pos, m.inv_freq, m.rope_scale)
+        q, k, v = lay.qkv(lay.attention_input(m.embed_tokens(ids), h), pos)
         k0, v0 = torch.cat([ds.k0, k], dim=1), torch.cat([ds.v0, v], dim=1)
         mask = torch.ones(n, L, dtype=torch.bool, device=dev).tril(c)
         out = lay.finish(h, self._attend(q, k0, v0, mask))
@@ -184,7 +184,7 @@ class Eagle3Drafter:
             parents = [int(tree.parent[i]) for i in range(start, end)]
             h_in = torch.stack([ds.nout[p] for p in parents])
             pos = (L - 1) + torch.tensor(tree.depth[start:end], device=dev)
-            q, k, v = lay.qkv(m.embed_tokens(tree.tok[start:end]), h_in, pos, m.inv_freq, m.rope_scale)
+            q, k, v = lay.qkv(lay.attention_input(m.embed_tokens(tree.tok[start:end]), h_in), pos)
             nk = k if ds.nk is None else torch.cat([ds.nk, k], dim=1)
             nv = v if ds.nv is None else torch.cat([ds.nv, v], dim=1)
             anc = tree.ancestor_mask(dev)[start:end, 1:end]  # ancestors and self among nodes 1..end-1

@@ -47,15 +47,13 @@ class _Core(nn.Module):
         self.vocab_size = int(dh.vocab_size) if dh is not None else None
         if dh is not None:
             self.register_buffer("kept_ids", dh.kept_ids.clone())
-        self.register_buffer("inv_freq", module.inv_freq.clone())
-        self.rope_scale = module.rope_scale
 
     def step(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
              keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Input states h [T, H] with tokens ids [T] at RoPE positions pos [T]; their keys and values go to
         ``slots`` of ``keys``/``values`` [kv_heads, S, head_dim]; mask [T, S] additive -> output states [T, H]."""
         lay = self.layer
-        q, k, v = lay.qkv(self.embed(ids).to(h.dtype), h, pos, self.inv_freq, self.rope_scale)
+        q, k, v = lay.qkv(lay.attention_input(self.embed(ids).to(h.dtype), h), pos)
         keys.index_copy_(1, slots, k)
         values.index_copy_(1, slots, v)
         a = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None, None],

@@ -14,7 +14,8 @@ step k (k >= 1) at index i reads step k-1's output state at i and token t_{i+k+1
 i + k and attends to step 0's keys 0..i plus the keys of steps 1..k at the same index (the training-time
 test). At decoding, the committed prefix is step 0, and a tree node at depth d is step d at index L-1:
 its keys are the prefix's and its ancestors'. Training (`ttt`) and decoding (`decode.Eagle3Drafter`) share
-`Eagle3Layer`, so they compute the same function (a test checks it).
+the layer (`draftsmith.common.layers.DecoderLayer`, two inputs), so they compute the same function (a test
+checks it).
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from draftsmith.common.hidden_cache import HiddenCache, decoder_of
-from draftsmith.common.layers import RMSNorm, rotate_half
+from draftsmith.common.layers import DecoderLayer, RMSNorm
 from draftsmith.common.vocab import PrunedVocab
 from draftsmith.drafters.eagle3.config import Eagle3ModelConfig
 from draftsmith.drafters.eagle3.decode import Eagle3Drafter
@@ -33,57 +33,6 @@ from draftsmith.drafters.eagle3.objective import Eagle3Objective, heldout_metric
 from draftsmith.engine.policies import FixedLength
 from draftsmith.registry import KindBase, register
 from torch import nn
-
-
-class Eagle3Layer(nn.Module):
-    """EAGLE-3's decoder layer, split in the phases training and decoding share."""
-
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
-                 eps: float):
-        super().__init__()
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        self.nh, self.nkv, self.hd = num_heads, num_kv_heads, head_dim
-        self.input_norm = RMSNorm(hidden_size, eps)
-        self.hidden_norm = RMSNorm(hidden_size, eps)
-        self.q = nn.Linear(2 * hidden_size, num_heads * head_dim, bias=False)
-        self.k = nn.Linear(2 * hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v = nn.Linear(2 * hidden_size, num_kv_heads * head_dim, bias=False)
-        self.o = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
-        self.post_norm = RMSNorm(hidden_size, eps)
-        self.gate = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def rope(self, x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
-        """x [..., heads, T, hd] at positions pos [..., T]."""
-        ang = pos.to(inv_freq.dtype)[..., None] * inv_freq  # [..., T, hd/2]
-        emb = torch.cat([ang, ang], dim=-1).unsqueeze(-3)  # [..., 1, T, hd]
-        cos, sin = (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
-        return x * cos + rotate_half(x) * sin
-
-    def qkv(self, emb: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scale: float):
-        """emb, h [..., T, H] at positions pos [..., T] -> q [..., nh, T, hd], k, v [..., nkv, T, hd]."""
-        x = torch.cat([self.input_norm(emb), self.hidden_norm(h)], dim=-1)
-        *lead, T, _ = x.shape
-
-        def heads(t: torch.Tensor, n: int) -> torch.Tensor:
-            return t.view(*lead, T, n, self.hd).transpose(-2, -3)
-
-        q = self.rope(heads(self.q(x), self.nh), pos, inv_freq, scale)
-        k = self.rope(heads(self.k(x), self.nkv), pos, inv_freq, scale)
-        return q, k, heads(self.v(x), self.nkv)
-
-    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual h [..., T, H] plus the attention output attn [..., nh, T, hd], then the MLP."""
-        *lead, _, T, _ = attn.shape
-        x = h + self.o(attn.transpose(-2, -3).reshape(*lead, T, self.nh * self.hd))
-        y = self.post_norm(x)
-        return x + self.down(F.silu(self.gate(y)) * self.up(y))
-
-    def expand(self, kv: torch.Tensor) -> torch.Tensor:
-        """[..., nkv, S, hd] -> [..., nh, S, hd] (grouped-query attention)."""
-        return kv.repeat_interleave(self.nh // self.nkv, dim=-3)
 
 
 def check_aux_layers(aux: list[int], num_layers: int) -> None:
@@ -112,16 +61,17 @@ class Eagle3Module(PrunedVocab, KindBase, nn.Module):
         self.draft_len = c.draft_len
         hidden_size, eps = c.hidden_size, c.eps
         self.fc = nn.Linear(3 * hidden_size, hidden_size, bias=False)
-        self.layer = Eagle3Layer(hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, eps)
+        # the shared decoder layer, reading [input_norm(embed(token)); hidden_norm(h)], with the target's RoPE
+        # (frequencies and scaling copied into a buffer of the layer's: casting the drafter leaves the target's alone)
+        self.layer = DecoderLayer(hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, eps,
+                                  inputs=2, inv_freq=rotary.inv_freq, rope_scale=getattr(rotary, "attention_scaling",
+                                                                                         1.0))
         self.norm = RMSNorm(hidden_size, eps)
         self.lm_head, self.embed = lm_head, embed  # the target's, frozen and not stored
         self.shared_with_target = ("lm_head", "embed")
         self.init_pruned_vocab(lm_head, c.vocab_keep)
         if self.draft_head is not None and c.train_head:
             self.draft_head.requires_grad_(True)
-        # The target's RoPE frequencies, copied (a buffer of ours: casting the drafter leaves the target's alone).
-        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
-        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -187,7 +137,7 @@ class Eagle3Module(PrunedVocab, KindBase, nn.Module):
         k0 = v0 = None
         diag_k, diag_v, out = [], [], []
         for k in range(steps):
-            q, kk, vv = L.qkv(self.embed_tokens(next_ids[:, k: k + T]), h, pos + k, self.inv_freq, self.rope_scale)
+            q, kk, vv = L.qkv(L.attention_input(self.embed_tokens(next_ids[:, k: k + T]), h), pos + k)
             if k == 0:
                 k0, v0 = L.expand(kk), L.expand(vv)
             else:

@@ -189,7 +189,7 @@ class KangarooDrafter:
             kv = None
             if self.heads is not None:
                 a = self.heads
-                shape = (a.nkv, dec.capacity, a.hd)
+                shape = (a.layer.nkv, dec.capacity, a.layer.hd)
                 kv = (torch.zeros(shape, dtype=dec.dtype, device=dec.device),
                       torch.zeros(shape, dtype=dec.dtype, device=dec.device))
             self._buffers = (shallow, kv)

@@ -28,10 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from draftsmith.common.chunks import make_chunks
 from draftsmith.common.hidden_cache import HiddenCache, decoder_of, teacher_logits
-from draftsmith.common.layers import rotate_half
+from draftsmith.common.layers import DecoderLayer, RMSNorm, rename_on_load
 from draftsmith.common.losses import hard_ce, soft_ce, topk_hits
 from draftsmith.common.vocab import PrunedVocab, draft_head
 from draftsmith.drafters.kangaroo.config import KangarooModelConfig
@@ -53,38 +52,24 @@ class KangarooAdapter(PrunedVocab, KindBase, nn.Module):
         c = config
         check_exit_layer(c.exit_layer, c.num_layers)
         check_threshold(c.threshold)
-        if c.num_heads % c.num_kv_heads:
-            raise ValueError(f"num_heads {c.num_heads} is not a multiple of num_kv_heads {c.num_kv_heads}")
+        if c.vocab_keep is not None and not 1 <= int(c.vocab_keep) <= c.vocab_size:
+            raise ValueError(f"vocab_keep {c.vocab_keep} must keep between 1 and the vocabulary's {c.vocab_size} ids")
         self.config = c
         self.exit_layer, self.threshold, self.max_draft_len = c.exit_layer, c.threshold, c.max_draft_len
-        self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
-        hidden_size, eps, num_heads, num_kv_heads, head_dim = (c.hidden_size, c.eps, c.num_heads, c.num_kv_heads,
-                                                                c.head_dim)
-        intermediate_size, vocab_keep, vocab_size = c.intermediate_size, c.vocab_keep, c.vocab_size
-        self.norm1 = nn.RMSNorm(hidden_size, eps=eps)
-        self.q = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.k = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.o = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
-        nn.init.zeros_(self.o.weight)
-        if c.adapter_mlp:
-            self.norm_mlp = nn.RMSNorm(hidden_size, eps=eps)
-            self.gate = nn.Linear(hidden_size, intermediate_size, bias=False)
-            self.up = nn.Linear(hidden_size, intermediate_size, bias=False)
-            self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
-            nn.init.zeros_(self.down.weight)
-        self.mlp = c.adapter_mlp
-        self.norm_out = nn.RMSNorm(hidden_size, eps=eps)
+        # the shared decoder layer (the MLP only with adapter_mlp), output projections at zero, with the target's
+        # RoPE (frequencies and scaling copied into the layer's own buffer: casting the adapter leaves the
+        # target's rotary alone)
+        self.layer = DecoderLayer(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.eps,
+                                  mlp=c.adapter_mlp, inv_freq=rotary.inv_freq,
+                                  rope_scale=getattr(rotary, "attention_scaling", 1.0), zero_outputs=True)
+        self.norm_out = RMSNorm(c.hidden_size, c.eps)
+        # checkpoints written before the layer was the shared one hold its weights at the top level
+        rename_on_load(self, {**{f"{n}.": f"layer.{n}." for n in ("q", "k", "v", "o", "gate", "up", "down")},
+                              "norm1.": "layer.input_norm.", "norm_mlp.": "layer.post_norm."})
         self.lm_head = lm_head.requires_grad_(False)
         self.shared_with_target = ("lm_head",)
-        if vocab_keep is not None and not 1 <= int(vocab_keep) <= vocab_size:
-            raise ValueError(f"vocab_keep {vocab_keep} must keep between 1 and the vocabulary's {vocab_size} ids")
         # A pruned vocabulary (heads/vocab.py): the kept rows of the frozen head, the id map saved with them.
-        self.init_pruned_vocab(lm_head, vocab_keep)
-        # The target's RoPE (frequencies and scaling), copied: not a submodule, so casting the adapter
-        # never touches the target's own rotary buffers.
-        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
-        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.init_pruned_vocab(lm_head, c.vocab_keep)
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -101,14 +86,10 @@ class KangarooAdapter(PrunedVocab, KindBase, nn.Module):
                          len(body.layers))
         config = cls.read_config({**KangarooModelConfig.of(target), **fields})
         m = cls(config, target.lm_head, body.rotary_emb)
-        nxt = body.layers[config.exit_layer]  # decoder layer l+1 (0-based index l) reads h^l in the target
-        pairs = [(m.norm1, "input_layernorm"), (m.q, "self_attn.q_proj"), (m.k, "self_attn.k_proj"),
-                 (m.v, "self_attn.v_proj")]
-        if config.adapter_mlp:
-            pairs += [(m.norm_mlp, "post_attention_layernorm"), (m.gate, "mlp.gate_proj"), (m.up, "mlp.up_proj")]
+        # decoder layer l+1 (0-based index l) reads h^l in the target: its input norm, q, k, v (and MLP norm, gate
+        # and up with adapter_mlp)
+        m.layer.init_from(body.layers[config.exit_layer])
         with torch.no_grad():
-            for mine, name in pairs:
-                mine.weight.copy_(nxt.get_submodule(name).weight.float())
             m.norm_out.weight.copy_(body.norm.weight.float())
         return m
 
@@ -139,12 +120,6 @@ class KangarooAdapter(PrunedVocab, KindBase, nn.Module):
         return self.vocab_logits(h)
 
     # ------------------------------------------------------------------ math
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        ang = pos.float()[:, None] * self.inv_freq.float()[None]
-        emb = torch.cat([ang, ang], dim=-1)
-        cos, sin = (emb.cos() * self.rope_scaling).to(x.dtype), (emb.sin() * self.rope_scaling).to(x.dtype)
-        return x * cos + rotate_half(x) * sin
-
     def adapt(self, x: torch.Tensor, pos: torch.Tensor,
               kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
               mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,26 +132,16 @@ class KangarooAdapter(PrunedVocab, KindBase, nn.Module):
         ``mask`` [T, start + T] (bool, True = may attend) allows (tree nodes:
         the committed prefix, their ancestors and themselves).
         """
-        T = x.shape[0]
-        h = self.norm1(x)
-        q = self._rope(self.q(h).view(T, self.nh, self.hd).transpose(0, 1), pos)
-        k = self._rope(self.k(h).view(T, self.nkv, self.hd).transpose(0, 1), pos)
-        v = self.v(h).view(T, self.nkv, self.hd).transpose(0, 1)
+        T, lay = x.shape[0], self.layer
+        q, k, v = lay.qkv(lay.attention_input(x), pos)
         if kv is not None:
             kv[0][:, start:start + T] = k
             kv[1][:, start:start + T] = v
             k, v = kv[0][:, :start + T], kv[1][:, :start + T]
-        rep = self.nh // self.nkv
-        kk, vv = (k, v) if rep == 1 else (k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0))
-        S = kk.shape[1]
+        S = k.shape[1]
         if mask is None and T > 1:
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
-        a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
-        x = x + self.o(a.transpose(0, 1).reshape(T, self.nh * self.hd))
-        if self.mlp:
-            g = self.norm_mlp(x)
-            x = x + self.down(F.silu(self.gate(g)) * self.up(g))
-        return self.norm_out(x)
+        return self.norm_out(lay.finish(x, lay.attend(q, k, v, mask)))
 
     def forward(self, seqs: list[tuple[torch.Tensor, int, torch.Tensor]]) -> torch.Tensor:
         """Logits [P, V] at the kept rows: per window (h^l_0..h^l_{hi-1} of a sequence, lo, kept-rows mask)."""

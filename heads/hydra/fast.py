@@ -38,7 +38,8 @@ from draftsmith.engine.fastpath import CompiledDrafting, bucket
 
 
 class _PrefixCore(nn.Module):
-    """The prefix layer's step over pre-allocated keys and values (the layer's own weights, unfused)."""
+    """The prefix layer's step over pre-allocated keys and values: the layer's own phases (`DecoderLayer`), its
+    own weights."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
@@ -49,18 +50,12 @@ class _PrefixCore(nn.Module):
         """x [T, d] at positions ``pos`` [T]; mask [T, C] additive over the buffer's C slots; the T new keys and
         values go to ``slots`` of ``keys``/``values`` [kv_heads, C, head_dim] -> out [T, d]."""
         p = self.layer
-        T = x.shape[0]
-        h = p.norm1(x)
-        q = p._rope(p.q(h).view(T, p.nh, p.hd).transpose(0, 1), pos)
-        k = p._rope(p.k(h).view(T, p.nkv, p.hd).transpose(0, 1), pos)
-        v = p.v(h).view(T, p.nkv, p.hd).transpose(0, 1)
+        q, k, v = p.qkv(p.attention_input(x), pos)
         keys.index_copy_(1, slots, k)
         values.index_copy_(1, slots, v)
         a = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None, None],
                                            enable_gqa=p.nkv != p.nh)[0]
-        x = x + p.o(a.transpose(0, 1).reshape(T, p.nh * p.hd))
-        h = p.norm2(x)
-        return x + p.down(F.silu(p.gate(h)) * p.up(h))
+        return p.finish(x, a)
 
 
 class _DepthCore(nn.Module):
@@ -129,7 +124,7 @@ class FastHydra:
 
     def new_kv(self, capacity: int) -> PrefixKV:
         p = self.heads.prefix
-        w = p.norm1.weight
+        w = p.input_norm.weight
         shape = (p.nkv, capacity, p.hd)
         return PrefixKV(torch.zeros(shape, dtype=w.dtype, device=w.device),
                         torch.zeros(shape, dtype=w.dtype, device=w.device))

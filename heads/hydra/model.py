@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from draftsmith.common.layers import RMSNorm, rotate_half
+from draftsmith.common.layers import DecoderLayer, rename_on_load, rope_frequencies
 from draftsmith.common.vocab import PrunedVocab
 from draftsmith.heads.decode import HeadDrafter
 from draftsmith.heads.common import ResBlock
@@ -34,70 +34,30 @@ from draftsmith.registry import KindBase, register
 from torch import nn
 
 
-class PrefixLayer(nn.Module):
-    """One pre-norm decoder layer (causal self-attention with RoPE, SwiGLU MLP) over base hidden states.
+class PrefixLayer(DecoderLayer):
+    """Hydra++'s prefix layer: the shared `DecoderLayer` (pre-norm, causal self-attention with RoPE, SwiGLU MLP)
+    over base hidden states, one sequence at a time.
 
-    Its KV cache is a pair of tensors that ``forward`` returns instead of
-    mutating, so a copied decode state never shares it. Output projections
-    start at zero: the layer starts as the identity.
+    Its KV cache is a pair of tensors that ``forward`` returns instead of mutating, so a copied decode state never
+    shares it. Output projections start at zero: the layer starts as the identity.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
                  rope_theta: float = 10000.0, eps: float = 1e-6):
-        super().__init__()
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        self.nh, self.nkv, self.hd = num_heads, num_kv_heads, head_dim
-        self.norm1 = RMSNorm(hidden_size, eps)
-        self.q = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.k = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.o = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
-        self.norm2 = RMSNorm(hidden_size, eps)
-        self.gate = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
-        nn.init.zeros_(self.o.weight)
-        nn.init.zeros_(self.down.weight)
-        inv = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
-
-    def init_from(self, layer: nn.Module) -> None:
-        """Copy q/k/v/gate/up and the norms from a Llama-style decoder layer (o and down stay zero)."""
-        pairs = [(self.q, "self_attn.q_proj"), (self.k, "self_attn.k_proj"), (self.v, "self_attn.v_proj"),
-                 (self.gate, "mlp.gate_proj"), (self.up, "mlp.up_proj"),
-                 (self.norm1, "input_layernorm"), (self.norm2, "post_attention_layernorm")]
-        with torch.no_grad():
-            for mine, name in pairs:
-                src = layer.get_submodule(name)
-                if src.weight.shape == mine.weight.shape:
-                    mine.weight.copy_(src.weight.float())
-
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        ang = pos.float()[:, None] * self.inv_freq[None]  # [T, hd/2]
-        emb = torch.cat([ang, ang], dim=-1)
-        return x * emb.cos().to(x.dtype) + rotate_half(x) * emb.sin().to(x.dtype)
+        super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps,
+                         inv_freq=rope_frequencies(head_dim, rope_theta), zero_outputs=True)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None):
         """x [T, d] at positions ``pos`` [T] after the ``past`` entries -> (out [T, d], (keys, values))."""
         T = x.shape[0]
-        h = self.norm1(x)
-        q = self._rope(self.q(h).view(T, self.nh, self.hd).transpose(0, 1), pos)
-        k = self._rope(self.k(h).view(T, self.nkv, self.hd).transpose(0, 1), pos)
-        v = self.v(h).view(T, self.nkv, self.hd).transpose(0, 1)
+        q, k, v = self.qkv(self.attention_input(x), pos)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)
-        rep = self.nh // self.nkv
-        kk, vv = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
-        S = kk.shape[1]
+        S = k.shape[1]
         # Row j (absolute S - T + j) sees keys 0 .. S - T + j.
         mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
-        a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
-        x = x + self.o(a.transpose(0, 1).reshape(T, self.nh * self.hd))
-        h = self.norm2(x)
-        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
-        return x, (k, v)
+        return self.finish(x, self.attend(q, k, v, mask)), (k, v)
 
 
 class HydraHead(nn.Module):
@@ -138,6 +98,7 @@ class HydraHeads(PrunedVocab, KindBase, nn.Module):
         self.num_heads = num_heads
         self.heads = nn.ModuleList(HydraHead(hidden_size, i, num_layers, dropout) for i in range(1, num_heads + 1))
         self.prefix = PrefixLayer(hidden_size, **config.prefix.model_dump()) if config.prefix_layer else None
+        rename_on_load(self, {"prefix.norm1.": "prefix.input_norm.", "prefix.norm2.": "prefix.post_norm."})
         self.lm_head = lm_head.requires_grad_(False)
         self.embed = embed.requires_grad_(False)
         self.shared_with_target = ("lm_head", "embed")

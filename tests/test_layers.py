@@ -1,0 +1,85 @@
+"""The one decoder layer the kinds share (draftsmith.common.layers.DecoderLayer): it is the target's own layer when
+given its weights, each kind runs it, and checkpoints written with the kinds' earlier parameter names load."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.checkpoint import load_checkpoint, save_checkpoint
+from draftsmith.common.layers import DecoderLayer
+from draftsmith.drafters.eagle3.model import Eagle3Module
+from draftsmith.drafters.kangaroo.model import KangarooAdapter
+from draftsmith.heads.hydra.model import HydraHeads
+from tests.tiny import make_tiny_target
+
+
+@pytest.fixture(scope="module")
+def tgt():
+    return make_tiny_target(vocab_size=48, seed=3, init_std=0.3, layers=4, heads=4, kv_heads=2)
+
+
+def test_the_layer_with_the_targets_weights_is_the_targets_layer(tgt):
+    """Given a target layer's weights (outputs included) and the target's RoPE, the shared layer computes what the
+    target's own decoder layer does, causally over a sequence: the kinds' layers are Llama layers."""
+    body, c = tgt.model.model, tgt.model.config
+    hd = c.hidden_size // c.num_attention_heads
+    lay = DecoderLayer(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, hd, c.intermediate_size,
+                       c.rms_norm_eps, inv_freq=body.rotary_emb.inv_freq,
+                       rope_scale=body.rotary_emb.attention_scaling)
+    lay.init_from(body.layers[1], outputs=True)
+    T = 9
+    x = torch.randn(1, T, c.hidden_size, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(T)
+    with torch.no_grad():
+        ref = body.layers[1](x, position_ids=pos[None], position_embeddings=body.rotary_emb(x, pos[None]))
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        q, k, v = lay.qkv(lay.attention_input(x[0]), pos)
+        mine = lay.finish(x[0], lay.attend(q, k, v, torch.ones(T, T, dtype=torch.bool).tril()))
+    torch.testing.assert_close(mine, ref[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(AssertionError):  # the test can fail: another layer's weights give another function
+        lay.init_from(body.layers[2], outputs=True)
+        with torch.no_grad():
+            q, k, v = lay.qkv(lay.attention_input(x[0]), pos)
+            other = lay.finish(x[0], lay.attend(q, k, v, torch.ones(T, T, dtype=torch.bool).tril()))
+        torch.testing.assert_close(other, ref[0], atol=1e-5, rtol=1e-5)
+
+
+def test_every_kind_with_a_layer_runs_the_shared_one(tgt):
+    hydra = HydraHeads.for_target(tgt, num_heads=2, prefix_layer=True)
+    kangaroo = KangarooAdapter.for_target(tgt, exit_layer=1, adapter_mlp=True)
+    eagle = Eagle3Module.for_target(tgt, aux_layers=[1, 2, 3], vocab_keep=16)
+    for layer in (hydra.prefix, kangaroo.layer):
+        assert isinstance(layer, DecoderLayer) and layer.inputs == 1
+    assert isinstance(eagle.layer, DecoderLayer) and eagle.layer.inputs == 2
+
+
+@pytest.mark.parametrize("kind", ["hydra++", "kangaroo"])
+def test_checkpoints_with_the_earlier_parameter_names_load(tgt, tmp_path, kind):
+    """Hydra++'s prefix layer had norm1/norm2, Kangaroo's adapter its q, k, v, o, norm1, norm_mlp, gate, up, down at
+    the top level: such a checkpoint loads into the shared layer with the same weights."""
+    if kind == "hydra++":
+        m = HydraHeads.for_target(tgt, num_heads=2, prefix_layer=True)
+        old = {"prefix.input_norm.": "prefix.norm1.", "prefix.post_norm.": "prefix.norm2."}
+    else:
+        m = KangarooAdapter.for_target(tgt, exit_layer=1, adapter_mlp=True)
+        old = {**{f"layer.{n}.": f"{n}." for n in ("q", "k", "v", "o", "gate", "up", "down")},
+               "layer.input_norm.": "norm1.", "layer.post_norm.": "norm_mlp."}
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    save_checkpoint(tmp_path / "c", m, tgt)
+    f = tmp_path / "c" / "model.safetensors"
+    sd = load_file(f)
+    renamed = {}
+    for key, t in sd.items():
+        new = next((old[p] + key[len(p):] for p in old if key.startswith(p)), key)
+        renamed[new] = t
+    assert set(renamed) != set(sd)  # the file now holds the earlier names
+    save_file(renamed, f)
+    back = load_checkpoint(tmp_path / "c", tgt)
+    back = back[0] if isinstance(back, tuple) else back
+    got, want = back.state_dict(), m.state_dict()
+    assert set(got) == set(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
