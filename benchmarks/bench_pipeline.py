@@ -170,7 +170,7 @@ def _fused_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeat
     from draftsmith.pipeline.stages import load_sequences
     from draftsmith.common.hidden_cache import HiddenCache
     from draftsmith.train.data.cache import build_cache
-    from draftsmith.train.data.generate import FusedCache, regenerate
+    from draftsmith.train.data.generate import FusedCacheWriter, regenerate
     modes = ["batched+cache", "fused", "hf+cache"]
     best: dict = {}
     res: dict = {"conversations": len(convs), "max_new_tokens": new_tokens, "hf_batch": hf_batch, "rows": rows}
@@ -183,7 +183,8 @@ def _fused_path(target, convs, new_tokens: int, hf_batch: int, rows: int, repeat
                 st = regenerate(target, convs, d / "train.jsonl", max_new_tokens=new_tokens, max_turns=1,
                                 batch_size=hf_batch, max_seq_len=4096, on_long_prompt="skip",
                                 engine="hf" if mode == "hf+cache" else "batched", max_rows=rows,
-                                fused=FusedCache(d / "cache", shard_tokens=shard_tokens) if mode == "fused" else None)
+                                fused=(FusedCacheWriter(d / "cache", shard_tokens=shard_tokens) if mode == "fused"
+                                       else None))
                 t1 = time.perf_counter()
                 seqs = load_sequences(d / "train.jsonl", target.tokenizer, 4096)
                 idx = build_cache(target, seqs, ["final"], d / "cache", dtype="float16", batch_tokens=batch_tokens,

@@ -37,8 +37,12 @@ What is counted (each list entry carries its file; names match case-sensitively)
    a dict comprehension or a ``dict(...)`` call, in the kinds' folders (a kind whose config is its pydantic
    class assigns that instead); listed as ``file:line``.
 
+8. ``attention_layers``: definitions of an attention layer's query projection: assignments ``self.q = ...`` or
+   ``self.q_proj = ...`` whose value is a call of ``nn.Linear`` (or ``torch.nn.Linear``), anywhere in the package;
+   listed as ``file:line``. One per place a decoder layer is written out.
+
 A file that fails to parse (``SyntaxError``, ``ValueError``) is counted in ``skipped`` with its error and
-contributes nothing to counts 2-7.
+contributes nothing to counts 2-8.
 """
 
 from __future__ import annotations
@@ -117,11 +121,19 @@ class FileCensus:
     probe_names: Counter = field(default_factory=Counter)  # string-literal attribute name -> calls
     non_literal: int = 0
     config_dicts: list[int] = field(default_factory=list)  # lines of ``self.config = {...}``
+    attention: list[int] = field(default_factory=list)  # lines of ``self.q = nn.Linear(...)``
 
 
 def _is_dict_value(v: ast.expr) -> bool:
     return (isinstance(v, (ast.Dict, ast.DictComp))
             or (isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "dict"))
+
+
+def _is_linear_call(v: ast.expr) -> bool:
+    f = v.func if isinstance(v, ast.Call) else None
+    return isinstance(f, ast.Attribute) and f.attr == "Linear" and (
+        (isinstance(f.value, ast.Name) and f.value.id == "nn")
+        or (isinstance(f.value, ast.Attribute) and f.value.attr == "nn"))
 
 
 def nonblank_lines(source: str) -> int:
@@ -142,7 +154,7 @@ def is_sampler(name: str) -> bool:
 
 
 def census_source(source: str) -> FileCensus:
-    """Counts 2-7 of the module docstring for one file's text; raises SyntaxError/ValueError if it does not parse."""
+    """Counts 2-8 of the module docstring for one file's text; raises SyntaxError/ValueError if it does not parse."""
     tree = ast.parse(source)
     out = FileCensus()
     for qual, node in _defs_in_body(tree.body):
@@ -161,6 +173,10 @@ def census_source(source: str) -> FileCensus:
                 isinstance(t, ast.Attribute) and t.attr == "config" and isinstance(t.value, ast.Name)
                 and t.value.id == "self" for t in node.targets):
             out.config_dicts.append(node.lineno)
+        elif isinstance(node, ast.Assign) and _is_linear_call(node.value) and any(
+                isinstance(t, ast.Attribute) and t.attr in ("q", "q_proj") and isinstance(t.value, ast.Name)
+                and t.value.id == "self" for t in node.targets):
+            out.attention.append(node.lineno)
         elif isinstance(node, ast.Call):
             func = node.func
             if (isinstance(func, ast.Attribute) and func.attr == "compile"
@@ -183,7 +199,7 @@ def census(files: dict[str, str]) -> dict:
     """The census of one revision, given its files (path -> text; must include setup.py)."""
     folders = package_folders(files["setup.py"])
     per_folder = {f: {"lines": 0, "modules": 0} for f in folders}
-    caches, samplers, loops, compiles, skipped, config_dicts = [], [], [], [], [], []
+    caches, samplers, loops, compiles, skipped, config_dicts, attention = [], [], [], [], [], [], []
     probe_folder: Counter = Counter()
     probe_kind: Counter = Counter()
     probe_names: Counter = Counter()
@@ -205,6 +221,7 @@ def census(files: dict[str, str]) -> dict:
         samplers += [{"name": n, "file": path} for n in fc.samplers]
         loops += [{"name": n, "file": path} for n in fc.loops]
         compiles += [f"{path}:{line}" for line in fc.compiles]
+        attention += [f"{path}:{line}" for line in fc.attention]
         if folder in KIND_FOLDERS:
             config_dicts += [f"{path}:{line}" for line in fc.config_dicts]
         if folder not in KIND_FOLDERS:
@@ -222,7 +239,7 @@ def census(files: dict[str, str]) -> dict:
                    "per_builtin": {b: probe_kind[b] for b in PROBES},
                    "distinct_names": len(probe_names), "non_literal": non_literal,
                    "names": dict(sorted(probe_names.items()))},
-        "config_dicts": config_dicts,
+        "config_dicts": config_dicts, "attention_layers": attention,
         "skipped": skipped,
     }
 
@@ -260,6 +277,8 @@ def table(results: list[dict]) -> str:
     rows.append(("distinct probed names", [r["probes"]["distinct_names"] for r in results]))
     rows.append(("probes with a non-literal name", [r["probes"]["non_literal"] for r in results]))
     rows.append(("**hand-built drafter config dicts**", [len(r.get("config_dicts", [])) for r in results]))
+    rows.append(("**attention layers written out** (`self.q = nn.Linear`)",
+                 [len(r.get("attention_layers", [])) for r in results]))
     rows.append(("files skipped (parse error)", [len(r["skipped"]) for r in results]))
     lines = ["| count | " + " | ".join(_label(r) for r in results) + " |",
              "|---|" + "---:|" * len(results)]
@@ -275,7 +294,8 @@ def details(r: dict) -> str:
            f"- samplers: {names(r['samplers'])}",
            f"- generation loops: {names(r['generation_loops'])}",
            f"- torch.compile: {', '.join(r['compiled_steps']) or 'none'}",
-           f"- hand-built config dicts: {', '.join(r.get('config_dicts', [])) or 'none'}"]
+           f"- hand-built config dicts: {', '.join(r.get('config_dicts', [])) or 'none'}",
+           f"- attention layers: {', '.join(r.get('attention_layers', [])) or 'none'}"]
     if r["skipped"]:
         out.append("- skipped: " + ", ".join(f"{s['file']} ({s['error']})" for s in r["skipped"]))
     return "\n".join(out)

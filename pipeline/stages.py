@@ -166,7 +166,7 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
         fused, why = fused_cache_plan(recipe)
         if fused:
             c = recipe.cache
-            kw["fused"] = generate.FusedCache(recipe.out / "cache" / "train", dtype=c.dtype,
+            kw["fused"] = generate.FusedCacheWriter(recipe.out / "cache" / "train", dtype=c.dtype,
                                               shard_tokens=c.shard_tokens)
             log.info("data.fused_cache: the training cache is written during generation (%s)", why)
         elif d.fused_cache:

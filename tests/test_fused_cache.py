@@ -285,7 +285,7 @@ def test_other_needs_and_engines_fall_back_to_the_separate_pass(peaky, tmp_path,
 def test_fused_cache_on_the_real_target(real_target, tmp_path):
     """SmolLM2's template ends a turn with '<|im_end|>' + newline: the newline is fed to the row; the
     fused cache equals the separate pass (states within fp16 rounding)."""
-    from draftsmith.train.data.generate import FusedCache, regenerate
+    from draftsmith.train.data.generate import FusedCacheWriter, regenerate
     from draftsmith.train.data.sources import SkipLog, read_sharegpt, resolve_path
     convs, seen = [], set()
     for c in read_sharegpt(resolve_path("builtin:sharegpt-dummy"), "sharegpt", SkipLog()):
@@ -294,7 +294,7 @@ def test_fused_cache_on_the_real_target(real_target, tmp_path):
             convs.append(c)
     st = regenerate(real_target, convs, tmp_path / "t.jsonl", max_new_tokens=24, max_turns=1, batch_size=6,
                     max_seq_len=2048, on_long_prompt="skip", engine="batched", max_rows=6,
-                    fused=FusedCache(tmp_path / "fused"))
+                    fused=FusedCacheWriter(tmp_path / "fused"))
     seqs = pipeline.load_sequences(tmp_path / "t.jsonl", real_target.tokenizer, 2048)
     a = cache_mod.build_cache(real_target, seqs, ["final"], tmp_path / "fused")
     cache_mod.build_cache(real_target, seqs, ["final"], tmp_path / "sep")

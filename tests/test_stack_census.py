@@ -80,6 +80,17 @@ def test_hand_built_config_dicts_in_kinds_only():
     assert r["config_dicts"] == ["heads/h.py:3", "heads/h.py:6"]
 
 
+def test_attention_layers_written_out_anywhere():
+    src = ("import torch\nfrom torch import nn\n"
+           "class A(nn.Module):\n    def __init__(self):\n        self.q = nn.Linear(4, 4)\n"
+           "class B:\n    def __init__(self):\n        self.q_proj = torch.nn.Linear(4, 4, bias=False)\n"
+           "class C:\n    def __init__(self, q):\n        self.q = q\n        self.k = nn.Linear(4, 4)\n"
+           "        other.q = nn.Linear(4, 4)\n")
+    assert sc.census_source(src).attention == [5, 8]
+    r = sc.census({"setup.py": SETUP, "heads/h.py": src, "engine/e.py": src})
+    assert r["attention_layers"] == ["engine/e.py:5", "engine/e.py:8", "heads/h.py:5", "heads/h.py:8"]
+
+
 def test_syntax_error_raises():
     with pytest.raises(SyntaxError):
         sc.census_source("def broken(:\n")

@@ -11,7 +11,7 @@
 * ``render_example``: a conversation as token ids plus a loss mask over the
   assistant tokens (the end-of-turn token included when the turn finished);
   ``sequence_from_line``: a written JSONL line as the cache stage reads it.
-* ``FusedCache`` (``data.fused_cache``): the batched engine also keeps the final
+* ``FusedCacheWriter`` (``data.fused_cache``): the batched engine also keeps the final
   hidden states it computes, and the training cache is written from them as
   conversations are written (`draftsmith.train.data.cache.StreamingCacheWriter`).
 * ``Deadline`` (``data.time_budget_s``): a point on `clock` after which no new
@@ -201,7 +201,7 @@ def _resume(out_path: Path, stats: Counter) -> set[str]:
 
 
 @dataclass
-class FusedCache:
+class FusedCacheWriter:
     """Where the data stage writes the training cache from the generator's states (``data.fused_cache``).
 
     Only the final hidden state is kept (kinds whose ``cache_needs`` are ``["final"]``). A conversation
@@ -253,7 +253,7 @@ def job_seed(seed: int, key: str, turn: int) -> int:
 def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max_new_tokens: int,
                max_turns: int, batch_size: int, max_seq_len: int, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, on_long_prompt: str = "error", engine: str = "batched",
-               max_rows: int = 96, fused: FusedCache | None = None, attention: str = "auto",
+               max_rows: int = 96, fused: FusedCacheWriter | None = None, attention: str = "auto",
                shared_prefix: bool = True, deadline: Deadline | None = None, forward: str | None = None) -> Counter:
     """Rewrite every assistant turn with the target; resumable.
 
@@ -264,7 +264,7 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
     previous reply ends. ``engine="hf"``: the reference path, Hugging Face
     ``generate`` on padded batches of ``batch_size`` in lock-step turns.
 
-    ``fused`` (batched engine only): the training cache is written as conversations are (`FusedCache`);
+    ``fused`` (batched engine only): the training cache is written as conversations are (`FusedCacheWriter`);
     on a resumed run the conversations already in ``out_path`` keep the shards they filled, and those
     after the last full shard are left to the cache stage's forward.
 
@@ -326,7 +326,7 @@ def _turn_prompt(tok, c: Conversation, turn: int, replies: list[str], budget: in
 
 def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path, stats: Counter, *,
                         max_new_tokens: int, max_turns: int, max_seq_len: int, temperature: float, top_p: float,
-                        seed: int, on_long_prompt: str, max_rows: int, fused: FusedCache | None = None,
+                        seed: int, on_long_prompt: str, max_rows: int, fused: FusedCacheWriter | None = None,
                         writer: StreamingCacheWriter | None = None, attention: str = "auto",
                         shared_prefix: bool = True, deadline: Deadline | None = None,
                         forward: str | None = None) -> None:
