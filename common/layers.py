@@ -157,6 +157,42 @@ class DecoderLayer(nn.Module):
                     mine.weight.copy_(src.weight.float())
 
 
+class LayerKV:
+    """One sequence's keys and values for a `DecoderLayer` a drafter runs beside the target (Hydra++'s prefix layer,
+    EAGLE-3's layer), pre-allocated, [kv_heads, capacity + node_slots, head_dim] each: slots 0..capacity-1 hold the
+    sequence's entries, written in place by the compiled drafting steps; the node slots after them (EAGLE-3) hold
+    the current draft tree's. A copied decode state gets its own copy (``copy.copy`` forks it), so two branches never
+    share a buffer. (The target's own cache, all layers and rows, is `draftsmith.engine.kvcache.KVCache`.)"""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int | None = None):
+        self.keys, self.values = keys, values
+        self.capacity = int(keys.shape[1]) if capacity is None else int(capacity)
+
+    @classmethod
+    def empty(cls, layer: DecoderLayer, capacity: int, nodes: int = 0, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None) -> "LayerKV":
+        """Zeroed buffers for ``layer``'s key/value heads: ``capacity`` sequence slots and ``nodes`` node slots."""
+        shape = (layer.nkv, int(capacity) + int(nodes), layer.hd)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                   capacity)
+
+    @property
+    def node_slots(self) -> int:
+        return int(self.keys.shape[1]) - self.capacity
+
+    def grown(self, nodes: int) -> "LayerKV":
+        """A copy with ``nodes`` node slots (at least as many as now)."""
+        nkv, S, hd = self.keys.shape
+        keys = self.keys.new_zeros(nkv, self.capacity + nodes, hd)
+        values = self.values.new_zeros(nkv, self.capacity + nodes, hd)
+        keys[:, :S].copy_(self.keys)
+        values[:, :S].copy_(self.values)
+        return LayerKV(keys, values, self.capacity)
+
+    def __copy__(self) -> "LayerKV":
+        return LayerKV(self.keys.clone(), self.values.clone(), self.capacity)
+
+
 def rename_on_load(module: nn.Module, renames: dict[str, str]) -> None:
     """Let ``module`` load state dicts written with earlier parameter names: each key starting with an old prefix
     (relative to ``module``) is renamed to its new prefix before loading. Keys already in the new names pass."""

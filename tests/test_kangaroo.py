@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from draftsmith import registry
 from draftsmith.checkpoint import load_checkpoint, save_checkpoint, trainable_state_dict
+from draftsmith.common.layers import LayerKV
 from draftsmith.drafters.kangaroo.model import KangarooAdapter, KangarooObjective, expected_acceptance
 from draftsmith.drafters.kangaroo.decode import KangarooDrafter, early_exit_drafter
 from draftsmith.engine.decoder import SpeculativeDecoder
@@ -115,7 +116,7 @@ def test_adapter_incremental_equals_full_sequence(tgt):
     a = random_adapter(tgt, mlp=True)
     h = torch.randn(12, tgt.hidden_size)
     full = a.adapt(h, torch.arange(12))
-    kv = (torch.zeros(a.layer.nkv, 16, a.layer.hd), torch.zeros(a.layer.nkv, 16, a.layer.hd))
+    kv = LayerKV.empty(a.layer, 16)
     parts = [a.adapt(h[s:e], torch.arange(s, e), kv, s) for s, e in ((0, 5), (5, 6), (6, 12))]
     torch.testing.assert_close(torch.cat(parts), full, atol=1e-5, rtol=1e-5)
 
@@ -146,7 +147,7 @@ def test_target_cache_matches_a_fresh_forward_after_each_step(tgt, make, samplin
                 lay = dr.heads.layer
                 k = lay.k(lay.input_norm(hl.hidden_states[dr.exit_layer][0]))
             k = lay.rope(k.view(ds.a_valid, lay.nkv, lay.hd).transpose(0, 1), torch.arange(ds.a_valid))
-            torch.testing.assert_close(ds.kv[0][:, :ds.a_valid], k, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(ds.kv.keys[:, :ds.a_valid], k, atol=1e-4, rtol=1e-4)
     assert steps < 30 and sum(s.accepted for s in state.steps) > 0  # drafts were accepted and committed
 
 
@@ -205,7 +206,7 @@ def test_tree_step_leaves_both_caches_equal_to_a_fresh_forward(tgt, sampling):
                 lay = dr.heads.layer
                 k = lay.k(lay.input_norm(out.hidden_states[dr.exit_layer][0, :ds.a_valid]))
             k = lay.rope(k.view(ds.a_valid, lay.nkv, lay.hd).transpose(0, 1), torch.arange(ds.a_valid))
-            torch.testing.assert_close(ds.kv[0][:, :ds.a_valid], k, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(ds.kv.keys[:, :ds.a_valid], k, atol=1e-4, rtol=1e-4)
     assert any(p != list(range(len(p))) for p in paths)  # an accepted path off the first ranks: compacted
 
 

@@ -62,7 +62,7 @@ class _State:
 class _FastState:
     """Compiled drafting (`FastEagle3`): the keys live in a pre-allocated buffer, written in place, so a copied
     state gets its own buffer."""
-    kv: Any  # fast.DraftKV: prefix keys at slots 0..fed-1, this step's node i at slot capacity + i - 1
+    kv: Any  # common.layers.LayerKV: prefix keys at slots 0..fed-1, this step's node i at slot capacity + i - 1
     fed: int
     feats: torch.Tensor  # [n, 3H] target states of indices fed..fed+n-1, not fed yet
     root_len: int = -1

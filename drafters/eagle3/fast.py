@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.common.int8 import quantised
+from draftsmith.common.layers import LayerKV
 from draftsmith.engine.fastpath import CompiledDrafting, bucket
 
 
@@ -94,30 +95,6 @@ class _Nodes(nn.Module):
         return out, c.logits(out)
 
 
-class DraftKV:
-    """One generation's drafter keys and values, [kv_heads, capacity + node slots, head_dim] each. A copied decode
-    state gets its own copy (``copy.copy`` of the drafter state), so two branches never share a buffer."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
-        self.keys, self.values, self.capacity = keys, values, capacity
-
-    @property
-    def node_slots(self) -> int:
-        return int(self.keys.shape[1]) - self.capacity
-
-    def grown(self, nodes: int) -> "DraftKV":
-        """A copy with ``nodes`` node slots (at least as many as now)."""
-        nkv, S, hd = self.keys.shape
-        keys = self.keys.new_zeros(nkv, self.capacity + nodes, hd)
-        values = self.values.new_zeros(nkv, self.capacity + nodes, hd)
-        keys[:, :S].copy_(self.keys)
-        values[:, :S].copy_(self.values)
-        return DraftKV(keys, values, self.capacity)
-
-    def __copy__(self) -> "DraftKV":
-        return DraftKV(self.keys.clone(), self.values.clone(), self.capacity)
-
-
 class FastEagle3:
     """Compiled drafting for an `Eagle3Module` (see the module docstring). ``compile=False`` runs the same functions
     eagerly (the tests compare the two); ``int8`` (default: on CPU) quantises the drafter's linear layers and
@@ -142,18 +119,16 @@ class FastEagle3:
     def compile_s(self) -> float:
         return self.calls.compile_s
 
-    def new_kv(self, capacity: int, nodes: int | None = None) -> DraftKV:
-        lay, w = self.module.layer, self.module.fc.weight
-        shape = (lay.nkv, capacity + (nodes or self.node_slots), lay.hd)
-        return DraftKV(torch.zeros(shape, dtype=w.dtype, device=w.device),
-                       torch.zeros(shape, dtype=w.dtype, device=w.device), capacity)
+    def new_kv(self, capacity: int, nodes: int | None = None) -> LayerKV:
+        w = self.module.fc.weight
+        return LayerKV.empty(self.module.layer, capacity, nodes or self.node_slots, dtype=w.dtype, device=w.device)
 
     def _mask(self, b: int, S: int, dtype, dev) -> torch.Tensor:
         """[b, S] additive mask, everything hidden (rows fill in what they see)."""
         return torch.full((b, S), torch.finfo(dtype).min, dtype=dtype, device=dev)
 
     @torch.no_grad()
-    def feed(self, kv: DraftKV, feats: torch.Tensor, ids: torch.Tensor,
+    def feed(self, kv: LayerKV, feats: torch.Tensor, ids: torch.Tensor,
              start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 0 over indices start..start+n-1 (fused target states ``feats`` [n, 3H], next tokens ``ids`` [n]):
         their keys written into ``kv`` -> (the last row's output state [H], its draft logits [V])."""
@@ -186,7 +161,7 @@ class FastEagle3:
         return n if self._nodes_c is None or b is None else b
 
     @torch.no_grad()
-    def nodes(self, kv: DraftKV, h: torch.Tensor, ids: torch.Tensor, depth: list[int], first: int,
+    def nodes(self, kv: LayerKV, h: torch.Tensor, ids: torch.Tensor, depth: list[int], first: int,
               anc: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tree nodes first..first+n-1 of this step (parents' output states h [n, H], their tokens ids [n], their
         depths), each attending to the prefix 0..L-1 and to the nodes ``anc`` [n, first+n-1] marks (ancestors and

@@ -44,6 +44,7 @@ import torch
 
 from draftsmith.engine import drafters as engine  # engine.project, looked up per call: step_breakdown's clock wraps it
 from draftsmith.engine.cache_kw import cache_arg
+from draftsmith.common.layers import LayerKV
 from draftsmith.engine.kvcache import prefix_block_mask
 from draftsmith.engine.policies import ConfidenceStop, LengthPolicy
 from draftsmith.engine.trees import DraftTree
@@ -67,7 +68,7 @@ def check_threshold(threshold: float) -> None:
 @dataclass
 class _KangarooState:
     shallow: torch.Tensor  # [capacity, d] layer-l states by position (buffer shared by clones)
-    kv: tuple[torch.Tensor, torch.Tensor] | None  # the adapter's keys/values [H_kv, capacity, D]; None: no adapter
+    kv: LayerKV | None  # the adapter's keys/values [H_kv, capacity, D]; None: no adapter
     s_valid: int = 0  # committed positions [0, s_valid) have their layer-l state in `shallow`
     a_valid: int = 0  # committed positions [0, a_valid) are in the adapter's KV cache
     tree: DraftTree | None = None  # the tree being drafted/verified this step
@@ -188,10 +189,7 @@ class KangarooDrafter:
             shallow = torch.zeros(dec.capacity, d, dtype=dec.dtype, device=dec.device)
             kv = None
             if self.heads is not None:
-                a = self.heads
-                shape = (a.layer.nkv, dec.capacity, a.layer.hd)
-                kv = (torch.zeros(shape, dtype=dec.dtype, device=dec.device),
-                      torch.zeros(shape, dtype=dec.dtype, device=dec.device))
+                kv = LayerKV.empty(self.heads.layer, dec.capacity, dtype=dec.dtype, device=dec.device)
             self._buffers = (shallow, kv)
         return _KangarooState(*self._buffers)
 
@@ -272,7 +270,7 @@ class KangarooDrafter:
                 idx = torch.tensor([L + i for i in moved], dtype=torch.long, device=ds.shallow.device)
                 ds.shallow[L + 1:L + 1 + len(moved)] = ds.shallow[idx]
                 if ds.kv is not None:
-                    for t in ds.kv:
+                    for t in (ds.kv.keys, ds.kv.values):
                         t[:, L + 1:L + 1 + len(moved)] = t[:, idx]
             if ds.fed:
                 ds.s_valid = min(L + 1 + sum(i < ds.fed for i in moved), new)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from draftsmith.common.chunks import make_chunks
 from draftsmith.common.hidden_cache import HiddenCache, decoder_of, teacher_logits
-from draftsmith.common.layers import DecoderLayer, RMSNorm, rename_on_load
+from draftsmith.common.layers import DecoderLayer, LayerKV, RMSNorm, rename_on_load
 from draftsmith.common.losses import hard_ce, soft_ce, topk_hits
 from draftsmith.common.vocab import PrunedVocab, draft_head
 from draftsmith.drafters.kangaroo.config import KangarooModelConfig
@@ -121,11 +121,11 @@ class KangarooAdapter(PrunedVocab, KindBase, nn.Module):
 
     # ------------------------------------------------------------------ math
     def adapt(self, x: torch.Tensor, pos: torch.Tensor,
-              kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+              kv: LayerKV | None = None, start: int = 0,
               mask: torch.Tensor | None = None) -> torch.Tensor:
         """Layer-l states x [T, d] at positions ``pos`` -> adapter states [T, d] (after the last norm).
 
-        Without ``kv`` the rows are one causal sequence. With ``kv`` (keys and
+        Without ``kv`` the rows are one causal sequence. With ``kv`` (a `LayerKV`, keys and
         values [H_kv, capacity, D], pre-allocated) the rows' keys/values are
         written at slots [start, start + T) and row j attends to slots
         [0, start + j] (decoding; slot = position for chains), or to the slots
@@ -135,9 +135,9 @@ class KangarooAdapter(PrunedVocab, KindBase, nn.Module):
         T, lay = x.shape[0], self.layer
         q, k, v = lay.qkv(lay.attention_input(x), pos)
         if kv is not None:
-            kv[0][:, start:start + T] = k
-            kv[1][:, start:start + T] = v
-            k, v = kv[0][:, :start + T], kv[1][:, :start + T]
+            kv.keys[:, start:start + T] = k
+            kv.values[:, start:start + T] = v
+            k, v = kv.keys[:, :start + T], kv.values[:, :start + T]
         S = k.shape[1]
         if mask is None and T > 1:
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)

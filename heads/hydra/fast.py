@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.common.int8 import quantised
+from draftsmith.common.layers import LayerKV
 from draftsmith.engine.fastpath import CompiledDrafting, bucket
 
 
@@ -84,21 +85,6 @@ class _DepthCore(nn.Module):
         return states, full.index_copy(1, self.kept_ids, kept)
 
 
-class PrefixKV:
-    """One generation's prefix-layer keys and values: [kv_heads, capacity, head_dim] each. A copied decode state
-    gets its own copy (``copy.copy`` of the drafter state forks it), so two branches never share a buffer."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        self.keys, self.values = keys, values
-
-    @property
-    def capacity(self) -> int:
-        return int(self.keys.shape[1])
-
-    def __copy__(self) -> "PrefixKV":
-        return PrefixKV(self.keys.clone(), self.values.clone())
-
-
 class FastHydra:
     """Compiled drafting for `HydraHeads` (see the module docstring). ``compile=False`` runs the same functions
     eagerly (the tests compare the two)."""
@@ -122,15 +108,13 @@ class FastHydra:
     def compile_s(self) -> float:
         return self.calls.compile_s
 
-    def new_kv(self, capacity: int) -> PrefixKV:
+    def new_kv(self, capacity: int) -> LayerKV:
         p = self.heads.prefix
         w = p.input_norm.weight
-        shape = (p.nkv, capacity, p.hd)
-        return PrefixKV(torch.zeros(shape, dtype=w.dtype, device=w.device),
-                        torch.zeros(shape, dtype=w.dtype, device=w.device))
+        return LayerKV.empty(p, capacity, dtype=w.dtype, device=w.device)
 
     @torch.no_grad()
-    def prefix_step(self, kv: PrefixKV, rows: torch.Tensor, start: int) -> torch.Tensor:
+    def prefix_step(self, kv: LayerKV, rows: torch.Tensor, start: int) -> torch.Tensor:
         """Base states [n, d] of ``rows`` (hidden states at positions start..start+n-1), their keys and values
         written into ``kv``."""
         n, dev = rows.shape[0], rows.device
