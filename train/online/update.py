@@ -28,7 +28,7 @@ import torch
 from draftsmith.recipe import Recipe
 from draftsmith.common.hidden_cache import HiddenCache
 from draftsmith.train.data.generate import sequence_from_line
-from draftsmith.train.training.trainer import make_objective, teach_over_draft_vocab
+from draftsmith.train.training.trainer import make_objective, teach_over_draft_vocab, train_step
 
 EMPHASIS_BEFORE = 9  # positions before a rejected token covered by its emphasis window
 
@@ -56,7 +56,8 @@ def cap_emphasis(windows: list, chunks: int, share: float | None, seed: int) -> 
 
 def update_module(module: torch.nn.Module, recipe: Recipe, target, cache_dir: Path,
                   rejected: dict[int, list[int]], *, seed: int) -> dict:
-    """Train ``module`` in place on a cache (constant lr, fresh AdamW); returns the update's stats."""
+    """Train ``module`` in place on a cache (constant lr, fresh AdamW, the training loops' `train_step`); returns
+    the update's stats."""
     o = recipe.online
     # every cached sequence trains: held-back records never reach the cache
     r = recipe.model_copy(update={"train": recipe.train.model_copy(update={"calibration_every": 0})})
@@ -79,17 +80,12 @@ def update_module(module: torch.nn.Module, recipe: Recipe, target, cache_dir: Pa
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(obj.chunks), generator=g).tolist()
     losses = []
+    module.zero_grad(set_to_none=True)  # nothing left from an earlier update joins the first step
     module.train()
-    for s in range(steps):
+    for s in range(steps):  # the training loops' own step (`train_step`), at a constant rate
         lo = (s * o.batch_size) % len(order)
-        ids = (order + order)[lo: lo + o.batch_size]
-        batch = obj.prepare(ids)
-        loss, _ = obj.loss(module, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, recipe.train.max_grad_norm)
-        opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(train_step(module, obj, opt, params, [(order + order)[lo: lo + o.batch_size]],
+                                 recipe.train.max_grad_norm))
     module.eval()
     return {"steps": steps, "chunks": base, "emphasis_chunks": len(obj.chunks) - base, "emphasis_found": found,
             "loss_first": losses[0], "loss_last": losses[-1]}

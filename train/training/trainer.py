@@ -197,6 +197,50 @@ def train_on_text(recipe: Recipe, target, out: Path, *, resume: bool = True,
     return final, timing
 
 
+def train_step(model: torch.nn.Module, objective, optimizer, params: list, micro_batches: list[list[int]],
+               max_grad_norm: float, *, acc=None, window: dict | None = None, timing: dict | None = None) -> float:
+    """One optimizer step, the step both of draftsmith's training loops take (`fit`, and the online job's update,
+    `draftsmith.train.online.update.update_module`): for each micro-batch (a list of the objective's chunk indices)
+    prepare it, compute the objective's loss, backpropagate, clip ``params``' gradients to ``max_grad_norm`` and step
+    ``optimizer`` where gradients are synchronised (every micro-batch without ``acc``; under an accelerate
+    ``acc``, its accumulation decides). Returns the step's loss, the mean over its micro-batches. ``window``
+    (optional) gathers the objective's stats and the loss (`_merge_hits`), ``timing`` data_s, math_s, stats_s and
+    positions."""
+    step_loss = 0.0
+    device = acc.device if acc is not None else None
+    for ids in micro_batches:
+        t0 = time.perf_counter()
+        batch = objective.prepare(ids)
+        if device is not None:
+            batch = batch.to(device)
+        t1 = time.perf_counter()
+        if acc is not None:
+            with acc.accumulate(model):
+                loss, aux = objective.loss(model, batch)
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(params, max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        else:
+            loss, aux = objective.loss(model, batch)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        value = float(loss.detach())
+        step_loss += value / len(micro_batches)
+        if window is not None:
+            _merge_hits(window, {**objective.stats(aux, batch), "loss": value})
+        if timing is not None:
+            timing["data_s"] += t1 - t0
+            timing["math_s"] += t2 - t1
+            timing["stats_s"] += time.perf_counter() - t2
+            timing["positions"] += batch.positions
+    return step_loss
+
+
 def fit(acc, recipe: Recipe, model: torch.nn.Module, objective, run_dir: Path,
         save: Callable[[Path, torch.nn.Module, int], None], *, resume: bool = True,
         stop_after: int | None = None) -> tuple[Path, dict]:
@@ -265,29 +309,9 @@ def fit(acc, recipe: Recipe, model: torch.nn.Module, objective, run_dir: Path,
     for step in range(start, total):
         epoch, within = divmod(step, steps_per_epoch)
         ids = order(epoch)
-        step_loss = 0.0
-        for micro in range(t.grad_accum):
-            base = (within * t.grad_accum + micro) * t.batch_size * world + rank * t.batch_size
-            t0 = time.perf_counter()
-            batch = objective.prepare(ids[base: base + t.batch_size]).to(acc.device)
-            t1 = time.perf_counter()
-            with acc.accumulate(model):
-                loss, aux = objective.loss(model, batch)
-                acc.backward(loss)
-                if acc.sync_gradients:
-                    acc.clip_grad_norm_(params, t.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            t2 = time.perf_counter()
-            stats = objective.stats(aux, batch)
-            stats["loss"] = float(loss.detach())
-            step_loss += stats["loss"] / t.grad_accum
-            _merge_hits(window, stats)
-            timing["data_s"] += t1 - t0
-            timing["math_s"] += t2 - t1
-            timing["stats_s"] += time.perf_counter() - t2
-            timing["positions"] += batch.positions
-        losses.append(step_loss)
+        micro = [(within * t.grad_accum + m) * t.batch_size * world + rank * t.batch_size for m in range(t.grad_accum)]
+        losses.append(train_step(model, objective, optimizer, params, [ids[b: b + t.batch_size] for b in micro],
+                                 t.max_grad_norm, acc=acc, window=window, timing=timing))
         scheduler.step()
         done = step + 1
         bar.update(1)
