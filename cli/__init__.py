@@ -7,6 +7,7 @@
   draftsmith run RECIPE [...]                all of the above, in order
   draftsmith quickstart [...]                `run quickstart` on the default target
   draftsmith info PATH                       describe a checkpoint, cache or recipe
+  draftsmith targets [install NAME]          named targets: known, installed, converted
   draftsmith eval CHECKPOINT [...]           decode MT-Bench with the lossless decoder
   draftsmith export CKPT --to FMT --out DIR  vllm-eagle3 | eagle3 | vllm-medusa | hf | draftsmith | gguf, reloaded
   draftsmith import SRC --out CKPT           an engine-layout dir (EAGLE-3, Medusa) -> checkpoint
@@ -47,6 +48,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("stages", "every stage in order"),
     "quickstart": ("stages", "the main job: run the quickstart recipe on the default target"),
     "info": ("info", "describe a checkpoint, cache, data dir or recipe"),
+    "targets": ("targets", "the named targets and what of each is installed and converted (install NAME)"),
     "eval": ("eval", "evaluate with the lossless decoder (see `draftsmith eval -h`)"),
     "export": ("export", "export a drafter to a layout serving engines load (checked by reload)"),
     "traces": ("traces", "record acceptance traces of a chain drafter on the recipe's training prompts"),

