@@ -74,7 +74,8 @@ KNOWN: dict[str, NamedTarget] = {t.name: t for t in (
                 _qwen_parts(), 491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
     NamedTarget("gemma-3-270m", "Gemma-3-270M base, Q4_K_M (gemma3, 18 layers, hidden 640, 4/1 heads, sliding "
                 "window 512 on five layers in six, vocabulary 262,144, tied head)", "gemma-3-270m-q4_k_m.gguf",
-                _gemma_parts(), 0, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", chat=False),
+                _gemma_parts(), 253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                chat=False),
 )}
 
 
