@@ -57,11 +57,15 @@ class DecoderLayer(nn.Module):
       inv_freq, rope_scale: RoPE's inverse frequencies (copied into a buffer of the layer's own, not stored in
         checkpoints) and the attention scaling applied to cos and sin (a target's rotary module gives both).
       zero_outputs: start the output projections (``o`` and ``down``) at zero, so the layer starts as the identity.
+      qkv_bias, o_bias, qk_norm: the target layer's differences from Llama's (`draftsmith.schema.LayerTraits`):
+        biases on q/k/v (Qwen2) or o, RMS norms ``q_norm``/``k_norm`` over each head's queries and keys before
+        RoPE (Qwen3).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
                  eps: float = 1e-6, *, inputs: int = 1, mlp: bool = True, inv_freq: torch.Tensor | None = None,
-                 rope_scale: float = 1.0, zero_outputs: bool = False):
+                 rope_scale: float = 1.0, zero_outputs: bool = False, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm: bool = False):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -73,10 +77,14 @@ class DecoderLayer(nn.Module):
         if inputs == 2:
             self.hidden_norm = RMSNorm(hidden_size, eps)
         width = inputs * hidden_size
-        self.q = nn.Linear(width, num_heads * head_dim, bias=False)
-        self.k = nn.Linear(width, num_kv_heads * head_dim, bias=False)
-        self.v = nn.Linear(width, num_kv_heads * head_dim, bias=False)
-        self.o = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q = nn.Linear(width, num_heads * head_dim, bias=qkv_bias)
+        self.k = nn.Linear(width, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v = nn.Linear(width, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.qk_norm = bool(qk_norm)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps)
+            self.k_norm = RMSNorm(head_dim, eps)
         if mlp:
             self.post_norm = RMSNorm(hidden_size, eps)
             self.gate = nn.Linear(hidden_size, intermediate_size, bias=False)
@@ -84,6 +92,8 @@ class DecoderLayer(nn.Module):
             self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
         if zero_outputs:
             nn.init.zeros_(self.o.weight)
+            if o_bias:
+                nn.init.zeros_(self.o.bias)
             if mlp:
                 nn.init.zeros_(self.down.weight)
         inv = rope_frequencies(head_dim, 10000.0) if inv_freq is None else inv_freq.detach().float().clone()
@@ -113,9 +123,10 @@ class DecoderLayer(nn.Module):
         def heads(t: torch.Tensor, n: int) -> torch.Tensor:
             return t.view(*lead, T, n, self.hd).transpose(-2, -3)
 
-        q = self.rope(heads(self.q(a), self.nh), pos)
-        k = self.rope(heads(self.k(a), self.nkv), pos)
-        return q, k, heads(self.v(a), self.nkv)
+        q, k = heads(self.q(a), self.nh), heads(self.k(a), self.nkv)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rope(q, pos), self.rope(k, pos), heads(self.v(a), self.nkv)
 
     def expand(self, kv: torch.Tensor) -> torch.Tensor:
         """[..., nkv, S, hd] -> [..., nh, S, hd] (grouped-query attention)."""
@@ -140,11 +151,13 @@ class DecoderLayer(nn.Module):
 
     # ------------------------------------------------------------------ construction
     def init_from(self, layer: nn.Module, mlp: bool = True, outputs: bool = False) -> None:
-        """Copy a Hugging Face Llama-style decoder layer's weights where their shapes match: the input norm, q, k,
-        v, and with ``mlp`` the MLP's norm, gate and up; with ``outputs`` also o and down (else they keep their
-        values, zero for a layer that starts as the identity)."""
+        """Copy a Hugging Face Llama-style decoder layer's weights (and biases) where their shapes match: the input
+        norm, q, k, v (and the per-head q/k norms), and with ``mlp`` the MLP's norm, gate and up; with ``outputs``
+        also o and down (else they keep their values, zero for a layer that starts as the identity)."""
         pairs = [(self.input_norm, "input_layernorm"), (self.q, "self_attn.q_proj"), (self.k, "self_attn.k_proj"),
                  (self.v, "self_attn.v_proj")]
+        if self.qk_norm:
+            pairs += [(self.q_norm, "self_attn.q_norm"), (self.k_norm, "self_attn.k_norm")]
         if outputs:
             pairs.append((self.o, "self_attn.o_proj"))
         if mlp and self.mlp:
@@ -155,6 +168,9 @@ class DecoderLayer(nn.Module):
                 src = layer.get_submodule(name)
                 if src.weight.shape == mine.weight.shape:
                     mine.weight.copy_(src.weight.float())
+                    b, sb = getattr(mine, "bias", None), getattr(src, "bias", None)
+                    if b is not None and sb is not None and b.shape == sb.shape:
+                        b.copy_(sb.float())
 
 
 class LayerKV:

@@ -41,6 +41,35 @@ class TargetShape(StrictModel):
                              f"the target has {target.hidden_size} and {target.vocab_size}")
 
 
+#: the Hugging Face layer types whose attention `LayerTraits` reads (Llama's layer, with these differences)
+KNOWN_LAYERS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class LayerTraits(StrictModel):
+    """How the target's decoder layer differs from Llama's, for a drafter layer built like it and initialised from
+    it (Hydra++'s prefix layer, Kangaroo's adapter): read from the target's config, never assumed. The defaults
+    are Llama's, so configs written before these fields load as they were."""
+
+    qkv_bias: bool = Field(False, description="q, k and v projections with biases (Qwen2)")
+    o_bias: bool = Field(False, description="the output projection with a bias")
+    qk_norm: bool = Field(False, description="RMS norms on each head's queries and keys before RoPE (Qwen3)")
+
+    @staticmethod
+    def traits(target) -> dict:
+        """These fields for ``target``; a layer type not in `KNOWN_LAYERS` is a ValueError naming it."""
+        c = target.model.config
+        mt = str(getattr(c, "model_type", ""))
+        if mt not in KNOWN_LAYERS:
+            raise ValueError(f"the target's decoder layer is {mt!r}; a drafter layer built like the target's knows "
+                             f"{', '.join(KNOWN_LAYERS)} (EAGLE-3 and the head kinds do not need it)")
+        if getattr(c, "mlp_bias", False):
+            raise ValueError(f"the target's {mt} layer has MLP biases, which the drafter layer does not model")
+        bias = bool(getattr(c, "attention_bias", False))
+        if mt == "qwen2":  # q/k/v always biased, o never (its attention ignores attention_bias)
+            return {"qkv_bias": True, "o_bias": False, "qk_norm": False}
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": mt == "qwen3"}
+
+
 class DecoderShape(TargetShape):
     """The target's sizes and one decoder layer's shape, for a drafter that runs a layer of the target's shape
     (EAGLE-3's, Kangaroo's adapter) and checks its layer ids against the target's count."""

@@ -44,6 +44,60 @@ def test_the_layer_with_the_targets_weights_is_the_targets_layer(tgt):
         torch.testing.assert_close(other, ref[0], atol=1e-5, rtol=1e-5)
 
 
+def _family_model(family: str):
+    """A tiny random model of ``family`` (q/k/v biases for qwen2, q/k norms for qwen3, o-bias llama)."""
+    import transformers
+    common = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3)
+    cfg = {"llama-bias": lambda: transformers.LlamaConfig(attention_bias=True, **common),
+           "mistral": lambda: transformers.MistralConfig(**common),
+           "qwen2": lambda: transformers.Qwen2Config(**common),
+           "qwen3": lambda: transformers.Qwen3Config(head_dim=8, **common)}[family]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # biases and norms away from their initial zeros and ones, so that copying them matters
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama-bias", "mistral", "qwen2", "qwen3"])
+def test_the_layer_is_each_known_familys_layer(family):
+    """The traits read from the target's config (`LayerTraits`: biases, per-head q/k norms) make the shared layer
+    the family's own layer, given its weights."""
+    from types import SimpleNamespace
+
+    from draftsmith.schema import LayerTraits
+    model = _family_model(family)
+    body, c = model.model, model.config
+    traits = LayerTraits.traits(SimpleNamespace(model=model))
+    assert traits["qkv_bias"] == (family in ("llama-bias", "qwen2")) and traits["qk_norm"] == (family == "qwen3")
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    lay = DecoderLayer(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, hd, c.intermediate_size,
+                       c.rms_norm_eps, inv_freq=body.rotary_emb.inv_freq,
+                       rope_scale=body.rotary_emb.attention_scaling, **traits)
+    lay.init_from(body.layers[0], outputs=True)
+    T = 7
+    x = torch.randn(1, T, c.hidden_size, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(T)
+    with torch.no_grad():
+        ref = body.layers[0](x, position_ids=pos[None], position_embeddings=body.rotary_emb(x, pos[None]))
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        q, k, v = lay.qkv(lay.attention_input(x[0]), pos)
+        mine = lay.finish(x[0], lay.attend(q, k, v, torch.ones(T, T, dtype=torch.bool).tril()))
+    torch.testing.assert_close(mine, ref[0], atol=1e-5, rtol=1e-5)
+
+
+def test_an_unknown_layer_type_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from draftsmith.schema import LayerTraits
+    cfg = SimpleNamespace(model_type="gemma3")
+    with pytest.raises(ValueError, match="'gemma3'"):
+        LayerTraits.traits(SimpleNamespace(model=SimpleNamespace(config=cfg)))
+
+
 def test_every_kind_with_a_layer_runs_the_shared_one(tgt):
     hydra = HydraHeads.for_target(tgt, num_heads=2, prefix_layer=True)
     kangaroo = KangarooAdapter.for_target(tgt, exit_layer=1, adapter_mlp=True)
@@ -83,3 +137,24 @@ def test_checkpoints_with_the_earlier_parameter_names_load(tgt, tmp_path, kind):
     assert set(got) == set(want)
     for key in want:
         assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_kinds_build_their_layer_like_the_targets(family):
+    """Kangaroo's adapter and Hydra++'s prefix layer on a Qwen target: built with its traits (read from its config,
+    written to config.json) and initialised with its layer's biases and q/k norms."""
+    from pathlib import Path
+
+    from draftsmith.target import Target, fingerprint
+    from tests.tiny import make_tokenizer
+    model, tok = _family_model(family), make_tokenizer(48)
+    t = Target(model=model, tokenizer=tok, name=family, path=Path(f"<{family}>"), fingerprint=fingerprint(model, tok))
+    kan = KangarooAdapter.for_target(t, exit_layer=1)
+    hyd = HydraHeads.for_target(t, num_heads=2, prefix_layer=True)
+    for layer, src, cfg in ((kan.layer, model.model.layers[1], kan.config),
+                            (hyd.prefix, model.model.layers[-1], hyd.config.prefix)):
+        assert cfg.qkv_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
+        if family == "qwen2":
+            assert torch.equal(layer.q.bias, src.self_attn.q_proj.bias.float())
+        else:
+            assert torch.equal(layer.k_norm.weight, src.self_attn.k_norm.weight.float())

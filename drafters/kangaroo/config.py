@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 from pydantic import Field
 
 from draftsmith.registry import register_config
-from draftsmith.schema import DecoderShape, KindConfig
+from draftsmith.schema import DecoderShape, KindConfig, LayerTraits
 
 
 @register_config
@@ -24,6 +24,7 @@ class KangarooConfig(KindConfig):
         "N, or a float ratio of the vocabulary), trained against the target renormalised over them (lossless)")
 
 
-class KangarooModelConfig(KangarooConfig, DecoderShape):
+class KangarooModelConfig(KangarooConfig, DecoderShape, LayerTraits):
     """config.json of a Kangaroo adapter and `KangarooAdapter`'s one config argument: the recipe's fields, the
-    target's sizes, its layer count and the shape of the layer the adapter copies."""
+    target's sizes, its layer count, and the shape and traits (biases, q/k norms) of the layer the adapter
+    copies."""

@@ -61,7 +61,8 @@ class KangarooAdapter(PrunedVocab, KindBase, nn.Module):
         # target's rotary alone)
         self.layer = DecoderLayer(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.eps,
                                   mlp=c.adapter_mlp, inv_freq=rotary.inv_freq,
-                                  rope_scale=getattr(rotary, "attention_scaling", 1.0), zero_outputs=True)
+                                  rope_scale=getattr(rotary, "attention_scaling", 1.0), zero_outputs=True,
+                                  qkv_bias=c.qkv_bias, o_bias=c.o_bias, qk_norm=c.qk_norm)
         self.norm_out = RMSNorm(c.hidden_size, c.eps)
         # checkpoints written before the layer was the shared one hold its weights at the top level
         rename_on_load(self, {**{f"{n}.": f"layer.{n}." for n in ("q", "k", "v", "o", "gate", "up", "down")},
@@ -84,7 +85,7 @@ class KangarooAdapter(PrunedVocab, KindBase, nn.Module):
         # the layer named against the target's count first (the config alone knows only l >= 1)
         check_exit_layer(int(fields.get("exit_layer", KangarooModelConfig.model_fields["exit_layer"].default)),
                          len(body.layers))
-        config = cls.read_config({**KangarooModelConfig.of(target), **fields})
+        config = cls.read_config({**KangarooModelConfig.of(target), **KangarooModelConfig.traits(target), **fields})
         m = cls(config, target.lm_head, body.rotary_emb)
         # decoder layer l+1 (0-based index l) reads h^l in the target: its input norm, q, k, v (and MLP norm, gate
         # and up with adapter_mlp)

@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 from pydantic import Field
 
 from draftsmith.registry import register_config
-from draftsmith.schema import KindConfig, StrictModel, TargetShape
+from draftsmith.schema import KindConfig, LayerTraits, TargetShape
 
 
 @register_config
@@ -22,8 +22,9 @@ class HydraConfig(KindConfig):
         "N, or a float ratio of the vocabulary); training and drafting get N/V times cheaper (lossless)")
 
 
-class PrefixShape(StrictModel):
-    """Hydra++'s prefix layer: the target's attention and MLP sizes (from its config)."""
+class PrefixShape(LayerTraits):
+    """Hydra++'s prefix layer: the target's attention and MLP sizes and its layer's traits (biases, q/k norms),
+    from its config."""
 
     num_heads: int = Field(ge=1)
     num_kv_heads: int = Field(ge=1)

@@ -43,9 +43,9 @@ class PrefixLayer(DecoderLayer):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
-                 rope_theta: float = 10000.0, eps: float = 1e-6):
+                 rope_theta: float = 10000.0, eps: float = 1e-6, **traits):
         super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps,
-                         inv_freq=rope_frequencies(head_dim, rope_theta), zero_outputs=True)
+                         inv_freq=rope_frequencies(head_dim, rope_theta), zero_outputs=True, **traits)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -123,7 +123,7 @@ class HydraHeads(PrunedVocab, KindBase, nn.Module):
         return {"num_heads": nh, "num_kv_heads": int(getattr(c, "num_key_value_heads", None) or nh),
                 "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // nh),
                 "intermediate_size": int(c.intermediate_size), "rope_theta": float(theta),
-                "eps": float(getattr(c, "rms_norm_eps", 1e-6))}
+                "eps": float(getattr(c, "rms_norm_eps", 1e-6)), **PrefixShape.traits(target)}
 
     @classmethod
     def for_target(cls, target, **fields) -> "HydraHeads":
