@@ -105,11 +105,11 @@ def unsupported(model) -> str | None:
     """Why `FastBody` cannot run ``model`` (None when it can)."""
     cfg = model.config
     mt = getattr(cfg, "model_type", None)
-    if mt not in ("llama", "mistral", "qwen2"):
-        return f"model_type {mt!r} (supported: llama, mistral, qwen2)"
-    if getattr(cfg, "sliding_window", None) and mt != "qwen2":
+    if mt not in ("llama", "mistral", "qwen2", "qwen3"):
+        return f"model_type {mt!r} (supported: llama, mistral, qwen2, qwen3)"
+    if getattr(cfg, "sliding_window", None) and mt not in ("qwen2", "qwen3"):
         return "sliding-window attention"
-    if mt == "qwen2" and getattr(cfg, "use_sliding_window", False):
+    if mt in ("qwen2", "qwen3") and getattr(cfg, "use_sliding_window", False):
         return "sliding-window attention"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r}"
@@ -154,6 +154,8 @@ class _Core(torch.nn.Module):
         P = torch.nn.ParameterList
         self.qkv, self.o, self.ln1, self.ln2, self.gate_up, self.down = P(), P(), P(), P(), P(), P()
         self.qkv_b: P | None = None
+        self.q_norm: P | None = None  # per-head RMS norms on queries and keys before RoPE (Qwen3), by layer
+        self.k_norm: P | None = None
         with torch.no_grad():
             for layer in body.layers:
                 a, m = layer.self_attn, layer.mlp
@@ -163,6 +165,11 @@ class _Core(torch.nn.Module):
                     if self.qkv_b is None:
                         self.qkv_b = P()
                     self.qkv_b.append(cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias))
+                if getattr(a, "q_norm", None) is not None:
+                    if self.q_norm is None:
+                        self.q_norm, self.k_norm = P(), P()
+                    self.q_norm.append(a.q_norm.weight)
+                    self.k_norm.append(a.k_norm.weight)
                 if getattr(a.o_proj, "bias", None) is not None:
                     raise ValueError("the fast decoding forward does not support an output-projection bias")
                 self.o.append(a.o_proj.weight)
@@ -298,8 +305,11 @@ class _Core(torch.nn.Module):
         tapped = {}
         for i in range(len(self.qkv)):
             qs, ks, vs = self.qkv_in(i, h)
-            qs = self.rotate(qs.view(t, nh, d), cos, sin)
-            ks = self.rotate(ks.view(t, nk, d), cos, sin)
+            qs, ks = qs.view(t, nh, d), ks.view(t, nk, d)
+            if self.q_norm is not None:  # Qwen3: each head's queries and keys RMS-normed before RoPE
+                qs, ks = self._rms(qs, self.q_norm[i]), self._rms(ks, self.k_norm[i])
+            qs = self.rotate(qs, cos, sin)
+            ks = self.rotate(ks, cos, sin)
             vs = vs.view(t, nk, d)
             kc, vc = kv[2 * i], kv[2 * i + 1]
             if rows is None:

@@ -271,3 +271,29 @@ def test_layer_hooks_see_the_layer_outputs():
     assert sorted(got) == [0, 2]
     assert (got[0] - hs[1]).abs().max() < 1e-10 and (got[2] - hs[3]).abs().max() < 1e-10
     h1.remove(), h2.remove()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_fast_forward_equals_the_models_for_other_families(family):
+    """Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms, a head size of its own) through our forward, a chain and a
+    tree block, in float64: the model's logits and cache."""
+    import transformers
+
+    from draftsmith.target import Target
+    from tests.tiny import make_tokenizer
+    common = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3)
+    cfg = transformers.Qwen2Config(**common) if family == "qwen2" else transformers.Qwen3Config(head_dim=16, **common)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float64).eval().requires_grad_(False)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.3)
+    assert unsupported(model) is None
+    tgt = Target(model=model, tokenizer=make_tokenizer(40), name=family, path=None, fingerprint=family)
+    for tree in (False, True):
+        a, b, c1, c2, n = _hf_and_fast(tgt, FastBody(model, compile=False), tree=tree)
+        assert (a - b).abs().max() < 1e-10
+        for l1, l2 in zip(c1.layers, c2.layers):
+            assert (l1.keys[:, :, :n] - l2.keys[:, :, :n]).abs().max() < 1e-10
