@@ -495,7 +495,8 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path, plain_targets: tuple
             raise ValueError(f"plain_targets must be the bench's target in another dtype: {other.name} "
                              f"({other.fingerprint}) is not {target.name} ({target.fingerprint})")
         apply_cpu_layout(other)
-        use_fast_forward(other, e.forward)
+        # plain decoding compiles only the 1-row graph, whose products are the native kernels: no GEMM to autotune
+        use_fast_forward(other, e.forward, autotune=False)
         methods.insert(1, ours(f"{BASELINE[:-1]}, {dtype_name(other.dtype)})", SpeculativeDecoder(other,
                                                                                                   sampling=greedy)))
     seeded = members = None
