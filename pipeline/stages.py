@@ -167,7 +167,7 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
         if fused:
             c = recipe.cache
             kw["fused"] = generate.FusedCacheWriter(recipe.out / "cache" / "train", dtype=c.dtype,
-                                              shard_tokens=c.shard_tokens)
+                                                    shard_tokens=c.shard_tokens)
             log.info("data.fused_cache: the training cache is written during generation (%s)", why)
         elif d.fused_cache:
             log.info("data.fused_cache: not fused, the cache stage runs its separate pass: %s", why)
