@@ -158,14 +158,6 @@ def pip_fetch(requirements: list[str], dest: Path) -> None:
         raise TargetInstallError(f"pip could not fetch {', '.join(requirements)} (exit {r.returncode}):\n{tail}")
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def is_installed(t: NamedTarget) -> bool:
     """The joined GGUF is there with its pinned size (its sha256 was checked when it was written)."""
     p = gguf_path(t)
