@@ -15,7 +15,7 @@ import torch
 
 from draftsmith.pipeline import stages as pipeline
 from draftsmith.cli.shared import add_dtype_arg, recipe_from, target_of
-from draftsmith.eval.bench import is_plain
+from draftsmith.eval.bench import BASELINE, is_plain
 from draftsmith.target import resolve_dtype
 
 STAGES = ("data", "cache", "train", "trees", "report", "bench")
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
                       f"answers, {si['indexed_tokens']} tokens from data/train.jsonl in {si['build_s']} s; skipped "
                       f"{sum(si['skipped'].values())} rows {si['skipped'] or ''}".rstrip())
             ms = b["methods"]
-            plain = ms.get("plain (ours)")
+            plain = ms.get(BASELINE)
             drafted = {n: m for n, m in ms.items() if not is_plain(n)}
             if b.get("llamacpp"):
                 print(f"llama.cpp: left out of the table ({b['llamacpp'].splitlines()[0]})")
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
                          else "") + ")"
                       + (f", {drafted[best]['tokens_per_s'] / hf['tokens_per_s']:.2f}x HF generate" if hf else ""))
                 fastest = b.get("fastest_plain")
-                if fastest and fastest != "plain (ours)":
+                if fastest and fastest != BASELINE:
                     print(f"the fastest plain decoding measured here is {fastest} ({ms[fastest]['tokens_per_s']:.2f} "
                           f"tok/s): the best drafter in our decoder is "
                           f"{drafted[best]['tokens_per_s'] / ms[fastest]['tokens_per_s']:.2f}x it")
