@@ -37,6 +37,14 @@ using fVec = at::vec::Vectorized<float>;
 constexpr int64_t VL = fVec::size();
 constexpr int64_t QB = 32;  // weights a block
 constexpr int NV = static_cast<int>(QB / VL);  // vectors a block: 4 (AVX2, and the scalar build) or 2 (AVX-512)
+#if defined(CPU_CAPABILITY_AVX512)
+// input rows multiplied with a widened block while it is in registers: 8 rows keep 16 accumulators and the block in
+// 20 of AVX-512's 32 vector registers; AVX2's 16 hold four rows' 8 accumulators and the block's 4 vectors
+constexpr int RMAX = 8;
+const __m512 kIota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+constexpr int RMAX = 4;
+#endif
 
 // The block's 32 weights as NV float32 vectors, in element order: w[v] holds weights v * VL .. v * VL + VL - 1.
 template <int BITS>
@@ -61,9 +69,12 @@ inline void widen_block(const uint8_t* p, float d, float m, fVec* w) {
   }
 #elif defined(CPU_CAPABILITY_AVX512)
   if constexpr (BITS == 4) {
+    // the block's 16 possible weights fma(d, q, m), q = 0..15, are one vector; each weight is looked up in it by
+    // its nibble (the same numbers the widening below gives: one fused multiply-add each, exact products)
+    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(d), kIota, _mm512_set1_ps(m));
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    w[0] = at::vec::fmadd(D, fVec(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)))), M);
-    w[1] = at::vec::fmadd(D, fVec(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))), M);
+    w[0] = fVec(_mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)), table));
+    w[1] = fVec(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table));
   } else {
     const int8_t* s = reinterpret_cast<const int8_t*>(p);
     for (int v = 0; v < 2; ++v) {
@@ -82,7 +93,7 @@ inline void widen_block(const uint8_t* p, float d, float m, fVec* w) {
 #endif
 }
 
-// Output column j for R input rows (R <= 4), the chain of rows_linear.cpp's `dots` for k a multiple of 32: two
+// Output column j for R input rows (R <= RMAX), the chain of rows_linear.cpp's `dots` for k a multiple of 32: two
 // vector accumulators over alternate vectors of the input, their sum reduced in the same fixed order.
 template <int BITS, int R>
 inline void qdots(const uint8_t* q, const float* d, const float* m, const float* const* x, int64_t k, float* out) {
@@ -110,12 +121,12 @@ void qrows_kernel(const float* X, const uint8_t* Q, const float* Dm, const float
   // threads split the weight rows, each walking its own in blocks of about 64 KB (rows_linear.cpp's order)
   const int64_t block = std::max<int64_t>(1, 65536 / (row_bytes + 8 * nb));
   at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
-    const float* xs[4];
-    float part[4];
+    const float* xs[RMAX];
+    float part[RMAX];
     for (int64_t b0 = lo; b0 < hi; b0 += block) {
       const int64_t b1 = std::min(hi, b0 + block);
-      for (int64_t r0 = 0; r0 < m; r0 += 4) {
-        const int g = static_cast<int>(std::min<int64_t>(4, m - r0));
+      for (int64_t r0 = 0; r0 < m; r0 += RMAX) {
+        const int g = static_cast<int>(std::min<int64_t>(RMAX, m - r0));
         for (int r = 0; r < g; ++r) xs[r] = X + (r0 + r) * k;
         for (int64_t j = b0; j < b1; ++j) {
           const uint8_t* qr = Q + j * row_bytes;
@@ -124,7 +135,13 @@ void qrows_kernel(const float* X, const uint8_t* Q, const float* Dm, const float
             case 1: qdots<BITS, 1>(qr, dr, mr, xs, k, part); break;
             case 2: qdots<BITS, 2>(qr, dr, mr, xs, k, part); break;
             case 3: qdots<BITS, 3>(qr, dr, mr, xs, k, part); break;
-            default: qdots<BITS, 4>(qr, dr, mr, xs, k, part); break;
+#if defined(CPU_CAPABILITY_AVX512)
+            case 4: qdots<BITS, 4>(qr, dr, mr, xs, k, part); break;
+            case 5: qdots<BITS, 5>(qr, dr, mr, xs, k, part); break;
+            case 6: qdots<BITS, 6>(qr, dr, mr, xs, k, part); break;
+            case 7: qdots<BITS, 7>(qr, dr, mr, xs, k, part); break;
+#endif
+            default: qdots<BITS, RMAX>(qr, dr, mr, xs, k, part); break;
           }
           const float b = B ? B[j] : 0.f;
           for (int r = 0; r < g; ++r) O[(r0 + r) * n + j] = part[r] + b;
