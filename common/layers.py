@@ -46,6 +46,39 @@ def rope_frequencies(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
+def target_rope(rotary: nn.Module) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, attention scaling) of a target's rotary embedding module: its one RoPE (Llama, Qwen,
+    Mistral; scaled variants such as Llama 3's included, as the module computed them), or, where each layer type
+    has a RoPE of its own (Gemma 3: a local base for sliding layers, a global one for full layers), the full
+    layers'. A drafter layer attends over the whole prefix, as those do."""
+    inv = getattr(rotary, "inv_freq", None)
+    if inv is None:
+        inv = getattr(rotary, "full_attention_inv_freq", None)
+    if inv is None:
+        raise ValueError(f"the target's rotary embedding ({type(rotary).__name__}) has neither inv_freq nor "
+                         "full_attention_inv_freq: draftsmith cannot read its RoPE")
+    scale = getattr(rotary, "attention_scaling", 1.0)
+    if isinstance(scale, dict):
+        scale = scale.get("full_attention", 1.0)
+    return inv, float(scale)
+
+
+def rope_parameters(config) -> dict:
+    """The RoPE a drafter layer copies from the target (`target_rope`) as config fields: ``rope_theta`` and, when
+    its type is not the default one, ``rope_scaling`` (the type and its factors), read from the target's config:
+    ``rope_parameters`` (per layer type or not) or the older ``rope_theta`` and ``rope_scaling``."""
+    rp = getattr(config, "rope_parameters", None) or {}
+    if isinstance(rp, dict) and isinstance(rp.get("full_attention"), dict):
+        rp = rp["full_attention"]
+    if not isinstance(rp, dict) or "rope_theta" not in rp:
+        rp = {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
+    out = {"rope_theta": float(rp["rope_theta"])}
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind != "default":
+        out["rope_scaling"] = {k: v for k, v in rp.items() if k not in ("rope_theta", "type")} | {"rope_type": kind}
+    return out
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer (see the module docstring).
 

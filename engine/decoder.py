@@ -42,7 +42,7 @@ from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.capabilities import capabilities, check_drafter
 from draftsmith.engine.drafters import project
 from draftsmith.engine.drafting import GrowContext, grow_chain, grow_dynamic, grow_static
-from draftsmith.engine.kvcache import KVCache, prefix_block_mask
+from draftsmith.engine.kvcache import KVCache, prefix_block_mask, sliding_windows, window_masks
 from draftsmith.engine.metrics import DecodeResult, StepStats
 from draftsmith.engine.policies import FixedLength, LengthPolicy
 from draftsmith.engine.sampling import RandomSource, SamplingParams, TorchRandom
@@ -141,6 +141,7 @@ class SpeculativeDecoder:
         self.lm_head = self.model.get_output_embeddings()
         p = next(self.model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.windows = sliding_windows(target.model.config)  # layers that slide: their masks carry the window
         self.eos = frozenset(target.eos_token_ids)
         self.sync_timing = sync_timing and self.device.type == "cuda"
         self.cache: KVCache | None = None
@@ -208,6 +209,16 @@ class SpeculativeDecoder:
             reset()
         return state
 
+    def _windowed(self, mask, q_pos: torch.Tensor, block_pos: torch.Tensor):
+        """``mask`` (a block of new entries after ``c`` cached ones, or None: the model builds its own) with the
+        target's sliding windows applied: the cached slots' positions are their indices, the block's entries
+        have ``block_pos`` [1, kb]."""
+        if mask is None or not self.windows:
+            return mask
+        c = mask.shape[-1] - block_pos.shape[-1]
+        kv = torch.cat([torch.arange(c, device=self.device)[None], block_pos], dim=1)
+        return window_masks(self.windows, mask, q_pos, kv)
+
     @torch.no_grad()
     def prefill(self, state: DecodeState) -> None:
         """Put the committed tokens not yet cached into the target's cache now (normally fused into the
@@ -219,6 +230,7 @@ class SpeculativeDecoder:
         mask = None if c == 0 else prefix_block_mask(
             c, torch.ones(L - c, L - c, dtype=torch.bool, device=self.device).tril(), self.dtype)
         ids, pos = torch.tensor([state.tokens[c:L]], device=self.device), torch.arange(c, L, device=self.device)[None]
+        mask = self._windowed(mask, pos, pos)
         if self.fast is not None:
             h = self.fast(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache,
                           want_logits=False).last_hidden_state
@@ -288,6 +300,7 @@ class SpeculativeDecoder:
         else:
             pos, block = tree.verify_rows(c, L, self.device)
             mask = prefix_block_mask(c, block, self.dtype)
+        mask = self._windowed(mask, pos[None], pos[None])
         self.cache.set_write(c)
         if self.fast is not None:
             out = self.fast(input_ids=ids[None], position_ids=pos[None], attention_mask=mask, cache=self.cache,

@@ -213,3 +213,45 @@ def prefix_block_mask(prefix_len: int, block: torch.Tensor, dtype: torch.dtype) 
     allowed = torch.ones((q, prefix_len + kb), dtype=torch.bool, device=block.device)
     allowed[:, prefix_len:] = block
     return additive_mask(allowed, dtype)
+
+
+def sliding_windows(config) -> dict[str, int]:
+    """The sliding windows a causal LM's attention layers use, as its own forward builds their masks: with
+    ``layer_types`` (Qwen2/Qwen3, Gemma 3), ``{"sliding_attention": window}`` when some layer slides; with a
+    window and no layer types (Mistral, Phi-3), ``{"all": window}``; empty when every layer attends over the whole
+    prefix. A query at position p sees a key at position j only when ``p - j < window`` (j > p - window)."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    w = getattr(cfg, "sliding_window", None)
+    if not w:
+        return {}
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return {"all": int(w)}
+    return {"sliding_attention": int(w)} if "sliding_attention" in types else {}
+
+
+def window_masks(windows: dict[str, int], mask: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor):
+    """An explicit additive mask [n, 1, q, kv] as the model's forward wants it when some layers slide: the model
+    uses an explicit 4D mask as it is, for every layer, so a sliding layer would see past its window. ``q_pos``
+    [n or 1, q] and ``kv_pos`` [n or 1, kv] are the positions of the queries and of the cache slots; returns
+    ``mask`` itself (no window), the windowed mask (every layer slides), or ``{"full_attention": mask,
+    "sliding_attention": windowed}`` (per layer type, the dict those models take)."""
+    if not windows:
+        return mask
+    w = next(iter(windows.values()))
+    far = (q_pos[:, :, None] - kv_pos[:, None, :]) >= w  # [n, q, kv]
+    slid = mask.masked_fill(far[:, None], torch.finfo(mask.dtype).min)
+    return slid if "all" in windows else {"full_attention": mask, "sliding_attention": slid}
+
+
+def check_windows(config, positions: int, where: str) -> None:
+    """Refuse a model with a sliding window shorter than ``positions`` (the most a row reaches) on a path whose
+    explicit masks do not apply it (``where`` names the path): within the window a sliding layer attends exactly as
+    a full one does."""
+    windows = sliding_windows(config)
+    if windows and min(windows.values()) < positions:
+        w = min(windows.values())
+        raise ValueError(f"{where}: the target's attention slides over a window of {w} tokens on some layers, and "
+                         f"this path's masks do not apply a window; rows of {positions} positions would attend past "
+                         f"it. Keep prompt and answer within {w} tokens a row, or use the single-sequence decoder, "
+                         "which applies the window")

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from draftsmith.checkpoint import (CheckpointError, MissingFileError, check_safetensors, read_export_config,
                                    read_safetensors)
+from draftsmith.common.layers import rope_parameters
 from draftsmith.drafters.eagle3.model import Eagle3Module, check_aux_layers
 from draftsmith.registry import ExportFormat, register_format
 from draftsmith.target import Target
@@ -46,13 +47,10 @@ PREFIX = {"vllm-eagle3": "layers.0.", "eagle3": "midlayer."}
 def _llama_config(m: Eagle3Module, target: Target) -> dict:
     """The one-layer Llama config of the drafter (the target's shape, its vocabulary)."""
     c, tc = m.config.model_dump(), target.config
-    rope = getattr(tc, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    theta = float(theta or getattr(tc, "rope_theta", 10000.0))
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c["hidden_size"],
             "intermediate_size": c["intermediate_size"], "num_attention_heads": c["num_heads"],
             "num_key_value_heads": c["num_kv_heads"], "head_dim": c["head_dim"], "num_hidden_layers": 1,
-            "rms_norm_eps": c["eps"], "vocab_size": c["vocab_size"], "rope_theta": theta,
+            "rms_norm_eps": c["eps"], "vocab_size": c["vocab_size"], **rope_parameters(tc),
             "max_position_embeddings": int(getattr(tc, "max_position_embeddings", 8192)),
             "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
             "torch_dtype": "float32", "bos_token_id": getattr(tc, "bos_token_id", None),

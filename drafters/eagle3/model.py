@@ -24,7 +24,7 @@ import math
 
 import torch
 from draftsmith.common.hidden_cache import HiddenCache, decoder_of
-from draftsmith.common.layers import DecoderLayer, RMSNorm
+from draftsmith.common.layers import DecoderLayer, RMSNorm, target_rope
 from draftsmith.common.vocab import PrunedVocab
 from draftsmith.drafters.eagle3.config import Eagle3ModelConfig
 from draftsmith.drafters.eagle3.decode import Eagle3Drafter
@@ -63,9 +63,9 @@ class Eagle3Module(PrunedVocab, KindBase, nn.Module):
         self.fc = nn.Linear(3 * hidden_size, hidden_size, bias=False)
         # the shared decoder layer, reading [input_norm(embed(token)); hidden_norm(h)], with the target's RoPE
         # (frequencies and scaling copied into a buffer of the layer's: casting the drafter leaves the target's alone)
+        inv_freq, rope_scale = target_rope(rotary)
         self.layer = DecoderLayer(hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, eps,
-                                  inputs=2, inv_freq=rotary.inv_freq, rope_scale=getattr(rotary, "attention_scaling",
-                                                                                         1.0))
+                                  inputs=2, inv_freq=inv_freq, rope_scale=rope_scale)
         self.norm = RMSNorm(hidden_size, eps)
         self.lm_head, self.embed = lm_head, embed  # the target's, frozen and not stored
         self.shared_with_target = ("lm_head", "embed")

@@ -45,7 +45,7 @@ import torch
 from draftsmith.engine import drafters as engine  # engine.project, looked up per call: step_breakdown's clock wraps it
 from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.common.layers import LayerKV
-from draftsmith.engine.kvcache import prefix_block_mask
+from draftsmith.engine.kvcache import prefix_block_mask, sliding_windows
 from draftsmith.engine.policies import ConfidenceStop, LengthPolicy
 from draftsmith.engine.trees import DraftTree
 from draftsmith.registry import register_untrained
@@ -98,6 +98,10 @@ class KangarooDrafter:
         check_exit_layer(exit_layer, self.num_layers)
         check_threshold(threshold)
         self.exit_layer = int(exit_layer)
+        # it runs the target's layers one by one, with masks that carry no sliding window: a target whose layers
+        # slide is drafted for only within its window, where they attend as full layers do (longer: refused)
+        windows = sliding_windows(target.model.config)
+        self.context_length = min(windows.values()) if windows else None
         self.heads = adapter.eval() if adapter is not None else None  # `heads`: what cpu_layout lays out
         self.name = name
         self.target_fingerprint = target_fingerprint

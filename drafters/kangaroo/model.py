@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from draftsmith.common.chunks import make_chunks
 from draftsmith.common.hidden_cache import HiddenCache, decoder_of, teacher_logits
-from draftsmith.common.layers import DecoderLayer, LayerKV, RMSNorm, rename_on_load
+from draftsmith.common.layers import DecoderLayer, LayerKV, RMSNorm, rename_on_load, target_rope
 from draftsmith.common.losses import hard_ce, soft_ce, topk_hits
 from draftsmith.common.vocab import PrunedVocab, draft_head
 from draftsmith.drafters.kangaroo.config import KangarooModelConfig
@@ -59,9 +59,9 @@ class KangarooAdapter(PrunedVocab, KindBase, nn.Module):
         # the shared decoder layer (the MLP only with adapter_mlp), output projections at zero, with the target's
         # RoPE (frequencies and scaling copied into the layer's own buffer: casting the adapter leaves the
         # target's rotary alone)
+        inv_freq, rope_scale = target_rope(rotary)
         self.layer = DecoderLayer(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.eps,
-                                  mlp=c.adapter_mlp, inv_freq=rotary.inv_freq,
-                                  rope_scale=getattr(rotary, "attention_scaling", 1.0), zero_outputs=True,
+                                  mlp=c.adapter_mlp, inv_freq=inv_freq, rope_scale=rope_scale, zero_outputs=True,
                                   qkv_bias=c.qkv_bias, o_bias=c.o_bias, qk_norm=c.qk_norm)
         self.norm_out = RMSNorm(c.hidden_size, c.eps)
         # checkpoints written before the layer was the shared one hold its weights at the top level

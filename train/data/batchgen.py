@@ -50,7 +50,7 @@ import torch
 from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.fast_batch import batch_body
 from draftsmith.engine.sampling import pick_tokens
-from draftsmith.engine.kvcache import KVCache
+from draftsmith.engine.kvcache import KVCache, sliding_windows
 from draftsmith.train.data.row_attention import row_attention
 
 ATTENTION_MODES = ("auto", "rows", "masked")
@@ -144,6 +144,8 @@ class BatchGenerator:
         self.forward = forward if self.fast is not None else "eager"
         self.eos = frozenset(int(e) for e in eos_ids)
         self.max_rows, self.capacity = int(max_rows), int(capacity)
+        windows = sliding_windows(model.config)  # within a window, sliding layers attend as full ones do
+        self.window = min(windows.values()) if windows else None
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.prefill_tokens = int(prefill_tokens)
         self.admit_rows = max(1, int(admit_rows) if admit_rows is not None else self.max_rows // 12)
@@ -442,6 +444,10 @@ class BatchGenerator:
         if need > self.capacity:
             raise ValueError(f"job {job.key!r}: {len(job.prompt)} prompt tokens + {job.max_new_tokens} new tokens "
                              f"exceed the generator's row capacity {self.capacity}")
+        if self.window is not None and need > self.window:
+            raise ValueError(f"job {job.key!r}: {len(job.prompt)} prompt tokens + {job.max_new_tokens} new tokens "
+                             f"exceed the target's sliding attention window of {self.window} tokens, which the data "
+                             "engine's masks do not apply; shorten the prompt or max_new_tokens")
 
 
 def suggested_rows(config, capacity: int, dtype: torch.dtype, budget_bytes: int, max_rows: int) -> int:

@@ -1,0 +1,134 @@
+"""Every drafter kind on every model family's tiny random target: lossless (greedy tokens equal to the model's own
+forward, chains and a tree), or refused with a message naming what the family lacks. Gemma 3's sliding windows
+reach the decoder's masks; the batched paths, whose masks do not carry them, refuse rows past the window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith import registry
+from draftsmith.engine.batched import BatchedSpeculativeDecoder
+from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.kvcache import sliding_windows
+from draftsmith.train.data.batchgen import BatchGenerator, Job
+from tests.families import FAMILIES, WINDOW, family_target
+from tests.tiny import greedy_reference
+
+PROMPT = [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]  # 13 tokens: past Gemma 3's window of 8 already
+NEW = 30
+TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]
+KINDS = {
+    "medusa": ("medusa", {"num_heads": 2}),
+    "hydra": ("hydra", {"num_heads": 2, "num_layers": 2, "prefix_layer": False}),
+    "hydra++": ("hydra", {"num_heads": 2, "num_layers": 2, "prefix_layer": True}),
+    "eagle3": ("eagle3", {"aux_layers": [1, 2, 3], "vocab_keep": None}),
+    "kangaroo": ("kangaroo", {"exit_layer": 1, "adapter_mlp": True}),
+    "standalone": ("standalone", {"init": "target", "num_layers": 1}),
+}
+# kinds that build a layer like the target's (Hydra++'s prefix layer, Kangaroo's adapter) know the Llama-shaped
+# families; Gemma 3's layer (four norms, scaled queries, its own activation) is refused by name
+REFUSED = {("gemma3", "hydra++"), ("gemma3", "kangaroo")}
+TREES = {"medusa", "hydra", "hydra++", "eagle3"}  # kinds drafting from a static tree here
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def fam(request):
+    tgt = family_target(request.param)
+    ref, _ = greedy_reference(tgt.model, PROMPT, NEW, set(tgt.eos_token_ids))
+    return request.param, tgt, ref
+
+
+def test_plain_decoding_is_the_models_own_forward(fam):
+    family, tgt, ref = fam
+    assert SpeculativeDecoder(tgt).generate(PROMPT, NEW).tokens == ref
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_each_kind_is_lossless_or_refused_by_name(fam, name):
+    family, tgt, ref = fam
+    kind, fields = KINDS[name]
+    if (family, name) in REFUSED:
+        with pytest.raises(ValueError, match=tgt.model.config.model_type):
+            registry.get(kind).for_target(tgt, **fields)
+        return
+    if name == "kangaroo" and sliding_windows(tgt.model.config):
+        drafter = registry.get(kind).for_target(tgt, **fields).eval().decoder_drafter(tgt, tgt.fingerprint)
+        with pytest.raises(ValueError, match="drafter's context length"):  # its layers run without the window
+            SpeculativeDecoder(tgt, drafter).generate(PROMPT, NEW)
+        return
+    torch.manual_seed(1)
+    m = registry.get(kind).for_target(tgt, **fields).eval()
+    drafter = m.decoder_drafter(tgt, tgt.fingerprint)
+    assert SpeculativeDecoder(tgt, drafter).generate(PROMPT, NEW).tokens == ref
+    if name in TREES:
+        assert SpeculativeDecoder(tgt, drafter, tree=TREE).generate(PROMPT, NEW).tokens == ref
+
+
+def test_gemma3_verification_needs_its_windows():
+    """The test can fail: without the windows in the verification's masks, Gemma 3's sliding layers see past them
+    and the tokens differ from the model's own."""
+    tgt = family_target("gemma3")
+    assert sliding_windows(tgt.model.config) == {"sliding_attention": WINDOW}
+    ref, _ = greedy_reference(tgt.model, PROMPT, NEW, set(tgt.eos_token_ids))
+    torch.manual_seed(1)
+    drafter = registry.get("medusa").for_target(tgt, num_heads=2).eval().decoder_drafter(tgt, tgt.fingerprint)
+    dec = SpeculativeDecoder(tgt, drafter)
+    dec.windows = {}
+    assert dec.generate(PROMPT, NEW).tokens != ref
+
+
+def test_windows_read_from_each_config():
+    import transformers
+    assert sliding_windows(transformers.LlamaConfig()) == {}
+    assert sliding_windows(transformers.Qwen2Config()) == {}  # use_sliding_window off: every layer full
+    qwen_window = transformers.Qwen2Config(use_sliding_window=True, max_window_layers=1, num_hidden_layers=2,
+                                           sliding_window=64)
+    assert sliding_windows(qwen_window) == {"sliding_attention": 64}
+    assert sliding_windows(transformers.MistralConfig(sliding_window=32)) == {"all": 32}
+
+
+def test_batched_paths_refuse_rows_past_the_window():
+    tgt = family_target("gemma3")
+    with pytest.raises(ValueError, match=f"window of {WINDOW} tokens"):
+        BatchedSpeculativeDecoder(tgt, None).generate([PROMPT], [NEW])
+    gen = BatchGenerator(tgt.model, set(tgt.eos_token_ids), max_rows=2, capacity=64)
+    with pytest.raises(ValueError, match=f"sliding attention window of {WINDOW}"):
+        gen.run([Job(0, PROMPT, NEW)], lambda *a, **k: None)
+    # within the window the batched paths run, and give the model's own tokens
+    short = PROMPT[:3]
+    ref, _ = greedy_reference(tgt.model, short, WINDOW - len(short), set(tgt.eos_token_ids))
+    out = BatchedSpeculativeDecoder(tgt, None).generate([short], [WINDOW - len(short)])
+    assert out.rows[0].tokens == ref
+
+
+def test_eagle3_takes_and_exports_the_targets_full_attention_rope():
+    """The drafter layer's RoPE is the target's full layers' (Gemma 3: the global base, not the sliding layers'
+    local one; Llama 3: its scaled frequencies), and the exported config says so: an engine that read another base
+    would draft with positions rotated otherwise, and accept less with no error."""
+    import transformers
+
+    from draftsmith.common.layers import rope_frequencies
+    from draftsmith.drafters.eagle3.export import _llama_config
+    from draftsmith.target import Target
+    from tests.tiny import make_tokenizer
+    tgt = family_target("gemma3")
+    m = registry.get("eagle3").for_target(tgt, aux_layers=[1, 2, 3], vocab_keep=None)
+    full = tgt.model.config.rope_parameters["full_attention"]["rope_theta"]
+    assert full != tgt.model.config.rope_parameters["sliding_attention"]["rope_theta"]
+    torch.testing.assert_close(m.layer.inv_freq, rope_frequencies(8, full))
+    cfg = _llama_config(m, tgt)
+    assert cfg["rope_theta"] == full and "rope_scaling" not in cfg
+    scaled = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rope_theta=500000.0, rope_scaling=scaled)).eval()
+    llama3 = Target(model=model, tokenizer=make_tokenizer(48), name="llama3", path=None, fingerprint="llama3")
+    m = registry.get("eagle3").for_target(llama3, aux_layers=[1, 2, 3], vocab_keep=None)
+    torch.testing.assert_close(m.layer.inv_freq, model.model.rotary_emb.inv_freq)
+    assert not torch.allclose(m.layer.inv_freq, rope_frequencies(8, 500000.0))  # the scaling matters here
+    cfg = _llama_config(m, llama3)
+    assert cfg["rope_theta"] == 500000.0 and cfg["rope_scaling"]["rope_type"] == "llama3"
+    assert cfg["rope_scaling"]["factor"] == 8.0
