@@ -21,6 +21,7 @@ import time
 import torch
 
 from benchmarks.common import add_common_args, parser, setup, write_json
+from draftsmith.chat import prompt_token_ids
 from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.engine.batched import BatchedSpeculativeDecoder
 from draftsmith.engine.decoder import SpeculativeDecoder
@@ -51,8 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"checkpoint": a.checkpoint, "tree": a.tree, "threads": a.threads}
 
     # ---------------------------------------------------------------- chi-square
-    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}],
-                                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = prompt_token_ids(target.tokenizer, [{"role": "user", "content": a.prompt}])
     with torch.no_grad():
         first = target.model(torch.tensor([prompt])).logits[0, -1]
     base = Penalties(frequency=a.frequency_penalty, repetition=a.repetition_penalty)

@@ -1,8 +1,11 @@
-"""Rendering a conversation for training: token ids and the assistant-token loss mask."""
+"""Rendering a conversation for training: token ids and the assistant-token loss mask (the text as
+`draftsmith.chat.render` gives it: the chat template's, or a base model's plain completion)."""
 
 from __future__ import annotations
 
 from typing import Iterable
+
+from draftsmith.chat import render
 
 
 def render_example(tokenizer, messages: list[dict], finished: Iterable[bool]) -> tuple[list[int], list[int]]:
@@ -13,14 +16,14 @@ def render_example(tokenizer, messages: list[dict], finished: Iterable[bool]) ->
     is checked), and tokens inside it are marked; the end-of-turn token right
     after a reply is marked too when that reply finished on its own.
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = render(tokenizer, messages)
     spans = []
     fin = list(finished)
     a = 0
     for j, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        head = tokenizer.apply_chat_template(messages[:j], tokenize=False, add_generation_prompt=True)
+        head = render(tokenizer, messages[:j], True)
         start, end = len(head), len(head) + len(m["content"])
         if text[start:end] != m["content"]:
             raise ValueError("chat template is not prefix-consistent; cannot locate assistant turns")

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.chat import prompt_token_ids
+
 SCHEMA = "draftsmith.serve/1"
 LOG_GLOB = "*.jsonl"
 _NAME = re.compile(r"^requests-(\d+)-(\d{6})\.jsonl$")
@@ -166,8 +168,7 @@ class TrafficLog:
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Prompt ids of a conversation, as the data stage renders them (chat template text, then tokens)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return [int(x) for x in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    return prompt_token_ids(tokenizer, messages)
 
 
 def _content(message) -> str:

@@ -21,6 +21,7 @@ from collections import Counter
 
 import torch
 
+from draftsmith.chat import prompt_token_ids
 from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.drafters.suffix import PromptLookupDrafter, SuffixDrafter
 from draftsmith.engine.capabilities import capabilities
@@ -177,8 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     target = load_target(a.target, dtype=a.dtype)
     print(f"target forward: {use_fast_forward(target, a.forward)}")
-    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False)
+    prompt = prompt_token_ids(target.tokenizer, [{"role": "user", "content": a.prompt}])
     sampling = SamplingParams(a.temperature, a.top_k, a.top_p)
     torch.manual_seed(a.seed)
     heads = MedusaHeads.for_target(target, num_heads=3)

@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.chat import prompt_token_ids
 from draftsmith.paths import mtbench_questions_path
 
 
@@ -20,11 +21,7 @@ class Prompt:
 
 def chat_ids(tokenizer, text: str) -> list[int]:
     """The user turn with the chat template and the assistant header (add_generation_prompt)."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    return prompt_token_ids(tokenizer, [{"role": "user", "content": text}])
 
 
 def mtbench_prompts(tokenizer, n: int | None = None, spread: bool = False) -> list[Prompt]:
@@ -87,9 +84,7 @@ def user_prompts(tokenizer, path: str | Path, n: int | None = None) -> tuple[lis
                     reason = "messages need role and content strings"
                 else:
                     text = msgs[-1]["content"]
-                    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False)
-                    ids = [int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+                    ids = prompt_token_ids(tokenizer, msgs)
             else:
                 reason = "no non-empty 'prompt', 'turns' or 'messages'"
         if reason:

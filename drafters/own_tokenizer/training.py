@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.chat import render
 from draftsmith import registry
 from draftsmith.checkpoint import load_checkpoint
 from draftsmith.drafters.own_tokenizer.model import (OwnTokenizerDrafter, describe, init_from_target,
@@ -133,7 +134,7 @@ def text_run(recipe: Recipe, target: Target, out: Path) -> TextRun:
     cfg.pop("kind")
     stats: Counter = Counter()
     convs = read_conversations(out / "data" / "train.jsonl", stats)
-    texts = [target.tokenizer.apply_chat_template(m, tokenize=False) for _, m, _ in convs]
+    texts = [render(target.tokenizer, m) for _, m, _ in convs]
     tok = train_bpe_tokenizer(texts, cfg["tokenizer_vocab_size"], target_special_tokens(target.tokenizer),
                               cfg["tokenizer_min_frequency"])
     drafter = OwnTokenizerDrafter(cfg, tok, target)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from draftsmith.chat import has_template, prompt_token_ids
 from draftsmith.common.chat import render_example
 from draftsmith.recipe import default_forward
 from draftsmith.target import Target
@@ -118,8 +119,7 @@ def _messages(conv_system: str | None, users: list[str], replies: list[str]) -> 
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return prompt_token_ids(tokenizer, messages)
 
 
 @torch.no_grad()
@@ -476,6 +476,10 @@ def _regenerate_hf(target: Target, todo: list[Conversation], out_path: Path, sta
 
 def user_prefix_ids(tokenizer) -> list[int]:
     """Token ids of the chat template up to where a user's words begin."""
+    if not has_template(tokenizer):
+        raise ValueError("magpie prompts are written by the target after its chat template's user header, and this "
+                         "target's tokenizer has no chat template (a base model): use prompt sources (sharegpt, "
+                         "jsonl, humaneval) instead")
     marker = "\x00MAGPIE\x00"
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
     return tokenizer(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
