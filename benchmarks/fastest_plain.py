@@ -15,8 +15,9 @@ Then vLLM (its own environment, .venv-vllm; scripts/vllm_env.sh) runs the same p
 once per ``--vllm-modes`` entry (compiled = vLLM's default CPU compile mode, eager = enforce_eager), right after,
 with the same thread count. ``--batched``: also every prompt at once, vLLM against our batched decoder.
 Then llama.cpp (``scripts/llamacpp_env.sh`` builds it) through ``llama-server``, one request at a time, on the
-target's GGUF of each ``--llamacpp`` type (q4_1 is the file the default target ships as; the 4-bit file is not
-the fp32 model's arithmetic, so its greedy tokens may differ from ours at near-ties and beyond).
+target's GGUF of each ``--llamacpp`` type (shipped: the file the target ships as, Q4_1 for the default target;
+the 4-bit file is not the fp32 model's arithmetic, so its greedy tokens may differ from ours at near-ties and
+beyond).
 
 Printed: tok/s of each method; greedy outputs equal to ours compiled (count, with the top-2 logit gap at each
 first divergence); per-token step time against the memory floor (the bytes of the weights one forward reads,
@@ -44,7 +45,7 @@ from draftsmith.eval.greedy_equality import first_divergence, top2_gap
 from draftsmith.eval.mtbench import mtbench_prompts
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.export.llamacpp import have_llamacpp, target_gguf
-from draftsmith.export.llamacpp_server import LlamaServer, run_prompts
+from draftsmith.export.llamacpp_server import LlamaServer, run_prompts, shipped_type
 from draftsmith.export.vllm_check import run_vllm, vllm_python
 from draftsmith.target import cpu_name, load_target, resolve_dtype
 
@@ -94,8 +95,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tree", action="append", default=None, help="trees for the checkpoints (default: chain)")
     ap.add_argument("--vllm-modes", default="compiled,eager", help="comma list of compiled, eager; '' = no vLLM")
     ap.add_argument("--vllm-python", default=None)
-    ap.add_argument("--llamacpp", default="q4_1,bf16,f32",
-                    help="llama.cpp plain decoding on the target's GGUF of these types (q4_1: the shipped file), "
+    ap.add_argument("--llamacpp", default="shipped,bf16,f32",
+                    help="llama.cpp plain decoding on the target's GGUF of these types (shipped: the file the target "
+                         "ships as, Q4_1 for the default; others converted from the target's directory), "
                          "through llama-server; '' = none (left out with the reason when there is no build)")
     ap.add_argument("--no-eager", action="store_true", help="leave out ours on the model's own forward")
     ap.add_argument("--no-hf", action="store_true", help="leave out Hugging Face generate")
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"llama.cpp: left out ({why.splitlines()[0]})")
         report["llamacpp"] = why
     for t in ll_types if not why else []:
-        name = f"llama.cpp plain ({t})"
+        name = f"llama.cpp plain ({t})" if t != "shipped" else f"llama.cpp plain (shipped {shipped_type(target)})"
         try:
             gguf = target_gguf(target, t)
             with LlamaServer(gguf, threads=a.threads, log=Path(a.out).with_suffix(f".llamacpp-{t}.log")) \

@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt lookup's draft length (ours and HF's prompt_lookup_num_tokens) with --suffix")
     ap.add_argument("--llamacpp", default="", metavar="TYPES",
                     help="also llama.cpp's plain decoding on the target's GGUF of these types, comma-separated "
-                         "(q4_1 = the default target's shipped file; bf16, f32 converted), through llama-server after "
-                         "our methods, greedy only; needs `bash scripts/llamacpp_env.sh`")
+                         "(shipped = the file the default or a named target ships as; q4_1, bf16, f32 converted), "
+                         "through llama-server after our methods, greedy only; needs `bash scripts/llamacpp_env.sh`")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     add_dtype_arg(ap, None, "the first checkpoint's recipe dtype, else float32")

@@ -157,9 +157,10 @@ class EvalConfig(StrictModel):
     max_new_tokens: int = Field(64, ge=1)
     trees: list[str] = Field(["chain", "built:8"], description="chain | built:BUDGET | dynamic[:B,D,W] | JSON paths")
     hf_generate: bool = Field(True, description="also time Hugging Face generate (speedup baseline)")
-    llamacpp: list[str] = Field(["q4_1"], description="also time llama.cpp's plain decoding on the target's GGUF of "
-                                "these types (q4_1 = the default target's shipped file) when a llama.cpp build "
-                                "exists (scripts/llamacpp_env.sh); [] = never. Every speedup then names it too")
+    llamacpp: list[str] = Field(["shipped"], description="also time llama.cpp's plain decoding on the target's GGUF "
+                                "of these types (shipped = the file the default or a named target ships as, Q4_1 "
+                                "and Q4_K_M; f32, bf16, q8_0, q4_1, ... converted from the target) when a llama.cpp "
+                                "build exists (scripts/llamacpp_env.sh); [] = never. Every speedup then names it too")
     plain_float32: Optional[bool] = Field(
         None, description="also time our plain decoding in float32 when the recipe's dtype is another one, so the "
         "table holds the fastest plain decoding on the machine: a target dequantised from a GGUF file decodes its "

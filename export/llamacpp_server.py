@@ -137,12 +137,19 @@ def run_prompts(server: LlamaServer, prompts: list[list[int]], n_predict: int, w
             "accepted_per_position": [per_pos[k] for k in sorted(per_pos)]}
 
 
+def shipped_type(target) -> str:
+    """The weights' type of the GGUF file ``target`` ships as ("?" when it ships none)."""
+    from draftsmith.targets import shipped_gguf  # noqa: PLC0415 (only when asked)
+    got = shipped_gguf(target.name, target.path)
+    return got[1] if got else "?"
+
+
 def add_llamacpp_plain(figures: dict, target, prompts: list, max_new_tokens: int, types: list[str],
                        threads: int | None = None, sampling=None) -> list[str]:
-    """llama.cpp's plain decoding (llama-server on the target's GGUF of each type; q4_1 is the default target's
-    shipped file) on the same prompts, after ours (not interleaved: another process), as more methods in
-    ``figures``; every method's speedups then name it too. Returns the names added; with no llama.cpp build,
-    none (``figures["llamacpp"]`` says why). Greedy only (sampled runs differ by design)."""
+    """llama.cpp's plain decoding (llama-server on the target's GGUF of each type; ``shipped``: the file the default
+    or a named target ships as, q4_1 for the default) on the same prompts, after ours (not interleaved: another
+    process), as more methods in ``figures``; every method's speedups then name it too. Returns the names added;
+    with no llama.cpp build, none (``figures["llamacpp"]`` says why). Greedy only (sampled runs differ by design)."""
     import torch  # noqa: PLC0415
 
     from draftsmith.engine.metrics import speedup  # noqa: PLC0415
@@ -167,7 +174,7 @@ def add_llamacpp_plain(figures: dict, target, prompts: list, max_new_tokens: int
         except LlamaCppError as e:
             failed.append(f"{t}: {str(e).splitlines()[0]}")
             continue
-        name = f"llama.cpp plain ({t})"
+        name = f"llama.cpp plain ({t})" if t != "shipped" else f"llama.cpp plain (shipped {shipped_type(target)})"
         figures["methods"][name] = {"tokens_per_s": r["tok_s"], "tau": 1.0, "mean_draft_len": 0.0,
                                     "family": "llama.cpp", "acceptance_by_position": [], "time_shares": None,
                                     "tau_by_category": {c: 1.0 for c in sorted({getattr(p, "category", "all")

@@ -72,3 +72,22 @@ def test_targets_command_lists_and_refuses_unknown(tmp_path, monkeypatch, capsys
     assert "unknown target 'no-such-model'" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="named target"):
         resolve_target_path(str(tmp_path / "nothing-here"))
+
+
+def test_the_shipped_file_of_a_named_target_is_its_pinned_gguf(tmp_path, monkeypatch):
+    """``shipped``: llama.cpp's plain decoding on the file the target ships as (a named one's pinned GGUF once
+    installed), never one converted from its directory; a directory that ships none is refused by name."""
+    from draftsmith.export.llamacpp import LlamaCppError, target_gguf
+    from draftsmith.target import Target
+    t, fetch, _, _ = fake(tmp_path, monkeypatch)
+    monkeypatch.setitem(targets.KNOWN, t.name, t)
+    assert targets.shipped_gguf(t.name) is None  # not installed yet
+    targets.install(t, fetch)
+    assert targets.shipped_gguf(t.name) == (targets.gguf_path(t), "q4_k_m")
+    assert targets.shipped_gguf("x", targets.converted_path(t)) == (targets.gguf_path(t), "q4_k_m")  # by directory
+    other = Target(model=None, tokenizer=None, name="mine", path=tmp_path / "mine", fingerprint="sha256:0")
+    assert targets.shipped_gguf(other.name, other.path) is None
+    with pytest.raises(LlamaCppError, match="mine ships no GGUF file"):
+        target_gguf(other, "shipped")
+    named = Target(model=None, tokenizer=None, name=t.name, path=targets.converted_path(t), fingerprint="sha256:0")
+    assert target_gguf(named, "shipped") == targets.gguf_path(t)
