@@ -30,7 +30,7 @@ KINDS = {
     "medusa": ("medusa", {"num_heads": 3}),
     "hydra": ("hydra", {"num_heads": 3, "prefix_layer": False}),
     "hydra++": ("hydra", {"num_heads": 3, "prefix_layer": True}),
-    "eagle3": ("eagle3", {"vocab_keep": None}),
+    "eagle3": ("eagle3", {"vocab_keep": None}),  # aux_layers: the convention [2, N/2, N-3] for the target's N
     "kangaroo": ("kangaroo", {"exit_layer": 2}),
     "standalone": ("standalone", {"init": "target", "num_layers": 2}),
 }
@@ -84,6 +84,9 @@ def main(argv=None) -> dict:
             if spec is not None:
                 torch.manual_seed(a.seed)
                 kind, fields = spec
+                if kind == "eagle3":
+                    n = cfg.num_hidden_layers
+                    fields = {**fields, "aux_layers": [2, n // 2, n - 3]}
                 drafter = registry.get(kind).for_target(target, **fields).eval().decoder_drafter(
                     target, target.fingerprint)
             dec = SpeculativeDecoder(target, drafter)
