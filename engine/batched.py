@@ -52,7 +52,7 @@ from draftsmith.engine.decoder import DecodeState
 from draftsmith.engine.drafters import project
 from draftsmith.engine.fast_batch import batch_body
 from draftsmith.engine.metrics import DecodeResult, StepStats, tau, tokens_per_second
-from draftsmith.engine.kvcache import KVCache, check_windows
+from draftsmith.engine.kvcache import KVCache
 from draftsmith.engine.ragged import ragged_forward
 from draftsmith.engine.sampling import RandomSource, SamplingParams, TorchRandom, WithoutReplacement, greedy_ids
 from draftsmith.engine.trees import DraftTree, StaticTree, Verdict, verify_tree
@@ -485,8 +485,6 @@ class BatchedSpeculativeDecoder:
         need = max(self.positions(len(p), n) for p, n in zip(prompts, news))
         if capacity is not None and need > capacity:
             raise ValueError(f"the batch needs {need} cache positions per row; capacity is {capacity}")
-        # positions a row reaches: its prompt and new tokens (the slots past them hold drafts, never read as context)
-        check_windows(self.model.config, (capacity or need) - self.positions(0, 0), "the batched decoder")
         capacity = max(capacity or need, 256)
         rows_cap = max(max_rows or len(live), len(live), 1)
         if self.cache is None or self.cache.capacity < capacity or self.cache.n_rows < rows_cap:

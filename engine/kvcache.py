@@ -243,15 +243,3 @@ def window_masks(windows: dict[str, int], mask: torch.Tensor, q_pos: torch.Tenso
     slid = mask.masked_fill(far[:, None], torch.finfo(mask.dtype).min)
     return slid if "all" in windows else {"full_attention": mask, "sliding_attention": slid}
 
-
-def check_windows(config, positions: int, where: str) -> None:
-    """Refuse a model with a sliding window shorter than ``positions`` (the most a row reaches) on a path whose
-    explicit masks do not apply it (``where`` names the path): within the window a sliding layer attends exactly as
-    a full one does."""
-    windows = sliding_windows(config)
-    if windows and min(windows.values()) < positions:
-        w = min(windows.values())
-        raise ValueError(f"{where}: the target's attention slides over a window of {w} tokens on some layers, and "
-                         f"this path's masks do not apply a window; rows of {positions} positions would attend past "
-                         f"it. Keep prompt and answer within {w} tokens a row, or use the single-sequence decoder, "
-                         "which applies the window")

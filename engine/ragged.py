@@ -7,7 +7,8 @@ carry no padding that grows with the steps, only the current block is padded to 
 chain of K or a tree's nodes), and slots past a row's own prefix are masked out.
 
 Masks and positions go through the model's public forward (4D additive float mask [n, 1, m, span],
-``position_ids`` [n, m]); the model file is never copied. Live rows are kept at ``[0, n)``: when a row ends,
+``position_ids`` [n, m]; per layer type where some layers slide, `draftsmith.engine.kvcache.window_masks`); the
+model file is never copied. Live rows are kept at ``[0, n)``: when a row ends,
 the last live row's entries are moved into the hole (`KVCache.move_row`, one row's copy).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.engine.cache_kw import cache_arg
-from draftsmith.engine.kvcache import KVCache
+from draftsmith.engine.kvcache import KVCache, sliding_windows, window_masks
 
 
 def ragged_forward(body: torch.nn.Module, cache: KVCache, ids: torch.Tensor, write: torch.Tensor,
@@ -44,6 +45,11 @@ def ragged_forward(body: torch.nn.Module, cache: KVCache, ids: torch.Tensor, wri
     dtype = cache.layers[0].keys.dtype
     mask = torch.zeros((n, 1, m, span), dtype=dtype, device=dev)
     mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    windows = sliding_windows(body.config)
+    if windows:  # committed slots hold their positions (a tree's accepted path is compacted); block slots, pos
+        kv_pos = s[None].expand(n, span).clone()
+        kv_pos.scatter_(1, slots, pos)
+        mask = window_masks(windows, mask, pos, kv_pos)
     cache.set_block(slots, span, rows)
     return body(input_ids=ids, position_ids=pos, attention_mask=mask, **cache_arg(body, cache),
                 use_cache=True).last_hidden_state

@@ -88,18 +88,22 @@ def test_windows_read_from_each_config():
     assert sliding_windows(transformers.MistralConfig(sliding_window=32)) == {"all": 32}
 
 
-def test_batched_paths_refuse_rows_past_the_window():
+def test_batched_decoder_applies_the_windows_and_the_data_engine_refuses_past_them():
+    """The batched decoder (and so the server) builds its ragged masks per layer type: past Gemma 3's window it
+    gives the model's own tokens, plain and drafting. The data engine's masks carry no window: it refuses a job
+    that would pass it, naming the window, and within it runs."""
     tgt = family_target("gemma3")
-    with pytest.raises(ValueError, match=f"window of {WINDOW} tokens"):
-        BatchedSpeculativeDecoder(tgt, None).generate([PROMPT], [NEW])
+    ref, _ = greedy_reference(tgt.model, PROMPT, NEW, set(tgt.eos_token_ids))
+    assert BatchedSpeculativeDecoder(tgt, None).generate([PROMPT], [NEW]).rows[0].tokens == ref
+    torch.manual_seed(1)
+    drafter = registry.get("medusa").for_target(tgt, num_heads=2).eval().decoder_drafter(tgt, tgt.fingerprint)
+    other = PROMPT[:5]
+    ref2, _ = greedy_reference(tgt.model, other, NEW, set(tgt.eos_token_ids))
+    out = BatchedSpeculativeDecoder(tgt, drafter, k=2).generate([PROMPT, other], [NEW, NEW])
+    assert [r.tokens for r in out.rows] == [ref, ref2]
     gen = BatchGenerator(tgt.model, set(tgt.eos_token_ids), max_rows=2, capacity=64)
     with pytest.raises(ValueError, match=f"sliding attention window of {WINDOW}"):
         gen.run([Job(0, PROMPT, NEW)], lambda *a, **k: None)
-    # within the window the batched paths run, and give the model's own tokens
-    short = PROMPT[:3]
-    ref, _ = greedy_reference(tgt.model, short, WINDOW - len(short), set(tgt.eos_token_ids))
-    out = BatchedSpeculativeDecoder(tgt, None).generate([short], [WINDOW - len(short)])
-    assert out.rows[0].tokens == ref
 
 
 def test_eagle3_takes_and_exports_the_targets_full_attention_rope():
