@@ -126,6 +126,15 @@ class TrainConfig(StrictModel):
                                    "measure acceptance for tree building (0 = none)")
     tree_budgets: list[int] = Field([8, 16], description="node budgets of the trees built after training")
     save_every: int = Field(200, ge=1)
+    probe_every: int = Field(0, ge=0, description="every N optimizer steps (and after the last), decode "
+                             "probe_prompts MT-Bench first turns (evaluation only, never trained on) with the "
+                             "lossless decoder, greedy chains of the kind's default, probe_tokens new tokens each, "
+                             "and log the measured mean acceptance length (probe/tau_real) beside the one the last "
+                             "logged top-1 accuracies predict (probe/tau_sim = 1 + sum_k prod_j<=k top1_j) and "
+                             "their ratio, to the tracker and the final checkpoint's training_timing.probes; 0 = off "
+                             "(the quickstart: off, its budget)")
+    probe_prompts: int = Field(4, ge=1, le=80)
+    probe_tokens: int = Field(32, ge=1)
     log_every: int = Field(10, ge=1)
     init_from: Optional[str] = Field(None, description="start from this checkpoint's weights (same kind and shape, "
                                      "same target; fresh optimizer and schedule), e.g. to go on training a drafter "

@@ -6,19 +6,7 @@ import torch
 
 from draftsmith.common.vocab import draft_head
 from draftsmith.common.hidden_cache import HiddenCache
-
-
-def predicted_chain_tau(top1: list[float]) -> float:
-    """1 + sum_k prod_{j<=k} acc_j: tokens per step a greedy chain of these heads predicts.
-
-    Treats head k's accuracy as the chance of acceptance given heads 1..k-1
-    were accepted (an approximation: heads are measured independently).
-    """
-    tau, run = 1.0, 1.0
-    for a in top1:
-        run *= a
-        tau += run
-    return tau
+from draftsmith.train.training.trainer import predicted_chain_tau  # noqa: F401 (here since it was first)
 
 
 @torch.no_grad()

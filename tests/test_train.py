@@ -80,6 +80,24 @@ def test_too_little_data_is_a_clear_error(tiny_target, cached, tmp_path):
         train(r, tiny_target, cached, r.out)
 
 
+def test_probe_measures_tau_while_training_beside_the_prediction(tiny_target, cached, tmp_path):
+    """``train.probe_every``: the lossless decoder on held-out prompts every N steps and after the last, its measured
+    tau logged beside the one the logged accuracies predict; off by default."""
+    from draftsmith.train.training.trainer import predicted_tau
+    r = _recipe(tmp_path, epochs=3, probe_every=4, probe_prompts=2, probe_tokens=8)
+    _, timing = train(r, tiny_target, cached, r.out)
+    steps = [p["step"] for p in timing["probes"]]
+    assert steps == sorted({s for s in range(4, timing["steps"] + 1, 4)} | {timing["steps"]})
+    for p in timing["probes"]:
+        assert 1.0 <= p["tau_real"] <= 9.0 and p["tau_sim"] is not None and p["tau_sim"] >= 1.0
+        assert p["ratio"] == pytest.approx(p["tau_real"] / p["tau_sim"], rel=1e-3)
+    off = _recipe(tmp_path / "off", epochs=1)
+    assert train(off, tiny_target, cached, off.out)[1]["probes"] == []
+    assert predicted_tau({"head1/top1": 0.5, "head2/top1": 0.5, "loss": 3.0}) == pytest.approx(1.75)
+    assert predicted_tau({"loss": 3.0}) is None
+    assert predicted_tau({"step1/top1": 0.5, "step2/top1": 0.2, "step2/top1_cond": 0.4}) == pytest.approx(1.7)
+
+
 def test_predicted_chain_tau():
     assert predicted_chain_tau([]) == 1.0
     assert predicted_chain_tau([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)

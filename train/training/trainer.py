@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Callable
@@ -24,12 +25,14 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith import registry
+from draftsmith.chat import prompt_token_ids
 from draftsmith.checkpoint import CheckpointError, read_json, read_manifest, read_safetensors, save_checkpoint
 from draftsmith.common.chunks import calibration_split
 from draftsmith.common.vocab import draft_head, frequent_ids, kept_size
 from draftsmith.recipe import Recipe
 from draftsmith.target import check_fingerprint
 from draftsmith.common.hidden_cache import HiddenCache
+from draftsmith.train.data.sources import mtbench_questions
 from draftsmith.train.training.state import latest_checkpoint, load_trainer_state, save_trainer_state
 
 log = logging.getLogger(__name__)
@@ -171,7 +174,13 @@ def train(recipe: Recipe, target, cache_dir: Path, run_dir: Path, *, resume: boo
         save_checkpoint(path, module, target, recipe=recipe.model_dump(mode="json"), data=data_provenance,
                         metrics={"step": step}, target_dtype=cache.index.get("target_dtype"))
 
-    return fit(acc, recipe, model, objective, run_dir, save, resume=resume, stop_after=stop_after)
+    probe = None
+    if t.probe_every:
+        qs = mtbench_questions()
+        qs = [qs[(i * len(qs)) // t.probe_prompts] for i in range(t.probe_prompts)]  # spread over the categories
+        probe = tau_probe(target, [prompt_token_ids(target.tokenizer, [{"role": "user", "content": q["turns"][0]}])
+                                   for q in qs], t.probe_tokens)
+    return fit(acc, recipe, model, objective, run_dir, save, resume=resume, stop_after=stop_after, probe=probe)
 
 
 def train_on_text(recipe: Recipe, target, out: Path, *, resume: bool = True,
@@ -195,6 +204,47 @@ def train_on_text(recipe: Recipe, target, out: Path, *, resume: bool = True,
     timing = {**timing, "train_s": round(timing["wall_s"], 1), "wall_s": round(time.time() - t0, 1), **metrics}
     (out / "train_text.json").write_text(json.dumps(timing, indent=2))
     return final, timing
+
+
+def predicted_chain_tau(top1: list[float]) -> float:
+    """1 + sum_k prod_{j<=k} acc_j: tokens per step a greedy chain of these heads predicts.
+
+    Treats head k's accuracy as the chance of acceptance given heads 1..k-1
+    were accepted (an approximation: heads are measured independently).
+    """
+    tau, run = 1.0, 1.0
+    for a in top1:
+        run *= a
+        tau += run
+    return tau
+
+
+def predicted_tau(summary: dict) -> float | None:
+    """`predicted_chain_tau` of the logged top-1 accuracies (``.../top1`` keys, numbered heads or steps, in order;
+    a step's accuracy conditional on the earlier steps', ``.../top1_cond``, where logged: EAGLE-3's); None when none
+    is logged."""
+    accs: dict[int, float] = {}
+    for k, v in sorted(summary.items()):  # "..N/top1" sorts before "..N/top1_cond", which then replaces it
+        m = re.search(r"(\d+)/top1(_cond)?$", k)
+        if m and isinstance(v, (int, float)):
+            accs[int(m.group(1))] = float(v)
+    return predicted_chain_tau([accs[k] for k in sorted(accs)]) if accs else None
+
+
+def tau_probe(target, prompts: list[list[int]], max_new_tokens: int) -> Callable[[torch.nn.Module], float]:
+    """``probe(module)`` for `fit`: the module as its kind's decoder drafter (chains, its default length), greedy,
+    on ``prompts``; returns the mean acceptance length (tokens per target forward) over them."""
+    from draftsmith.engine.decoder import SpeculativeDecoder  # engine: only when a probe is asked for
+
+    def probe(module: torch.nn.Module) -> float:
+        dec = SpeculativeDecoder(target, module.decoder_drafter(target, target.fingerprint, "probe"))
+        tokens = forwards = 0
+        with torch.no_grad():
+            for ids in prompts:
+                res = dec.generate(ids, max_new_tokens)
+                tokens, forwards = tokens + len(res.tokens), forwards + res.target_forwards
+        return tokens / max(1, forwards)
+    return probe
 
 
 def train_step(model: torch.nn.Module, objective, optimizer, params: list, micro_batches: list[list[int]],
@@ -243,7 +293,7 @@ def train_step(model: torch.nn.Module, objective, optimizer, params: list, micro
 
 def fit(acc, recipe: Recipe, model: torch.nn.Module, objective, run_dir: Path,
         save: Callable[[Path, torch.nn.Module, int], None], *, resume: bool = True,
-        stop_after: int | None = None) -> tuple[Path, dict]:
+        stop_after: int | None = None, probe: Callable[[torch.nn.Module], float] | None = None) -> tuple[Path, dict]:
     """The training loop every trained kind runs: AdamW over ``model``'s trainable parameters, the recipe's
     schedule, accumulation, clipping, logging, and checkpoints every ``train.save_every`` steps written by
     ``save(path, unwrapped model, step)`` under ``run_dir/checkpoints/step-N`` with the optimizer's state
@@ -252,7 +302,9 @@ def fit(acc, recipe: Recipe, model: torch.nn.Module, objective, run_dir: Path,
     ``objective``: ``.chunks`` (the training examples, indexed), ``.prepare(indices)`` -> a batch with ``.to(device)``
     and ``.positions``, ``.loss(model, batch)`` -> (loss, aux), ``.stats(aux, batch)`` -> figures to log (a (hits,
     count) pair or a float each). Returns (the last checkpoint's directory, timing with the mean loss of the last
-    ten steps)."""
+    ten steps). ``probe(module)``: the measured mean acceptance length of the module as it is, called every
+    ``train.probe_every`` steps and after the last on the main process (`tau_probe`); each call is logged with the
+    prediction of the last logged accuracies and kept in the timing's ``probes``."""
     t = recipe.train
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
@@ -304,6 +356,8 @@ def fit(acc, recipe: Recipe, model: torch.nn.Module, objective, run_dir: Path,
     timing = {"math_s": 0.0, "data_s": 0.0, "stats_s": 0.0, "checkpoint_s": 0.0, "positions": 0}
     losses: list[float] = []
     window: dict = {}
+    last: dict = {}  # the last logged summary: its accuracies predict the probe's tau
+    timing["probes"] = []
     loop_t0 = time.perf_counter()
     model.train()
     for step in range(start, total):
@@ -320,6 +374,7 @@ def fit(acc, recipe: Recipe, model: torch.nn.Module, objective, run_dir: Path,
             summary["lr"] = scheduler.get_last_lr()[0]
             window = {}
             acc.log(summary, step=done)
+            last = summary
             top1 = next((v for k, v in sorted(summary.items()) if k.endswith("/top1")), 0.0)  # head 1 / step 1
             bar.set_postfix(loss=f"{summary['loss']:.3f}", top1=f"{top1:.3f}")
         if done % t.save_every == 0 or done == total:
@@ -333,6 +388,19 @@ def fit(acc, recipe: Recipe, model: torch.nn.Module, objective, run_dir: Path,
                                        scheduler, done, {"epoch": epoch, "world_size": world})
             acc.wait_for_everyone()
             timing["checkpoint_s"] += time.perf_counter() - t3
+        if probe is not None and t.probe_every and (done % t.probe_every == 0 or done == total) \
+                and acc.is_main_process:
+            t4 = time.perf_counter()
+            module = acc.unwrap_model(model)
+            module.eval()
+            real = float(probe(module))
+            module.train()
+            sim = predicted_tau(_summarise(window) if window else last)  # the freshest accuracies
+            row = {"step": done, "tau_real": round(real, 4), "tau_sim": None if sim is None else round(sim, 4),
+                   "ratio": None if not sim else round(real / sim, 4), "seconds": round(time.perf_counter() - t4, 1)}
+            timing["probes"].append(row)
+            acc.log({f"probe/{k}": v for k, v in row.items() if k != "step" and v is not None}, step=done)
+            log.info("probe at step %d: tau measured %.3f, predicted %s", done, real, row["tau_sim"])
         if stop_after is not None and done >= stop_after:
             bar.close()
             raise StopTraining(f"stopped after step {done}")
