@@ -147,6 +147,13 @@ def run(args: argparse.Namespace) -> int:
                 print(f"suffix index (SuffixDecoding's history, in {recipe.out / 'suffix_index'}): {si['replies']} "
                       f"answers, {si['indexed_tokens']} tokens from data/train.jsonl in {si['build_s']} s; skipped "
                       f"{sum(si['skipped'].values())} rows {si['skipped'] or ''}".rstrip())
+            for m, f in b.get("forecast", {}).items():
+                print(f"{m}: the trees stage forecast tau {f['forecast_tau']:.2f}"
+                      + (f" and {f['forecast_speedup']:.2f}x our plain decoding" if "forecast_speedup" in f else "")
+                      + f"; measured {f['measured_tau']:.2f}"
+                      + (f" and {f['measured_speedup']:.2f}x" if "measured_speedup" in f else "")
+                      + f" (tau {f['tau_ratio']:.2f} of the forecast"
+                      + (f", speed {f['speedup_ratio']:.2f}" if "speedup_ratio" in f else "") + ")")
             ms = b["methods"]
             plain = ms.get(BASELINE)
             drafted = {n: m for n, m in ms.items() if not is_plain(n)}

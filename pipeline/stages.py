@@ -513,6 +513,7 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path, plain_targets: tuple
     add_llamacpp_plain(figures, target, mtbench_prompts(target.tokenizer, e.prompts, spread=True), e.max_new_tokens,
                        e.llamacpp)
     mark_fastest_plain(figures)
+    figures["forecast"] = forecast_vs_measured(figures, ckpt, e.trees, drafter.name)
     figures["dtype"] = dtype_name(target.dtype)
     figures["table"] = table(figures)
     figures["forward"] = dict(forward, compile_s=round(getattr(target.fast_body, "compile_s", 0.0), 1),
@@ -522,6 +523,34 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path, plain_targets: tuple
     figures["command"], figures["environment"] = command_line(), environment()
     (recipe.out / "bench.json").write_text(json.dumps(figures, indent=2))
     return figures
+
+
+def forecast_vs_measured(figures: dict, ckpt: Path, specs: list[str], name: str) -> dict:
+    """The trees stage's forecast (``trees.json`` in the checkpoint: expected tau and speed relative to plain
+    decoding, from held-out acceptance and measured step costs) beside what the bench measured with that tree:
+    {method: {tree, forecast_tau, measured_tau, tau_ratio, forecast_speedup, measured_speedup, speedup_ratio}}.
+    Built trees only (``built:N``, ``built:best``); the hybrid with SuffixDecoding is not what was forecast."""
+    path = Path(ckpt) / "trees.json"
+    if not path.exists():
+        return {}
+    trees = json.loads(path.read_text())
+    plain = figures["methods"].get(BASELINE, {}).get("tokens_per_s")
+    out = {}
+    for spec in specs:
+        if not spec.startswith("built:"):
+            continue
+        budget = trees.get("best") if spec == "built:best" else spec.split(":", 1)[1]
+        fc, got = trees.get("trees", {}).get(str(budget)), figures["methods"].get(f"ours {name} {spec}")
+        if not fc or not got:
+            continue
+        row = {"tree": f"built:{budget}", "forecast_tau": round(fc["expected_tau"], 3),
+               "measured_tau": round(got["tau"], 3), "tau_ratio": round(got["tau"] / fc["expected_tau"], 3)}
+        if plain and fc.get("relative_speed"):
+            measured = got["tokens_per_s"] / plain
+            row.update(forecast_speedup=round(fc["relative_speed"], 3), measured_speedup=round(measured, 3),
+                       speedup_ratio=round(measured / fc["relative_speed"], 3))
+        out[f"ours {name} {spec}"] = row
+    return out
 
 
 def plain_dtypes(recipe: Recipe, dtype: str, device: str = "cpu") -> list[str]:

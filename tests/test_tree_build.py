@@ -117,3 +117,25 @@ def test_measure_draft_cost_on_a_head_drafter():
     dc = measure_draft_cost(t, HeadDrafter(random_hydra(t, num_heads=3), t.fingerprint), 3, prompt_len=8,
                             new_tokens=12)
     assert set(dc) == {"fixed", "per_depth"} and all(v >= 0 for v in dc.values())  # no timing asserted
+
+
+def test_bench_puts_the_trees_forecast_beside_its_measurement(tmp_path):
+    """The bench stage's `forecast_vs_measured`: the built tree's expected tau and relative speed (trees.json)
+    beside the measured ones of the method decoded with it; chains, other trees and missing files give nothing."""
+    import json
+
+    from draftsmith.eval.bench import BASELINE
+    from draftsmith.pipeline.stages import forecast_vs_measured
+    (tmp_path / "trees.json").write_text(json.dumps({"best": "7", "trees": {
+        "3": {"expected_tau": 1.4, "relative_speed": 1.3}, "7": {"expected_tau": 1.6, "relative_speed": 1.25}}}))
+    figures = {"methods": {BASELINE: {"tokens_per_s": 10.0, "tau": 1.0},
+                           "ours d built:best": {"tokens_per_s": 11.0, "tau": 1.44},
+                           "ours d built:3": {"tokens_per_s": 12.0, "tau": 1.4},
+                           "ours d chain": {"tokens_per_s": 9.0, "tau": 1.2}}}
+    got = forecast_vs_measured(figures, tmp_path, ["built:best", "built:3", "chain"], "d")
+    assert set(got) == {"ours d built:best", "ours d built:3"}
+    b = got["ours d built:best"]
+    assert b["tree"] == "built:7" and b["forecast_tau"] == 1.6 and b["tau_ratio"] == 0.9
+    assert b["measured_speedup"] == 1.1 and b["speedup_ratio"] == 0.88
+    assert got["ours d built:3"]["tau_ratio"] == 1.0
+    assert forecast_vs_measured(figures, tmp_path / "none", ["built:best"], "d") == {}
