@@ -12,7 +12,7 @@ RUN_DIR is a `draftsmith run` output (its ``final`` checkpoint and ``recipe.json
      stopped after;
   4. ``online RECIPE --logs OUT/logs --once`` with the run's recipe: one update from those logs, gated and
      published (or refused by the gate) into OUT/publish.
-Writes OUT/stages.json (OUT = RUN_DIR/stages).
+Writes OUT/stages.json (OUT = RUN_DIR/stages, emptied first).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -74,7 +75,8 @@ def main(argv=None) -> dict:
     run, ds = a.run.resolve(), [sys.executable, "-m", "draftsmith.cli"]
     recipe = json.loads((run / "recipe.json").read_text())
     out = run / "stages"
-    out.mkdir(exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # a fresh check each time: exports refuse an existing folder
+    out.mkdir()
     final = run / "final"
     report: dict = {"run": str(run), "target": recipe["target"], "kind": recipe["drafter"]["kind"]}
     for fmt in EXPORTS.get(recipe["drafter"]["kind"], ["draftsmith"]):
@@ -99,11 +101,13 @@ def main(argv=None) -> dict:
                     raise RuntimeError(f"the server did not come up (rc {server.poll()}); see {out / 'serve.log'}")
                 time.sleep(2)
         served["startup_s"] = round(time.perf_counter() - t0, 1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{a.port}/v1/models", timeout=30) as r:
+            model = json.loads(r.read())["data"][0]["id"]
         t0 = time.perf_counter()
         for p in _prompts(run, a.requests):
             served["requests"] += 1
             try:
-                r = _post(a.port, {"model": "draftsmith", "messages": [{"role": "user", "content": p}],
+                r = _post(a.port, {"model": model, "messages": [{"role": "user", "content": p}],
                                    "max_tokens": a.max_tokens, "temperature": 0})
                 served["ok"] += 1
                 served["tokens"] += int(r["usage"]["completion_tokens"])
@@ -118,9 +122,9 @@ def main(argv=None) -> dict:
     report["serve"] = served
     print(f"serve: {served['ok']}/{served['requests']} answered, {served['tokens']} tokens, "
           f"{served.get('tok_s')} tok/s one at a time", flush=True)
-    _run("online", [*ds, "online", str(run / "recipe.json"), "--logs", str(logs), "--once", "--publish", str(pub),
-                    "--state", str(out / "online"), "online.every_records=4", "online.holdout_every=4",
-                    f"output_dir={out / 'online-out'}"], out / "online.log", report)
+    _run("online", [*ds, "online", str(run / "recipe.json"), "online.every_records=4", "online.holdout_every=4",
+                    f"output_dir={out / 'online-out'}", "--logs", str(logs), "--once", "--publish", str(pub),
+                    "--state", str(out / "online")], out / "online.log", report)
     (out / "stages.json").write_text(json.dumps(report, indent=1))
     ok = all(v.get("rc", 0) == 0 for v in report.values() if isinstance(v, dict)) and served["ok"] == served["requests"]
     print(f"every stage ran: {ok}; {out / 'stages.json'}")
