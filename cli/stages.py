@@ -125,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"trees from {tr['source']['sequences']} {kind} training sequences: " + ", ".join(
                     f"{b} nodes -> expected tau {t['expected_tau']:.2f}" for b, t in tr["trees"].items()) +
                     f" (chain K={len(tr['rank_acc'])}: {tr['chain_expected_tau'][str(len(tr['rank_acc']))]:.2f})")
+                warn = pipeline.forecast_warning(tr["source"])
+                if warn:
+                    print(warn)
             if "best" in tr:
                 print(_step_cost_line(tr))
                 if tr.get("pays") is False:

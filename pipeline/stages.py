@@ -525,6 +525,20 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path, plain_targets: tuple
     return figures
 
 
+FORECAST_MIN_SEQUENCES = 8  # held-out sequences under which the trees' forecast is called noise
+
+
+def forecast_warning(source: dict) -> str | None:
+    """What to say when the trees stage's acceptance comes from too few held-out sequences to forecast from (2
+    sequences of memorised data forecast tau 3.00 where 1.24 was measured, docs/results.md §33.8); else None."""
+    n = int(source.get("sequences", 0))
+    if n >= FORECAST_MIN_SEQUENCES:
+        return None
+    return (f"trees: only {n} held-out sequence(s) measured the acceptance these trees are built from (fewer than "
+            f"{FORECAST_MIN_SEQUENCES}): their expected tau is noise, the bench's measurement is what counts; lower "
+            "train.calibration_every or add data")
+
+
 def forecast_vs_measured(figures: dict, ckpt: Path, specs: list[str], name: str) -> dict:
     """The trees stage's forecast (``trees.json`` in the checkpoint: expected tau and speed relative to plain
     decoding, from held-out acceptance and measured step costs) beside what the bench measured with that tree:

@@ -139,3 +139,9 @@ def test_bench_puts_the_trees_forecast_beside_its_measurement(tmp_path):
     assert b["measured_speedup"] == 1.1 and b["speedup_ratio"] == 0.88
     assert got["ours d built:3"]["tau_ratio"] == 1.0
     assert forecast_vs_measured(figures, tmp_path / "none", ["built:best"], "d") == {}
+
+
+def test_a_forecast_from_too_few_held_out_sequences_is_called_noise():
+    from draftsmith.pipeline.stages import FORECAST_MIN_SEQUENCES, forecast_warning
+    assert "only 2 held-out" in forecast_warning({"sequences": 2})
+    assert forecast_warning({"sequences": FORECAST_MIN_SEQUENCES}) is None
