@@ -1,6 +1,7 @@
 """Every drafter kind on every model family's tiny random target: lossless (greedy tokens equal to the model's own
 forward, chains and a tree), or refused with a message naming what the family lacks. Gemma 3's sliding windows
-reach the decoder's masks; the batched paths, whose masks do not carry them, refuse rows past the window."""
+reach the single and batched decoders' masks; the data engine, whose masks do not carry them, refuses rows past the
+window."""
 
 from __future__ import annotations
 
