@@ -216,22 +216,23 @@ def target_gguf(target, gguf_type: str = "f32", ll: LlamaCpp | None = None, out:
     """The target as a GGUF file of ``gguf_type``: ``shipped``, the file the default or a named target ships as (as
     does the default target's q4_1), else converted from the target's directory once and cached under the
     draftsmith home (by fingerprint), or written to ``out``."""
+    shipped = None
     if gguf_type == "shipped":
         from draftsmith.targets import shipped_gguf as shipped_by  # noqa: PLC0415 (torch-free, only when asked)
         got = shipped_by(target.name, target.path)
         if got is None:
             raise LlamaCppError(f"the target {target.name} ships no GGUF file draftsmith knows (the default target "
                                 f"and the named ones do): name a type to convert to ({', '.join(GGUF_TYPES)})")
-        if out is not None:
-            shutil.copy2(got[0], out)
-            return out
-        return got[0]
-    t = _check_type(gguf_type)
-    if t == "q4_1" and _is_default_target(target):
-        if out is not None:
-            shutil.copy2(shipped_gguf(), out)
-            return out
-        return shipped_gguf()
+        shipped = got[0]
+    else:
+        t = _check_type(gguf_type)
+        if t == "q4_1" and _is_default_target(target):
+            shipped = shipped_gguf()
+    if shipped is not None:
+        if out is None:
+            return shipped
+        shutil.copy2(shipped, out)
+        return out
     ll = ll or find_llamacpp()
     final = out or paths.home() / "gguf" / target.fingerprint.split(":")[-1] / f"{target.name}-{t}.gguf"
     if final.exists():
