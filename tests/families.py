@@ -34,13 +34,20 @@ def family_config(family: str):
                 layer_types=["sliding_attention"] * 3 + ["full_attention"], **common)}[family]()
 
 
-def family_target(family: str, seed: int = 0) -> Target:
-    import transformers
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(family_config(family)).eval().requires_grad_(False)
+def off_initial(model):
+    """``model`` with its biases and norms moved off their initial zeros and ones (seeded by the caller), so that
+    a path which drops or copies one wrongly shows."""
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("bias") or "norm" in n:
                 p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def family_target(family: str, seed: int = 0) -> Target:
+    import transformers
+    torch.manual_seed(seed)
+    model = off_initial(transformers.AutoModelForCausalLM.from_config(family_config(family)).eval()
+                        .requires_grad_(False))
     tok = make_tokenizer(VOCAB)
     return Target(model=model, tokenizer=tok, name=f"tiny-{family}", path=None, fingerprint=fingerprint(model, tok))

@@ -10,6 +10,7 @@ from draftsmith.common.layers import DecoderLayer
 from draftsmith.drafters.eagle3.model import Eagle3Module
 from draftsmith.drafters.kangaroo.model import KangarooAdapter
 from draftsmith.heads.hydra.model import HydraHeads
+from tests.families import off_initial
 from tests.tiny import make_tiny_target
 
 
@@ -61,10 +62,7 @@ def _family_model(family: str):
            "qwen3": lambda: transformers.Qwen3Config(head_dim=8, **common)}[family]()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # biases and norms away from their initial zeros and ones, so that copying them matters
-        for n, p in model.named_parameters():
-            if n.endswith("bias") or "norm" in n:
-                p.add_(torch.randn_like(p) * 0.3)
+    off_initial(model)  # biases and norms away from their initial values, so that copying them matters
     return model
 
 
