@@ -14,6 +14,10 @@ Run it where a GPU is lent (``bash scripts/gpu_check.sh OUT``), or here first (`
   * ``shape``: a random model of the default target's exact shape (SmolLM2-135M: 30 layers, 576 wide,
     49152 ids), fp32 and bf16: exact enumeration under top-k 3, Monte Carlo chi-square, greedy equality with
     plain decoding.
+  * ``families``: each model family's tiny random target (tests/families.py: Llama, Mistral with and without a
+    window, Qwen2, Qwen3, Gemma 3 with sliding layers) on the device in float32: plain decoding and every kind,
+    chains and a tree, give the model's own greedy tokens (or the kind is refused by name); Gemma 3 without its
+    windows must differ (negative control); the batched decoder past the window.
   * ``costs``: the target's forward by rows x context (the model's own forward, and our static-shape one,
     which the profile holds) and each recipe's drafter cost fitted from real decoding runs
     (`draftsmith.sim.calibrate`), written as a ``draftsmith simulate`` profile.
@@ -58,7 +62,7 @@ from draftsmith.eval.exact import (exact_distribution, forwards_distribution, re
                                    total_variation)
 from draftsmith.target import Target, fingerprint
 
-SECTIONS = ("exact", "shape", "costs", "train", "launch", "graphs")
+SECTIONS = ("exact", "shape", "families", "costs", "train", "launch", "graphs")
 # SmolLM2-135M-Instruct's architecture (the default target), with random weights
 DEFAULT_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
@@ -75,7 +79,8 @@ class Check:
     is rewritten after every case. ``budget_s`` bounds the whole run: a section whose share is spent skips the
     rest of its cases (recorded as skipped, not run)."""
 
-    SHARES = {"exact": 0.2, "shape": 0.22, "costs": 0.28, "train": 0.15, "launch": 0.08, "graphs": 0.07}
+    SHARES = {"exact": 0.2, "shape": 0.22, "families": 0.05, "costs": 0.28, "train": 0.15, "launch": 0.08,
+              "graphs": 0.07}
 
     def __init__(self, out: Path, budget_s: float, device: str, previous: Path | None = None):
         self.out, self.budget_s, self.t0 = out, budget_s, time.perf_counter()
@@ -501,6 +506,85 @@ def greedy_cases(target: Target, drafters_by_name: dict, prompt: list[int], n_ne
             "results": {k: "equal" if m["equal"] else m["divergences"] for k, m in ms.items()}, "ok": r["pass"]}
 
 
+# ------------------------------------------------------------------------------------------------ families
+def _own_greedy(model, prompt: list[int], n_new: int, eos: set[int]) -> list[int]:
+    """The model's own greedy tokens, one cache-free forward a token, on the model's device."""
+    dev = next(model.parameters()).device
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n_new):
+            t = int(model(input_ids=torch.tensor([ids], device=dev)).logits[0, -1].argmax())
+            out.append(t)
+            ids.append(t)
+            if t in eos:
+                break
+    return out
+
+
+def section_families(ck: Check, dev: torch.device, quick: bool) -> None:
+    """Every family's tiny target on the device, float32: plain decoding and each kind (chain, and a tree for the
+    head kinds) against the model's own greedy tokens; the kinds a family lacks refused by name; Gemma 3's
+    verification without its windows must differ; the batched decoder past the window, plain and drafting."""
+    from draftsmith.engine.batched import BatchedSpeculativeDecoder
+    from draftsmith.engine.kvcache import sliding_windows
+    from tests.families import FAMILIES, family_target
+    from tests.test_families import KINDS, NEW, PROMPT, REFUSED, TREE, TREES
+
+    for family in FAMILIES[-2:] if quick else FAMILIES:
+        with ck.case(f"families {family}: plain and every kind, greedy, chains and a tree", family=family,
+                     need_s=2) as rec:
+            if rec is None:
+                continue
+            tgt = family_target(family)
+            tgt.model.to(dev)
+            eos = set(tgt.eos_token_ids)
+            ref = _own_greedy(tgt.model, PROMPT, NEW, eos)
+            results = {"plain": SpeculativeDecoder(tgt).generate(PROMPT, NEW).tokens == ref}
+            for name, (kind, fields) in KINDS.items():
+                if (family, name) in REFUSED:
+                    try:
+                        registry.get(kind).for_target(tgt, **fields)
+                        results[name] = False  # built where it must be refused
+                    except ValueError as e:
+                        results[name] = "refused" if tgt.model.config.model_type in str(e) else False
+                    continue
+                if name == "kangaroo" and sliding_windows(tgt.model.config):
+                    results[name] = "n/a past a window"
+                    continue
+                torch.manual_seed(1)
+                m = registry.get(kind).for_target(tgt, **fields).to(dev).eval()
+                d = m.decoder_drafter(tgt, tgt.fingerprint)
+                results[name] = SpeculativeDecoder(tgt, d).generate(PROMPT, NEW).tokens == ref
+                if name in TREES:
+                    results[f"{name} tree"] = SpeculativeDecoder(tgt, d, tree=TREE).generate(PROMPT, NEW).tokens == ref
+            rec.update(results={k: v if isinstance(v, str) else ("equal" if v else "DIFFERENT")
+                                for k, v in results.items()},
+                       equal=sum(v is True for v in results.values()), cases=len(results))
+            rec["ok"] = all(v is not False for v in results.values())
+    with ck.case("families gemma3: windows off must give other tokens (negative control); batched decoder past "
+                 "the window", family="gemma3", need_s=2) as rec:
+        if rec is not None:
+            tgt = family_target("gemma3")
+            tgt.model.to(dev)
+            eos = set(tgt.eos_token_ids)
+            ref = _own_greedy(tgt.model, PROMPT, NEW, eos)
+            torch.manual_seed(1)
+            d = registry.get("medusa").for_target(tgt, num_heads=2).to(dev).eval().decoder_drafter(
+                tgt, tgt.fingerprint)
+            dec = SpeculativeDecoder(tgt, d)
+            dec.windows = {}
+            rec["windows_off_differs"] = dec.generate(PROMPT, NEW).tokens != ref
+            other = PROMPT[:5]
+            ref2 = _own_greedy(tgt.model, other, NEW, eos)
+            plain = BatchedSpeculativeDecoder(tgt, None).generate([PROMPT], [NEW])
+            rec["batched_plain_equal"] = plain.rows[0].tokens == ref
+            out = BatchedSpeculativeDecoder(tgt, d, k=2).generate([PROMPT, other], [NEW, NEW])
+            rec["batched_medusa_equal"] = [r.tokens for r in out.rows] == [ref, ref2]
+            rec["ok"] = rec["windows_off_differs"] and rec["batched_plain_equal"] and rec["batched_medusa_equal"]
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 # ------------------------------------------------------------------------------------------------ step costs
 RECIPES = ("quickstart", "compare-medusa", "compare-hydra-pp", "eagle3", "kangaroo", "standalone",
            "standalone-pruned")
@@ -910,6 +994,8 @@ def main(argv: list[str] | None = None) -> int:
                     section_exact(ck, dev, a.quick, pick(["float64"] + (["bfloat16"] if bf16 else [])))
                 elif s == "shape":
                     section_shape(ck, dev, a.quick, pick(["float32"] + (["bfloat16"] if bf16 else [])), a.samples)
+                elif s == "families":
+                    section_families(ck, dev, a.quick)
                 elif s == "costs":
                     section_costs(ck, dev, a.quick, pick((["bfloat16"] if bf16 else []) + ["float32"]), out, hardware,
                                   ck.data["command"], a.calibration_rounds)
