@@ -909,8 +909,11 @@ def section_launch(ck: Check, dev: torch.device, quick: bool, work: Path) -> Non
             full = cmd + ["-m", "draftsmith.cli", "train", str(rpath), "--fresh"]
             t0 = time.perf_counter()
             p = subprocess.run(full, capture_output=True, text=True, timeout=max(30, ck.time_left()))
-            rec.update(rc=p.returncode, wall_s=time.perf_counter() - t0, command=" ".join(full),
-                       tail=(p.stdout + p.stderr)[-1500:])
+            out = p.stdout + p.stderr
+            rec.update(rc=p.returncode, wall_s=time.perf_counter() - t0, command=" ".join(full), tail=out[-1500:])
+            if p.returncode != 0:  # the trainer's own error, which the launcher's traceback after it hides
+                start = out.find("Traceback (most recent call last)")
+                rec["first_error"] = out[start:start + 3000] if start >= 0 else out[:3000]
             rec["checkpoint"] = (run / "final" / "model.safetensors").exists()
             rec["ok"] = p.returncode == 0 and rec["checkpoint"]
 
@@ -944,7 +947,8 @@ def summary(data: dict) -> str:
     lines += [f"  {s:7s} " + ", ".join(f"{n} {k}" for k, n in sorted(v.items())) for s, v in by.items()]
     bad = [c for c in cases if c["status"] in ("fail", "error")]
     for c in bad[:30]:
-        what = c.get("error") or {k: c[k] for k in c if k.startswith("tv") or k in ("p_value", "results", "tail")}
+        what = c.get("error") or {k: c[k] for k in c
+                                  if k.startswith("tv") or k in ("p_value", "results", "first_error", "tail")}
         lines.append(f"  {c['status'].upper()}: {c['name']}: {str(what)[:400]}")
     tr = [c for c in cases if c["section"] == "train" and c.get("positions_per_s")]
     if tr:

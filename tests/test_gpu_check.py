@@ -75,3 +75,35 @@ def test_head_logits_are_float32_where_the_states_are():
     out = head_logits(head, h)
     assert out.dtype == torch.float32 and out.device == h.device and out.shape == (3, 6)
     assert torch.allclose(out, head(h.to(torch.bfloat16)).float())
+
+
+def test_the_scripts_links_cover_every_subpackage(tmp_path):
+    """scripts/gpu_check.sh puts draftsmith on a lent GPU machine's path as links (no install there), from
+    setup.py's FOLDERS. The import check it runs fails when a subpackage's link is missing (as `pipeline` once
+    was, so that every `draftsmith.cli` call there failed), and passes with every link."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script = root / "scripts" / "package_folders.py"
+    pairs = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stdout.split()
+    subs = dict(p.split("=") for p in pairs)
+    assert {"pipeline", "cli", "engine", "train"} <= set(subs)
+
+    def shim(leave_out: str | None) -> subprocess.CompletedProcess:
+        pkg = tmp_path / (leave_out or "all") / "draftsmith"
+        pkg.mkdir(parents=True)
+        for f in (root / "core").glob("*.py"):
+            (pkg / f.name).symlink_to(f)
+        for sub, folder in subs.items():
+            if sub != leave_out:
+                (pkg / sub).symlink_to(root / folder)
+        return subprocess.run([sys.executable, str(script), "--import"], capture_output=True, text=True,
+                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(pkg.parent)})
+
+    ok = shim(None)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    missing = shim("pipeline")
+    assert missing.returncode != 0 and "pipeline" in missing.stderr
