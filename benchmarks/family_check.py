@@ -83,16 +83,17 @@ def main(argv=None) -> dict:
             drafter = None
             if spec is not None:
                 torch.manual_seed(a.seed)
-                kind, fields = spec
-                if kind == "eagle3":
-                    n = cfg.num_hidden_layers
-                    fields = {**fields, "aux_layers": [2, n // 2, n - 3]}
+                kind, fields = spec  # EAGLE-3's aux layers: derived from the target's layer count
                 drafter = registry.get(kind).for_target(target, **fields).eval().decoder_drafter(
                     target, target.fingerprint)
             dec = SpeculativeDecoder(target, drafter)
             t = time.perf_counter()
             for key, ids in prompts:
-                res = dec.generate(ids, a.max_new_tokens)
+                try:
+                    res = dec.generate(ids, a.max_new_tokens)
+                except ValueError as e:  # this prompt refused (e.g. past a drafter's context), the others run
+                    row.setdefault("refused_prompts", []).append({"prompt": key, "reason": str(e)})
+                    continue
                 row["tokens"] += len(res.tokens)
                 row["forwards"] += res.target_forwards
                 i = first_divergence(refs[key], res.tokens)
@@ -110,8 +111,11 @@ def main(argv=None) -> dict:
         report["kinds"][name] = row
         if row["status"] == "built":
             unexplained = sum(not d["near_tie"] for d in row["divergences"])
-            print(f"  {name:11s} {row['equal']}/{len(prompts)} equal to generate, {unexplained} unexplained "
-                  f"divergences, tau {row['tau']} ({row['seconds']} s)", flush=True)
+            refused = row.get("refused_prompts", [])
+            ran = len(prompts) - len(refused)
+            print(f"  {name:11s} {row['equal']}/{ran} equal to generate, {unexplained} unexplained divergences, tau "
+                  f"{row['tau']} ({row['seconds']} s)" + "".join(f"; {r['prompt']} refused: {r['reason']}"
+                                                              for r in refused), flush=True)
         else:
             print(f"  {name:11s} refused: {row['reason']}", flush=True)
     report["pass"] = all(r["status"] == "refused" or not any(not d["near_tie"] for d in r["divergences"])

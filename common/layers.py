@@ -10,12 +10,17 @@ concatenate, a pre-allocated buffer with a mask, EAGLE-3's training-time test ov
   * `qkv` (projections and RoPE at given positions), `expand` (grouped-query heads), `attend` (SDPA),
   * `finish` (output projection, residual, MLP).
 
-Its parameter names are the kinds' checkpoint names: ``input_norm`` (and ``hidden_norm``), ``q``, ``k``, ``v``, ``o``,
-``post_norm``, ``gate``, ``up``, ``down``. Checkpoints written with a kind's earlier names load through
+Where the target's layer differs from Llama's (`draftsmith.schema.LayerTraits`: Qwen's biases and q/k norms, Gemma 3's
+norms scaling by 1 + weight, its norms on the attention's and MLP's outputs, its score scale and its GELU), the
+layer is built like it. Its parameter names are the kinds' checkpoint names: ``input_norm`` (and ``hidden_norm``),
+``q``, ``k``, ``v``, ``o``, ``post_norm``, ``gate``, ``up``, ``down`` (and ``q_norm``, ``k_norm``,
+``attn_out_norm``, ``mlp_out_norm``). Checkpoints written with a kind's earlier names load through
 `rename_on_load`.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -23,16 +28,26 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMS norm computed in fp32, cast back to the input's dtype, then scaled."""
+    """RMS norm computed in fp32, cast back to the input's dtype, then scaled (Llama's). With ``offset`` the scale
+    is 1 + weight, applied in fp32 before the cast, and the weight starts at zero (Gemma's)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = bool(offset)
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        n = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (n * (1.0 + self.weight.float())).to(x.dtype)
+        return n.to(x.dtype) * self.weight
+
+
+#: the MLP activations a decoder layer knows, by `LayerTraits.activation`: Llama's SiLU, Gemma's tanh-approximated
+#: GELU (Hugging Face's gelu_pytorch_tanh)
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +78,17 @@ def target_rope(rotary: nn.Module) -> tuple[torch.Tensor, float]:
     return inv, float(scale)
 
 
+def layer_rope(body: nn.Module, x: torch.Tensor, pos: torch.Tensor, lo: int, hi: int) -> list:
+    """The position embeddings (cos, sin) the target's decoder ``body`` gives each of its layers lo..hi-1 at
+    positions ``pos``, for a caller that runs those layers one by one: the one RoPE, or the layer's type's where
+    the rotary module has one per type (Gemma 3: a local base for sliding layers, a global one for full layers)."""
+    rot, types = body.rotary_emb, getattr(body.config, "layer_types", None)
+    if types and all(hasattr(rot, f"{t}_inv_freq") for t in set(types[lo:hi])):
+        by_type = {t: rot(x, pos, layer_type=t) for t in set(types[lo:hi])}
+        return [by_type[types[i]] for i in range(lo, hi)]
+    return [rot(x, pos)] * (hi - lo)
+
+
 def rope_parameters(config) -> dict:
     """The RoPE a drafter layer copies from the target (`target_rope`) as config fields: ``rope_theta`` and, when
     its type is not the default one, ``rope_scaling`` (the type and its factors), read from the target's config:
@@ -90,25 +116,37 @@ class DecoderLayer(nn.Module):
       inv_freq, rope_scale: RoPE's inverse frequencies (copied into a buffer of the layer's own, not stored in
         checkpoints) and the attention scaling applied to cos and sin (a target's rotary module gives both).
       zero_outputs: start the output projections (``o`` and ``down``) at zero, so the layer starts as the identity.
-      qkv_bias, o_bias, qk_norm: the target layer's differences from Llama's (`draftsmith.schema.LayerTraits`):
-        biases on q/k/v (Qwen2) or o, RMS norms ``q_norm``/``k_norm`` over each head's queries and keys before
-        RoPE (Qwen3).
+      qkv_bias, o_bias, qk_norm, norm_offset, sandwich_norms, query_scale, activation: the target layer's
+        differences from Llama's (`draftsmith.schema.LayerTraits`): biases on q/k/v (Qwen2) or o, RMS norms
+        ``q_norm``/``k_norm`` over each head's queries and keys before RoPE (Qwen3, Gemma 3); Gemma 3's norms that
+        scale by 1 + weight, its norms on the attention's and the MLP's outputs (``attn_out_norm``,
+        ``mlp_out_norm``; ``post_norm`` is then the MLP's input norm), its score scale and its tanh-GELU MLP.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
                  eps: float = 1e-6, *, inputs: int = 1, mlp: bool = True, inv_freq: torch.Tensor | None = None,
                  rope_scale: float = 1.0, zero_outputs: bool = False, qkv_bias: bool = False, o_bias: bool = False,
-                 qk_norm: bool = False):
+                 qk_norm: bool = False, norm_offset: bool = False, sandwich_norms: bool = False,
+                 query_scale: float | None = None, activation: str = "silu"):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         if inputs not in (1, 2):
             raise ValueError(f"a decoder layer reads 1 or 2 inputs, got {inputs}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: the decoder layer knows {', '.join(ACTIVATIONS)}")
         self.nh, self.nkv, self.hd = num_heads, num_kv_heads, head_dim
         self.inputs, self.mlp = inputs, bool(mlp)
-        self.input_norm = RMSNorm(hidden_size, eps)
+        self.scale = None if query_scale is None else float(query_scale)  # None: head_dim ** -0.5
+        self.act = ACTIVATIONS[activation]
+        self.sandwich = bool(sandwich_norms)
+
+        def norm(dim: int) -> RMSNorm:
+            return RMSNorm(dim, eps, offset=norm_offset)
+
+        self.input_norm = norm(hidden_size)
         if inputs == 2:
-            self.hidden_norm = RMSNorm(hidden_size, eps)
+            self.hidden_norm = norm(hidden_size)
         width = inputs * hidden_size
         self.q = nn.Linear(width, num_heads * head_dim, bias=qkv_bias)
         self.k = nn.Linear(width, num_kv_heads * head_dim, bias=qkv_bias)
@@ -116,13 +154,17 @@ class DecoderLayer(nn.Module):
         self.o = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         self.qk_norm = bool(qk_norm)
         if qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps)
-            self.k_norm = RMSNorm(head_dim, eps)
+            self.q_norm = norm(head_dim)
+            self.k_norm = norm(head_dim)
+        if self.sandwich:
+            self.attn_out_norm = norm(hidden_size)
         if mlp:
-            self.post_norm = RMSNorm(hidden_size, eps)
+            self.post_norm = norm(hidden_size)
             self.gate = nn.Linear(hidden_size, intermediate_size, bias=False)
             self.up = nn.Linear(hidden_size, intermediate_size, bias=False)
             self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+            if self.sandwich:
+                self.mlp_out_norm = norm(hidden_size)
         if zero_outputs:
             nn.init.zeros_(self.o.weight)
             if o_bias:
@@ -170,17 +212,19 @@ class DecoderLayer(nn.Module):
                mask: torch.Tensor | None = None) -> torch.Tensor:
         """Scaled dot-product attention of q [..., nh, T, hd] over k, v [..., nkv, S, hd]; ``mask`` [T, S] (bool:
         True = may attend, or additive), None = every key."""
-        return F.scaled_dot_product_attention(q, self.expand(k), self.expand(v), attn_mask=mask)
+        return F.scaled_dot_product_attention(q, self.expand(k), self.expand(v), attn_mask=mask, scale=self.scale)
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual h [..., T, H] plus the output projection of attn [..., nh, T, hd], then the MLP with its
-        residual."""
+        residual (each output normed first with sandwich norms)."""
         *lead, _, T, _ = attn.shape
-        x = h + self.o(attn.transpose(-2, -3).reshape(*lead, T, self.nh * self.hd))
+        a = self.o(attn.transpose(-2, -3).reshape(*lead, T, self.nh * self.hd))
+        x = h + (self.attn_out_norm(a) if self.sandwich else a)
         if not self.mlp:
             return x
         y = self.post_norm(x)
-        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+        m = self.down(self.act(self.gate(y)) * self.up(y))
+        return x + (self.mlp_out_norm(m) if self.sandwich else m)
 
     # ------------------------------------------------------------------ construction
     def init_from(self, layer: nn.Module, mlp: bool = True, outputs: bool = False) -> None:
@@ -191,11 +235,15 @@ class DecoderLayer(nn.Module):
                  (self.v, "self_attn.v_proj")]
         if self.qk_norm:
             pairs += [(self.q_norm, "self_attn.q_norm"), (self.k_norm, "self_attn.k_norm")]
+        if self.sandwich:  # Gemma's names: the attention's output norm is its post_attention_layernorm
+            pairs.append((self.attn_out_norm, "post_attention_layernorm"))
         if outputs:
             pairs.append((self.o, "self_attn.o_proj"))
         if mlp and self.mlp:
-            pairs += [(self.post_norm, "post_attention_layernorm"), (self.gate, "mlp.gate_proj"),
-                      (self.up, "mlp.up_proj")] + ([(self.down, "mlp.down_proj")] if outputs else [])
+            pairs += [(self.post_norm, "pre_feedforward_layernorm" if self.sandwich else "post_attention_layernorm"),
+                      (self.gate, "mlp.gate_proj"), (self.up, "mlp.up_proj")]
+            pairs += [(self.down, "mlp.down_proj")] if outputs else []
+            pairs += [(self.mlp_out_norm, "post_feedforward_layernorm")] if self.sandwich else []
         with torch.no_grad():
             for mine, name in pairs:
                 src = layer.get_submodule(name)

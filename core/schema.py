@@ -8,6 +8,8 @@ and that one object is the module's constructor argument.
 
 from __future__ import annotations
 
+from typing import Literal, Optional
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -26,6 +28,11 @@ class KindConfig(StrictModel):
 
     kind: str
 
+    def with_target(self, target) -> "KindConfig":
+        """This section with its target-derived defaults filled in for ``target`` (a field left null in the recipe
+        that depends on the target, e.g. EAGLE-3's aux layers): the section itself when it has none."""
+        return self
+
 
 class TargetShape(StrictModel):
     """The target's sizes a drafter module is built for: set from the target (`KindBase.for_target`), written to
@@ -42,7 +49,7 @@ class TargetShape(StrictModel):
 
 
 #: the Hugging Face layer types whose attention `LayerTraits` reads (Llama's layer, with these differences)
-KNOWN_LAYERS = ("llama", "mistral", "qwen2", "qwen3")
+KNOWN_LAYERS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 class LayerTraits(StrictModel):
@@ -52,11 +59,19 @@ class LayerTraits(StrictModel):
 
     qkv_bias: bool = Field(False, description="q, k and v projections with biases (Qwen2)")
     o_bias: bool = Field(False, description="the output projection with a bias")
-    qk_norm: bool = Field(False, description="RMS norms on each head's queries and keys before RoPE (Qwen3)")
+    qk_norm: bool = Field(False, description="RMS norms on each head's queries and keys before RoPE (Qwen3, Gemma 3)")
+    norm_offset: bool = Field(False, description="RMS norms scale by 1 + weight, weights stored as offsets (Gemma)")
+    sandwich_norms: bool = Field(False, description="norms on the attention's and the MLP's outputs too, before "
+                                 "each residual (Gemma 3)")
+    query_scale: Optional[float] = Field(None, gt=0, description="attention scores scaled by this, not by "
+                                         "head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)")
+    activation: Literal["silu", "gelu_tanh"] = Field("silu", description="the MLP's gate activation (Gemma: GELU, "
+                                                     "tanh-approximated)")
 
     @staticmethod
     def traits(target) -> dict:
-        """These fields for ``target``; a layer type not in `KNOWN_LAYERS` is a ValueError naming it."""
+        """These fields for ``target`` (Llama's defaults left out); a layer type not in `KNOWN_LAYERS`, or a
+        feature of a known one the drafter layer does not model, is a ValueError naming it."""
         c = target.model.config
         mt = str(getattr(c, "model_type", ""))
         if mt not in KNOWN_LAYERS:
@@ -65,9 +80,30 @@ class LayerTraits(StrictModel):
         if getattr(c, "mlp_bias", False):
             raise ValueError(f"the target's {mt} layer has MLP biases, which the drafter layer does not model")
         bias = bool(getattr(c, "attention_bias", False))
+        if mt == "gemma3_text":
+            if getattr(c, "attn_logit_softcapping", None):
+                raise ValueError("the target's gemma3_text layer caps its attention logits (attn_logit_softcapping),"
+                                 " which the drafter layer does not model")
+            act = str(getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", ""))
+            if act not in _GELU_TANH:
+                raise ValueError(f"the target's gemma3_text layer's activation is {act!r}; the drafter layer knows "
+                                 f"{', '.join(_GELU_TANH)} for Gemma")
+            return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True, "norm_offset": True, "sandwich_norms": True,
+                    "query_scale": float(c.query_pre_attn_scalar) ** -0.5, "activation": "gelu_tanh"}
+        act = str(getattr(c, "hidden_act", "silu"))
+        if act != "silu":
+            raise ValueError(f"the target's {mt} layer's activation is {act!r}; the drafter layer knows silu for it")
         if mt == "qwen2":  # q/k/v always biased, o never (its attention ignores attention_bias)
             return {"qkv_bias": True, "o_bias": False, "qk_norm": False}
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": mt == "qwen3"}
+
+    def layer_traits(self) -> dict:
+        """These fields as `draftsmith.common.layers.DecoderLayer`'s keyword arguments."""
+        return {name: getattr(self, name) for name in LayerTraits.model_fields}
+
+
+#: Hugging Face's names of the tanh-approximated GELU
+_GELU_TANH = ("gelu_pytorch_tanh",)
 
 
 class DecoderShape(TargetShape):

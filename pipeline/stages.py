@@ -336,7 +336,15 @@ def _trains_on_text(recipe: Recipe) -> bool:
     return registry.get(recipe.drafter.kind).trains_on_text
 
 
+def for_target(recipe: Recipe, target: Target) -> Recipe:
+    """``recipe`` with its drafter section's target-derived defaults filled in (`KindConfig.with_target`: EAGLE-3's
+    aux layers from the target's layer count), in place; every stage that reads the section calls it."""
+    recipe.drafter = recipe.drafter.with_target(target)
+    return recipe
+
+
 def stage_cache(recipe: Recipe, target: Target) -> dict:
+    for_target(recipe, target)
     if _trains_on_text(recipe):
         return {}
     data = recipe.out / "data"
@@ -373,6 +381,7 @@ def stage_cache(recipe: Recipe, target: Target) -> dict:
 
 def stage_train(recipe: Recipe, target: Target, resume: bool = True,
                 stop_after: int | None = None) -> tuple[Path, dict]:
+    for_target(recipe, target)
     if _trains_on_text(recipe):
         return train_on_text(recipe, target, recipe.out, resume=resume, stop_after=stop_after)
     meta = (json.loads((recipe.out / "data" / "meta.json").read_text())

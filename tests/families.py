@@ -3,8 +3,8 @@
 Each has what sets its family apart, at a size where it shows: Qwen2's q/k/v biases, Qwen3's per-head q/k norms
 and head size of its own, Mistral's config class (with and without its sliding window on every layer), Gemma 3's
 sliding-window layers (a window of 8 tokens, so that a prompt and a few new tokens pass it), its per-layer-type
-RoPE, scaled embeddings, four norms a layer and its query scaling. Biases and norms are moved away from their
-initial zeros and ones, so that a path which drops one shows.
+RoPE, scaled embeddings, four norms a layer and its query scaling, Phi-3's fused q/k/v and gate/up projections.
+Biases and norms are moved away from their initial zeros and ones, so that a path which drops one shows.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from draftsmith.target import Target, fingerprint
 from tests.tiny import make_tokenizer
 
 VOCAB = 48
-FAMILIES = ("llama", "mistral", "mistral-window", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "mistral", "mistral-window", "qwen2", "qwen3", "gemma3", "phi3")
 WINDOW = 8  # Gemma 3's sliding window here: a prompt of 13 tokens is already past it
 
 
@@ -29,6 +29,7 @@ def family_config(family: str):
             "mistral-window": lambda: transformers.MistralConfig(sliding_window=WINDOW, **common),  # every layer
             "qwen2": lambda: transformers.Qwen2Config(**common),
             "qwen3": lambda: transformers.Qwen3Config(head_dim=16, **common),
+            "phi3": lambda: transformers.Phi3Config(**common),  # fused q/k/v and gate/up projections
             "gemma3": lambda: transformers.Gemma3TextConfig(
                 head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=8,
                 layer_types=["sliding_attention"] * 3 + ["full_attention"], **common)}[family]()

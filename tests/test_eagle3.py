@@ -177,6 +177,26 @@ def test_bad_configs_are_clear_errors():
         Eagle3Module.for_target(t, aux_layers=[2, 15, 27])
 
 
+def test_aux_layers_left_out_are_derived_from_the_targets_layer_count():
+    """A recipe that leaves aux_layers out gets [2, L/2, L-3] for the target's L layers (the default target's
+    [2, 15, 27]; Gemma-3-270M's 18 layers [2, 9, 15]; a 4-layer target [1, 2, 3]); its cache needs are refused
+    until the section is filled for a target, rather than guessed."""
+    from types import SimpleNamespace
+
+    from draftsmith.drafters.eagle3.config import default_aux_layers
+    r = parse_recipe({"name": "x", "drafter": {"kind": "eagle3"}})
+    assert r.drafter.aux_layers is None
+    with pytest.raises(ValueError, match="derived from the target's layer count"):
+        registry.get("eagle3").cache_needs(r.drafter.model_dump())
+    for layers, want in ((30, [2, 15, 27]), (18, [2, 9, 15]), (24, [2, 12, 21]), (4, [1, 2, 3])):
+        fake = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(num_hidden_layers=layers)))
+        assert r.drafter.with_target(fake).aux_layers == want == default_aux_layers(layers)
+    with pytest.raises(ValueError, match="too few"):
+        default_aux_layers(3)
+    t = make_tiny_target(layers=4)
+    assert Eagle3Module.for_target(t, vocab_keep=None).aux_layers == [1, 2, 3]
+
+
 @pytest.mark.parametrize("fmt", ["vllm-eagle3", "eagle3"])
 def test_export_reloads_and_imports_back(tmp_path, fmt):
     from draftsmith.checkpoint import save_checkpoint

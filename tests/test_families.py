@@ -28,8 +28,8 @@ KINDS = {
     "standalone": ("standalone", {"init": "target", "num_layers": 1}),
 }
 # kinds that build a layer like the target's (Hydra++'s prefix layer, Kangaroo's adapter) know the Llama-shaped
-# families; Gemma 3's layer (four norms, scaled queries, its own activation) is refused by name
-REFUSED = {("gemma3", "hydra++"), ("gemma3", "kangaroo")}
+# families and Gemma 3's layer; Phi-3's (fused projections) is refused by name
+REFUSED = {("phi3", "hydra++"), ("phi3", "kangaroo")}
 TREES = {"medusa", "hydra", "hydra++", "eagle3"}  # kinds drafting from a static tree here
 
 

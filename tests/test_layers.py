@@ -19,13 +19,22 @@ def tgt():
     return make_tiny_target(vocab_size=48, seed=3, init_std=0.3, layers=4, heads=4, kv_heads=2)
 
 
+def _layer_type(model, index: int) -> dict:
+    """{"layer_type": ...} where each layer type has a RoPE of its own (Gemma 3), else {}."""
+    types = getattr(model.config, "layer_types", None)
+    return {"layer_type": types[index]} if types and hasattr(model.model.rotary_emb, f"{types[index]}_inv_freq") else {}
+
+
 def _layer_like(model, index: int, **traits) -> DecoderLayer:
     """The shared layer with the shape, RoPE and weights (outputs included) of ``model``'s layer ``index``."""
     body, c = model.model, model.config
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    lt = _layer_type(model, index).get("layer_type")
+    rot = body.rotary_emb
+    inv, scale = ((getattr(rot, f"{lt}_inv_freq"), getattr(rot, f"{lt}_attention_scaling")) if lt
+                  else (rot.inv_freq, rot.attention_scaling))
     lay = DecoderLayer(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, hd, c.intermediate_size,
-                       c.rms_norm_eps, inv_freq=body.rotary_emb.inv_freq,
-                       rope_scale=body.rotary_emb.attention_scaling, **traits)
+                       c.rms_norm_eps, inv_freq=inv, rope_scale=scale, **traits)
     lay.init_from(body.layers[index], outputs=True)
     return lay
 
@@ -36,7 +45,8 @@ def _both(model, index: int, lay: DecoderLayer, T: int, seed: int) -> tuple[torc
     body = model.model
     x = torch.randn(1, T, model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
     pos = torch.arange(T)
-    ref = body.layers[index](x, position_ids=pos[None], position_embeddings=body.rotary_emb(x, pos[None]))
+    rope = body.rotary_emb(x, pos[None], **_layer_type(model, index))
+    ref = body.layers[index](x, position_ids=pos[None], position_embeddings=rope)
     ref = ref[0] if isinstance(ref, tuple) else ref
     q, k, v = lay.qkv(lay.attention_input(x[0]), pos)
     return lay.finish(x[0], lay.attend(q, k, v, torch.ones(T, T, dtype=torch.bool).tril())), ref[0]
@@ -59,37 +69,53 @@ def _family_model(family: str):
     cfg = {"llama-bias": lambda: transformers.LlamaConfig(attention_bias=True, **common),
            "mistral": lambda: transformers.MistralConfig(**common),
            "qwen2": lambda: transformers.Qwen2Config(**common),
-           "qwen3": lambda: transformers.Qwen3Config(head_dim=8, **common)}[family]()
+           "qwen3": lambda: transformers.Qwen3Config(head_dim=8, **common),
+           # query_pre_attn_scalar other than head_dim, so that the score scale matters
+           "gemma3": lambda: transformers.Gemma3TextConfig(head_dim=8, query_pre_attn_scalar=24, sliding_window=4,
+                                                          layer_types=["sliding_attention", "full_attention"],
+                                                          **common)}[family]()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     off_initial(model)  # biases and norms away from their initial values, so that copying them matters
     return model
 
 
-@pytest.mark.parametrize("family", ["llama-bias", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama-bias", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_the_layer_is_each_known_familys_layer(family):
-    """The traits read from the target's config (`LayerTraits`: biases, per-head q/k norms) make the shared layer
-    the family's own layer, given its weights."""
+    """The traits read from the target's config (`LayerTraits`: biases, per-head q/k norms, Gemma 3's offset and
+    sandwich norms, score scale and GELU) make the shared layer the family's own layer, given its weights (Gemma 3:
+    a sliding layer and a full one, each with its RoPE)."""
     from types import SimpleNamespace
 
     from draftsmith.schema import LayerTraits
     model = _family_model(family)
     traits = LayerTraits.traits(SimpleNamespace(model=model))
-    assert traits["qkv_bias"] == (family in ("llama-bias", "qwen2")) and traits["qk_norm"] == (family == "qwen3")
-    mine, ref = _both(model, 0, _layer_like(model, 0, **traits), 7, 1)
-    torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5)
+    assert traits["qkv_bias"] == (family in ("llama-bias", "qwen2"))
+    assert traits["qk_norm"] == (family in ("qwen3", "gemma3"))
+    assert traits.get("sandwich_norms", False) == (family == "gemma3")
+    for index in (0, 1) if family == "gemma3" else (0,):
+        mine, ref = _both(model, index, _layer_like(model, index, **traits), 7, 1)
+        torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5)
     if any(traits.values()):  # the traits matter: a Llama layer with the same weights computes another function
         plain, _ = _both(model, 0, _layer_like(model, 0), 7, 1)
         assert not torch.allclose(plain, ref, atol=1e-3)
+    if family == "gemma3":  # and each of Gemma's matters on its own
+        for name, llama_value in (("norm_offset", False), ("sandwich_norms", False), ("query_scale", None),
+                                  ("activation", "silu")):
+            one_off, _ = _both(model, 1, _layer_like(model, 1, **{**traits, name: llama_value}), 7, 1)
+            assert not torch.allclose(one_off, ref, atol=1e-4), name
 
 
 def test_an_unknown_layer_type_is_refused_by_name():
     from types import SimpleNamespace
 
     from draftsmith.schema import LayerTraits
-    cfg = SimpleNamespace(model_type="gemma3")
-    with pytest.raises(ValueError, match="'gemma3'"):
+    cfg = SimpleNamespace(model_type="phi3")
+    with pytest.raises(ValueError, match="'phi3'"):
         LayerTraits.traits(SimpleNamespace(model=SimpleNamespace(config=cfg)))
+    softcap = SimpleNamespace(model_type="gemma3_text", attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        LayerTraits.traits(SimpleNamespace(model=SimpleNamespace(config=softcap)))
 
 
 def test_every_kind_with_a_layer_runs_the_shared_one(tgt):
@@ -133,7 +159,7 @@ def test_checkpoints_with_the_earlier_parameter_names_load(tgt, tmp_path, kind):
         assert torch.equal(got[key], want[key]), key
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
 def test_kinds_build_their_layer_like_the_targets(family):
     """Kangaroo's adapter and Hydra++'s prefix layer on a Qwen target: built with its traits (read from its config,
     written to config.json) and initialised with its layer's biases and q/k norms."""
@@ -147,8 +173,15 @@ def test_kinds_build_their_layer_like_the_targets(family):
     hyd = HydraHeads.for_target(t, num_heads=2, prefix_layer=True)
     for layer, src, cfg in ((kan.layer, model.model.layers[1], kan.config),
                             (hyd.prefix, model.model.layers[-1], hyd.config.prefix)):
-        assert cfg.qkv_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
+        assert cfg.qkv_bias == (family == "qwen2") and cfg.qk_norm == (family in ("qwen3", "gemma3"))
         if family == "qwen2":
             assert torch.equal(layer.q.bias, src.self_attn.q_proj.bias.float())
         else:
             assert torch.equal(layer.k_norm.weight, src.self_attn.k_norm.weight.float())
+        if family == "gemma3":
+            assert cfg.sandwich_norms and cfg.norm_offset and cfg.activation == "gelu_tanh"
+            assert torch.equal(layer.attn_out_norm.weight, src.post_attention_layernorm.weight.float())
+            if layer.mlp:  # Kangaroo's adapter has none by default
+                assert torch.equal(layer.post_norm.weight, src.pre_feedforward_layernorm.weight.float())
+    assert torch.equal(kan.norm_out.weight, model.model.norm.weight.float()) and kan.norm_out.offset == (
+        family == "gemma3")

@@ -13,10 +13,10 @@ from draftsmith.schema import DecoderShape, KindConfig
 @register_config
 class Eagle3Config(KindConfig):
     kind: Literal["eagle3"]
-    aux_layers: list[int] = Field(
-        [2, 15, 27], description="the three target states fused (low, middle, high), as Hugging Face "
-        "`hidden_states` indices (N = output of decoder layer N, 1-based); the convention [2, N/2, N-3] gives "
-        "[2, 15, 27] for the 30-layer default target (vLLM's `eagle_aux_hidden_state_layer_ids`)")
+    aux_layers: Optional[list[int]] = Field(
+        None, description="the three target states fused (low, middle, high), as Hugging Face `hidden_states` "
+        "indices (N = output of decoder layer N, 1-based; vLLM's `eagle_aux_hidden_state_layer_ids`); null (the "
+        "default): [2, L/2, L-3] for the target's L layers, [2, 15, 27] on the 30-layer default target")
     vocab_keep: Optional[Union[int, float]] = Field(
         8192, gt=0, description="draft vocabulary: the N most frequent assistant-token ids of the training data "
         "(an int N, or a float ratio of the vocabulary); exported as d2t / t2d; null = the full vocabulary")
@@ -29,10 +29,25 @@ class Eagle3Config(KindConfig):
 
     @field_validator("aux_layers")
     @classmethod
-    def _three(cls, v: list[int]) -> list[int]:
-        if len(v) != 3 or any(i < 1 for i in v) or sorted(v) != v or len(set(v)) != 3:
+    def _three(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (len(v) != 3 or any(i < 1 for i in v) or sorted(v) != v or len(set(v)) != 3):
             raise ValueError(f"aux_layers must be three increasing layer indices >= 1 (low, middle, high), got {v}")
         return v
+
+    def with_target(self, target) -> "Eagle3Config":
+        if self.aux_layers is not None:
+            return self
+        return self.model_copy(update={"aux_layers": default_aux_layers(int(target.model.config.num_hidden_layers))})
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """The usual aux layers of a target with ``num_layers`` decoder layers: [2, L/2, L-3] (EAGLE-3's reference
+    code and vLLM's default), [1, L/2, L-1] where that does not give three increasing ids (L < 8)."""
+    for aux in ([2, num_layers // 2, num_layers - 3], [1, num_layers // 2, num_layers - 1]):
+        if len(set(aux)) == 3 and sorted(aux) == aux and aux[0] >= 1 and aux[-1] < num_layers:
+            return aux
+    raise ValueError(f"EAGLE-3 fuses three of the target's layer outputs: a target of {num_layers} layers has too "
+                     "few (it needs 4)")
 
 
 class Eagle3ModelConfig(Eagle3Config, DecoderShape):

@@ -26,7 +26,7 @@ import torch
 from draftsmith.common.hidden_cache import HiddenCache, decoder_of
 from draftsmith.common.layers import DecoderLayer, RMSNorm, target_rope
 from draftsmith.common.vocab import PrunedVocab
-from draftsmith.drafters.eagle3.config import Eagle3ModelConfig
+from draftsmith.drafters.eagle3.config import Eagle3ModelConfig, default_aux_layers
 from draftsmith.drafters.eagle3.decode import Eagle3Drafter
 from draftsmith.drafters.eagle3.fast import FastEagle3
 from draftsmith.drafters.eagle3.objective import Eagle3Objective, heldout_metrics, rank_acceptance
@@ -37,9 +37,9 @@ from torch import nn
 
 def check_aux_layers(aux: list[int], num_layers: int) -> None:
     if len(aux) != 3 or not all(1 <= i < num_layers for i in aux) or sorted(set(aux)) != list(aux):
-        conv = [2, num_layers // 2, num_layers - 3]
         raise ValueError(f"aux_layers {aux} do not fit a target with {num_layers} layers: three increasing indices "
-                         f"in [1, {num_layers - 1}] are needed (the usual choice for it: {conv})")
+                         f"in [1, {num_layers - 1}] are needed (the usual choice for it, which a recipe gets by "
+                         f"leaving aux_layers out: {default_aux_layers(num_layers)})")
 
 
 @register
@@ -76,12 +76,17 @@ class Eagle3Module(PrunedVocab, KindBase, nn.Module):
     # ------------------------------------------------------------------ construction
     @staticmethod
     def cache_needs(config: dict) -> list[str]:
+        if config.get("aux_layers") is None:
+            raise ValueError("EAGLE-3's aux_layers are derived from the target's layer count: fill the recipe's "
+                             "drafter section for the target first (`with_target`)")
         return [f"layer:{int(i)}" for i in config["aux_layers"]] + ["final"]
 
     @classmethod
     def for_target(cls, target, **fields) -> "Eagle3Module":
         """A fresh drafter for ``target`` from a recipe's fields: random layer and ``fc``, the target's embedding
         and head rows."""
+        if fields.get("aux_layers") is None:
+            fields = {**fields, "aux_layers": default_aux_layers(int(target.model.config.num_hidden_layers))}
         config = cls.read_config({**Eagle3ModelConfig.of(target), **fields})
         m = cls(config, target.lm_head, target.model.get_input_embeddings(), decoder_of(target.model).rotary_emb)
         p = next(target.model.parameters())

@@ -44,7 +44,7 @@ import torch
 
 from draftsmith.engine import drafters as engine  # engine.project, looked up per call: step_breakdown's clock wraps it
 from draftsmith.engine.cache_kw import cache_arg
-from draftsmith.common.layers import LayerKV
+from draftsmith.common.layers import LayerKV, layer_rope
 from draftsmith.engine.kvcache import prefix_block_mask, sliding_windows
 from draftsmith.engine.policies import ConfidenceStop, LengthPolicy
 from draftsmith.engine.trees import DraftTree
@@ -150,11 +150,11 @@ class KangarooDrafter:
             sdpa = getattr(dec.model.config, "_attn_implementation", None) == "sdpa"
             mask = None if n == 1 or (start == 0 and sdpa) else prefix_block_mask(
                 start, torch.ones(n, n, dtype=torch.bool, device=x.device).tril(), x.dtype)
-        rope = dec.body.rotary_emb(x[None], pos)
+        ropes = layer_rope(dec.body, x[None], pos, lo, hi)
         dec.cache.set_write(start)
         h = x[None]
         kw = cache_arg(dec.body.layers[0], dec.cache)  # `cache` or `past_key_values` (engine.cache_kw)
-        for layer in dec.body.layers[lo:hi]:
+        for layer, rope in zip(dec.body.layers[lo:hi], ropes):
             out = layer(h, attention_mask=mask, position_ids=pos, use_cache=True, position_embeddings=rope, **kw)
             h = out[0] if isinstance(out, tuple) else out
         return h[0]

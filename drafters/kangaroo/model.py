@@ -62,8 +62,8 @@ class KangarooAdapter(PrunedVocab, KindBase, nn.Module):
         inv_freq, rope_scale = target_rope(rotary)
         self.layer = DecoderLayer(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.eps,
                                   mlp=c.adapter_mlp, inv_freq=inv_freq, rope_scale=rope_scale, zero_outputs=True,
-                                  qkv_bias=c.qkv_bias, o_bias=c.o_bias, qk_norm=c.qk_norm)
-        self.norm_out = RMSNorm(c.hidden_size, c.eps)
+                                  **c.layer_traits())
+        self.norm_out = RMSNorm(c.hidden_size, c.eps, offset=c.norm_offset)  # the target's final norm
         # checkpoints written before the layer was the shared one hold its weights at the top level
         rename_on_load(self, {**{f"{n}.": f"layer.{n}." for n in ("q", "k", "v", "o", "gate", "up", "down")},
                               "norm1.": "layer.input_norm.", "norm_mlp.": "layer.post_norm."})

@@ -55,7 +55,7 @@ class _PrefixCore(nn.Module):
         keys.index_copy_(1, slots, k)
         values.index_copy_(1, slots, v)
         a = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None, None],
-                                           enable_gqa=p.nkv != p.nh)[0]
+                                           enable_gqa=p.nkv != p.nh, scale=p.scale)[0]
         return p.finish(x, a)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from draftsmith.common.layers import DecoderLayer, rename_on_load, rope_frequencies
+from draftsmith.common.layers import DecoderLayer, rename_on_load, rope_frequencies, rope_parameters
 from draftsmith.common.vocab import PrunedVocab
 from draftsmith.heads.decode import HeadDrafter
 from draftsmith.heads.common import ResBlock
@@ -117,8 +117,7 @@ class HydraHeads(PrunedVocab, KindBase, nn.Module):
     @staticmethod
     def prefix_shape(target) -> dict:
         c = target.config
-        rope = getattr(c, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+        theta = rope_parameters(c)["rope_theta"]  # the full-attention layers' where each layer type has its own
         nh = int(c.num_attention_heads)
         return {"num_heads": nh, "num_kv_heads": int(getattr(c, "num_key_value_heads", None) or nh),
                 "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // nh),

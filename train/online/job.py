@@ -92,6 +92,7 @@ class OnlineJob:
         self.store = PublishStore(publish_dir or recipe.online.publish_dir or recipe.out / "publish")
         self.ledger = Ledger(self.state)
         recipe = self._drafter_of_start(recipe)
+        recipe.drafter = recipe.drafter.with_target(target)  # target-derived defaults (EAGLE-3's aux layers)
         kind = registry.get(recipe.drafter.kind)
         if kind.trains_on_text:
             raise ValueError(f"drafter kind {recipe.drafter.kind!r} trains on re-tokenised text, not on cached "
