@@ -115,7 +115,8 @@ class DecoderLayer(nn.Module):
       mlp: with the MLP and its norm (Kangaroo's adapter may leave them out).
       inv_freq, rope_scale: RoPE's inverse frequencies (copied into a buffer of the layer's own, not stored in
         checkpoints) and the attention scaling applied to cos and sin (a target's rotary module gives both).
-      zero_outputs: start the output projections (``o`` and ``down``) at zero, so the layer starts as the identity.
+      zero_outputs: start the output projections (``o`` and ``down``) at zero, so the layer starts as the identity
+        (with sandwich norms: the output norms' scales at zero instead).
       qkv_bias, o_bias, qk_norm, norm_offset, sandwich_norms, query_scale, activation: the target layer's
         differences from Llama's (`draftsmith.schema.LayerTraits`): biases on q/k/v (Qwen2) or o, RMS norms
         ``q_norm``/``k_norm`` over each head's queries and keys before RoPE (Qwen3, Gemma 3); Gemma 3's norms that
@@ -165,7 +166,13 @@ class DecoderLayer(nn.Module):
             self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
             if self.sandwich:
                 self.mlp_out_norm = norm(hidden_size)
-        if zero_outputs:
+        if zero_outputs and self.sandwich:
+            # the output norms' scales at zero instead: a norm of a zero output would pass its first nonzero
+            # update at full scale (its gradient at 0 is 1/sqrt(eps)), so the projections keep their random values
+            # and each branch grows from zero through its scale, as a zero projection does without these norms
+            for n in [self.attn_out_norm] + ([self.mlp_out_norm] if mlp else []):
+                nn.init.constant_(n.weight, -1.0 if norm_offset else 0.0)
+        elif zero_outputs:
             nn.init.zeros_(self.o.weight)
             if o_bias:
                 nn.init.zeros_(self.o.bias)
@@ -230,20 +237,21 @@ class DecoderLayer(nn.Module):
     def init_from(self, layer: nn.Module, mlp: bool = True, outputs: bool = False) -> None:
         """Copy a Hugging Face Llama-style decoder layer's weights (and biases) where their shapes match: the input
         norm, q, k, v (and the per-head q/k norms), and with ``mlp`` the MLP's norm, gate and up; with ``outputs``
-        also o and down (else they keep their values, zero for a layer that starts as the identity)."""
+        also o and down and the output norms of sandwich norms (else they keep their values: zero projections, or
+        zero output-norm scales, for a layer that starts as the identity)."""
         pairs = [(self.input_norm, "input_layernorm"), (self.q, "self_attn.q_proj"), (self.k, "self_attn.k_proj"),
                  (self.v, "self_attn.v_proj")]
         if self.qk_norm:
             pairs += [(self.q_norm, "self_attn.q_norm"), (self.k_norm, "self_attn.k_norm")]
-        if self.sandwich:  # Gemma's names: the attention's output norm is its post_attention_layernorm
-            pairs.append((self.attn_out_norm, "post_attention_layernorm"))
         if outputs:
             pairs.append((self.o, "self_attn.o_proj"))
+            if self.sandwich:  # Gemma's names: the attention's output norm is its post_attention_layernorm
+                pairs.append((self.attn_out_norm, "post_attention_layernorm"))
         if mlp and self.mlp:
             pairs += [(self.post_norm, "pre_feedforward_layernorm" if self.sandwich else "post_attention_layernorm"),
                       (self.gate, "mlp.gate_proj"), (self.up, "mlp.up_proj")]
             pairs += [(self.down, "mlp.down_proj")] if outputs else []
-            pairs += [(self.mlp_out_norm, "post_feedforward_layernorm")] if self.sandwich else []
+            pairs += [(self.mlp_out_norm, "post_feedforward_layernorm")] if self.sandwich and outputs else []
         with torch.no_grad():
             for mine, name in pairs:
                 src = layer.get_submodule(name)

@@ -180,8 +180,35 @@ def test_kinds_build_their_layer_like_the_targets(family):
             assert torch.equal(layer.k_norm.weight, src.self_attn.k_norm.weight.float())
         if family == "gemma3":
             assert cfg.sandwich_norms and cfg.norm_offset and cfg.activation == "gelu_tanh"
-            assert torch.equal(layer.attn_out_norm.weight, src.post_attention_layernorm.weight.float())
             if layer.mlp:  # Kangaroo's adapter has none by default
                 assert torch.equal(layer.post_norm.weight, src.pre_feedforward_layernorm.weight.float())
+            # it starts as the identity through its output norms' zero scales (1 + weight), its projections random
+            assert torch.all(layer.attn_out_norm.weight == -1) and layer.o.weight.abs().sum() > 0
     assert torch.equal(kan.norm_out.weight, model.model.norm.weight.float()) and kan.norm_out.offset == (
         family == "gemma3")
+
+
+def test_a_sandwich_layer_starts_as_the_identity_and_grows_smoothly():
+    """With sandwich norms (Gemma 3) a layer that starts as the identity does so through its output norms' scales,
+    not zero projections: a norm of a zero output would pass the first small update at full scale (its gradient
+    at 0 is 1/sqrt(eps)), which is what made a Gemma Hydra++ prefix layer's loss jump into the thousands. One small
+    step moves the output a little (the test can fail: with zero projections instead, it moves 5000 times more)."""
+    torch.manual_seed(0)
+    traits = dict(qk_norm=True, norm_offset=True, sandwich_norms=True, query_scale=0.2, activation="gelu_tanh")
+    lay = DecoderLayer(32, 4, 2, 8, 64, 1e-6, zero_outputs=True, **traits)
+    x = torch.randn(6, 32) * 30  # Gemma's residual stream is large
+    pos = torch.arange(6)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+
+    def run(layer):
+        q, k, v = layer.qkv(layer.attention_input(x), pos)
+        return layer.finish(x, layer.attend(q, k, v, mask))
+
+    torch.testing.assert_close(run(lay), x)
+    run(lay).pow(2).sum().backward()
+    with torch.no_grad():
+        for p in lay.parameters():
+            if p.grad is not None:
+                p -= 1e-4 * p.grad.sign()  # one small sign step (Adam's first step has this size)
+    moved = (run(lay) - x).abs().max().item()
+    assert 0 < moved < 1e-2  # 3.4e-4 here; with zero projections and unit output scales instead, 1.65
