@@ -35,6 +35,10 @@ _ARCH_FIELDS = (
 )
 
 
+#: fields of some families that change what the model computes, in the fingerprint where set (Gemma)
+_FAMILY_FIELDS = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "hidden_activation")
+
+
 class TargetMismatchError(ValueError):
     """A checkpoint or drafter was made for another target."""
 
@@ -97,8 +101,34 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def _arch_dict(config) -> dict:
+    """The config fields that make a target compute what it computes. Those only some families have enter only
+    where they are set (so that a Llama or Qwen target's identity is what it was before they entered): the
+    sliding windows and which layers slide, Gemma's score scale, logit caps and activation."""
     d = config.to_dict()
-    return {k: d.get(k) for k in _ARCH_FIELDS if k in d}
+    arch = {k: d.get(k) for k in _ARCH_FIELDS if k in d}
+    windows = sliding_windows(config)
+    if windows:
+        types = getattr(config, "layer_types", None)
+        arch["sliding_windows"] = {"windows": windows, "layer_types": list(types) if types else None}
+    arch.update({k: d[k] for k in _FAMILY_FIELDS if d.get(k) is not None})
+    return arch
+
+
+def sliding_windows(config) -> dict[str, int]:
+    """The sliding windows a causal LM's attention layers use, as its own forward builds their masks: with
+    ``layer_types`` (Qwen2/Qwen3, Gemma 3), ``{"sliding_attention": window}`` when some layer slides; with a
+    window and no layer types (Mistral, Phi-3), ``{"all": window}``; empty when every layer attends over the whole
+    prefix. A query at position p sees a key at position j only when ``p - j < window`` (j > p - window)."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    w = getattr(cfg, "sliding_window", None)
+    if not w:
+        return {}
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return {"all": int(w)}
+    return {"sliding_attention": int(w)} if "sliding_attention" in types else {}
+
+
 
 
 def fingerprint(model, tokenizer, output_weight: torch.Tensor | None = None) -> str:

@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from draftsmith.target import sliding_windows  # noqa: F401 -- the engine's masks read it from here too
+
 
 def kv_dims(config) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of a causal LM's config."""
@@ -213,21 +215,6 @@ def prefix_block_mask(prefix_len: int, block: torch.Tensor, dtype: torch.dtype) 
     allowed = torch.ones((q, prefix_len + kb), dtype=torch.bool, device=block.device)
     allowed[:, prefix_len:] = block
     return additive_mask(allowed, dtype)
-
-
-def sliding_windows(config) -> dict[str, int]:
-    """The sliding windows a causal LM's attention layers use, as its own forward builds their masks: with
-    ``layer_types`` (Qwen2/Qwen3, Gemma 3), ``{"sliding_attention": window}`` when some layer slides; with a
-    window and no layer types (Mistral, Phi-3), ``{"all": window}``; empty when every layer attends over the whole
-    prefix. A query at position p sees a key at position j only when ``p - j < window`` (j > p - window)."""
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    w = getattr(cfg, "sliding_window", None)
-    if not w:
-        return {}
-    types = getattr(cfg, "layer_types", None)
-    if types is None:
-        return {"all": int(w)}
-    return {"sliding_attention": int(w)} if "sliding_attention" in types else {}
 
 
 def window_masks(windows: dict[str, int], mask: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor):
