@@ -140,3 +140,19 @@ def test_merged_caches_read_as_one_in_order_and_refuse_mismatches(tiny_target, t
         merge_runs(tmp_path / "m", [tmp_path / "a"])
     with pytest.raises(FileNotFoundError, match="no index.json"):
         merge_caches(tmp_path / "y", [tmp_path / "nothing"])
+
+
+def test_states_past_float16_are_refused_for_a_float16_cache_and_stored_in_bfloat16(tiny_target, tmp_path):
+    """A target whose residual stream passes float16's range (Gemma-3-270M's middle layers reach 1e5) would leave
+    infinities in a float16 cache and NaN losses in training: the cache names the state and the fix instead; a
+    bfloat16 cache stores the same states finite."""
+    import copy
+
+    t = copy.deepcopy(tiny_target)
+    with torch.no_grad():
+        t.model.get_input_embeddings().weight.mul_(1e6)  # layer 1's input, so its state, past 65504
+    seqs = _seqs(t, n=2)
+    with pytest.raises(ValueError, match=r"'layer:1' state reaches .* past float16's 65504.*cache.dtype: bfloat16"):
+        build_cache(t, seqs, ["layer:1", "final"], tmp_path / "f16", dtype="float16")
+    build_cache(t, seqs, ["layer:1", "final"], tmp_path / "bf16", dtype="bfloat16")
+    assert torch.isfinite(HiddenCache(tmp_path / "bf16", t).states(0, "layer:1")).all()

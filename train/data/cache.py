@@ -91,8 +91,19 @@ def _shard_arrays(seqs: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return starts, tokens, mask
 
 
-def _state_rows(st: torch.Tensor, dtype: str) -> np.ndarray:
-    """fp32 (or already converted) states -> the array stored, rounded as the cache pass rounds."""
+#: the largest finite float16
+FP16_MAX = 65504.0
+
+
+def _state_rows(st: torch.Tensor, dtype: str, what: str = "a state") -> np.ndarray:
+    """fp32 (or already converted) states -> the array stored, rounded as the cache pass rounds. States past
+    float16's range are a ValueError for a float16 cache, naming the state, rather than infinities on disk."""
+    if dtype == "float16" and st.dtype != torch.float16:
+        peak = float(st.abs().max()) if st.numel() else 0.0
+        if not peak <= FP16_MAX:
+            raise ValueError(f"the target's {what} reaches |x| = {peak:.4g}, past float16's {FP16_MAX:.0f}: a float16 "
+                             "cache would store infinities (a model whose residual stream is that large, such as "
+                             "Gemma 3's middle layers); set cache.dtype: bfloat16 (or float32)")
     st = st.to(TORCH_DTYPE[dtype]).cpu()
     if dtype == "bfloat16":
         return st.view(torch.int16).numpy().view(np.uint16)
@@ -126,7 +137,7 @@ def _fill(target: Target, seqs: list[dict], members: list[int], starts: np.ndarr
         ids, attn = pad_batch([seqs[members[b]]["ids"] for b in batch])
         out = target_states(target, ids.to(dev), attn.to(dev), needs)
         for nd, st in out.items():
-            arr = _state_rows(st, dtype)
+            arr = _state_rows(st, dtype, f"'{nd}' state")
             for r, b in enumerate(batch):
                 j = members[b]
                 mms[nd][starts[j]: starts[j + 1]] = arr[r, : lens[b]]
@@ -290,7 +301,7 @@ class StreamingCacheWriter:
             self.stats[f"fallback_{reason or 'no_states'}"] += 1
             self.raw.write(np.zeros((n, self.hidden), NP_DTYPE[self.dtype]).tobytes())
         else:
-            arr = states if isinstance(states, np.ndarray) else _state_rows(states, self.dtype)
+            arr = states if isinstance(states, np.ndarray) else _state_rows(states, self.dtype, "'final' state")
             self.raw.write(np.ascontiguousarray(arr, dtype=NP_DTYPE[self.dtype]).tobytes())
             self.stats["from_generation"] += 1
         self.seqs.append({"ids": seq["ids"], "mask": seq["mask"]})
