@@ -129,8 +129,6 @@ def sliding_windows(config) -> dict[str, int]:
     return {"sliding_attention": int(w)} if "sliding_attention" in types else {}
 
 
-
-
 def fingerprint(model, tokenizer, output_weight: torch.Tensor | None = None) -> str:
     """Identity of a target: architecture config, vocabulary, output head.
 
