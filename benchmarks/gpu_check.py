@@ -507,20 +507,6 @@ def greedy_cases(target: Target, drafters_by_name: dict, prompt: list[int], n_ne
 
 
 # ------------------------------------------------------------------------------------------------ families
-def _own_greedy(model, prompt: list[int], n_new: int, eos: set[int]) -> list[int]:
-    """The model's own greedy tokens, one cache-free forward a token, on the model's device."""
-    dev = next(model.parameters()).device
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(n_new):
-            t = int(model(input_ids=torch.tensor([ids], device=dev)).logits[0, -1].argmax())
-            out.append(t)
-            ids.append(t)
-            if t in eos:
-                break
-    return out
-
-
 def section_families(ck: Check, dev: torch.device, quick: bool) -> None:
     """Every family's tiny target on the device, float32: plain decoding and each kind (chain, and a tree for the
     head kinds) against the model's own greedy tokens; the kinds a family lacks refused by name; Gemma 3's
@@ -529,6 +515,7 @@ def section_families(ck: Check, dev: torch.device, quick: bool) -> None:
     from draftsmith.engine.kvcache import sliding_windows
     from tests.families import FAMILIES, family_target
     from tests.test_families import KINDS, NEW, PROMPT, REFUSED, TREE, TREES
+    from tests.tiny import greedy_reference
 
     for family in FAMILIES[-2:] if quick else FAMILIES:
         with ck.case(f"families {family}: plain and every kind, greedy, chains and a tree", family=family,
@@ -538,7 +525,7 @@ def section_families(ck: Check, dev: torch.device, quick: bool) -> None:
             tgt = family_target(family)
             tgt.model.to(dev)
             eos = set(tgt.eos_token_ids)
-            ref = _own_greedy(tgt.model, PROMPT, NEW, eos)
+            ref, _ = greedy_reference(tgt.model, PROMPT, NEW, eos)
             results = {"plain": SpeculativeDecoder(tgt).generate(PROMPT, NEW).tokens == ref}
             for name, (kind, fields) in KINDS.items():
                 if (family, name) in REFUSED:
@@ -567,7 +554,7 @@ def section_families(ck: Check, dev: torch.device, quick: bool) -> None:
             tgt = family_target("gemma3")
             tgt.model.to(dev)
             eos = set(tgt.eos_token_ids)
-            ref = _own_greedy(tgt.model, PROMPT, NEW, eos)
+            ref, _ = greedy_reference(tgt.model, PROMPT, NEW, eos)
             torch.manual_seed(1)
             d = registry.get("medusa").for_target(tgt, num_heads=2).to(dev).eval().decoder_drafter(
                 tgt, tgt.fingerprint)
@@ -575,7 +562,7 @@ def section_families(ck: Check, dev: torch.device, quick: bool) -> None:
             dec.windows = {}
             rec["windows_off_differs"] = dec.generate(PROMPT, NEW).tokens != ref
             other = PROMPT[:5]
-            ref2 = _own_greedy(tgt.model, other, NEW, eos)
+            ref2, _ = greedy_reference(tgt.model, other, NEW, eos)
             plain = BatchedSpeculativeDecoder(tgt, None).generate([PROMPT], [NEW])
             rec["batched_plain_equal"] = plain.rows[0].tokens == ref
             out = BatchedSpeculativeDecoder(tgt, d, k=2).generate([PROMPT, other], [NEW, NEW])

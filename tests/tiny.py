@@ -65,12 +65,14 @@ def make_tiny_target(vocab_size: int = 96, seed: int = 0, init_std: float = 0.02
 
 
 def greedy_reference(model, prompt, max_new, eos) -> tuple[list[int], bool]:
-    """Greedy one token at a time, no cache, no batch: the ground truth. Returns (tokens, ended on eos)."""
+    """Greedy one token at a time, no cache, no batch: the ground truth, on the model's device. Returns (tokens,
+    ended on eos)."""
     ids = list(prompt)
     out = []
+    dev = next(model.parameters()).device
     with torch.no_grad():
         for _ in range(max_new):
-            t = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            t = int(model(input_ids=torch.tensor([ids], device=dev)).logits[0, -1].argmax())
             out.append(t)
             ids.append(t)
             if t in eos:
