@@ -781,6 +781,7 @@ def random_sequences(n: int, length: int, vocab: int, seed: int = 0) -> list[dic
 
 
 def section_train(ck: Check, dev: torch.device, quick: bool, work: Path) -> None:
+    from draftsmith.drafters.eagle3.config import default_aux_layers
     from draftsmith.recipe import load_recipe, parse_recipe
     from draftsmith.train.data.cache import build_cache
     from draftsmith.train.training.trainer import train
@@ -792,8 +793,8 @@ def section_train(ck: Check, dev: torch.device, quick: bool, work: Path) -> None
         r = load_recipe(name)
         raw = r.model_dump(mode="json")
         raw["drafter"] = {k: v for k, v in raw["drafter"].items() if v is not None}
-        if raw["drafter"]["kind"] == "eagle3" and L < 30:  # the quick run's shallower model
-            raw["drafter"]["aux_layers"] = [1, L // 2, L - 1]
+        if raw["drafter"]["kind"] == "eagle3" and "aux_layers" not in raw["drafter"]:  # read from the target
+            raw["drafter"]["aux_layers"] = default_aux_layers(L)
         recipes[name] = raw
     needs = []
     for raw in recipes.values():

@@ -32,7 +32,13 @@ def main(argv: list[str]) -> int:
                 raise SystemExit(f"package_folders: draftsmith.{sub} comes from {mod.__file__}, not from {root}")
         for f in sorted((root / "cli").glob("*.py")):  # each subcommand's module (the CLI imports them lazily)
             if f.stem not in ("__init__", "__main__"):
-                importlib.import_module(f"draftsmith.cli.{f.stem}")
+                try:
+                    importlib.import_module(f"draftsmith.cli.{f.stem}")
+                except ModuleNotFoundError as e:  # a third-party extra (uvicorn for serve) may be absent there
+                    if (e.name or "").split(".")[0] == "draftsmith":
+                        raise
+                    print(f"package_folders: draftsmith.cli.{f.stem} not checked: {e.name} is not installed",
+                          file=sys.stderr)
         return 0
     print("\n".join(f"{sub}={folder}" for sub, folder in folders().items()))
     return 0

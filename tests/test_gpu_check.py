@@ -92,7 +92,7 @@ def test_the_scripts_links_cover_every_subpackage(tmp_path):
     subs = dict(p.split("=") for p in pairs)
     assert {"pipeline", "cli", "engine", "train"} <= set(subs)
 
-    def shim(leave_out: str | None) -> subprocess.CompletedProcess:
+    def shim(leave_out: str | None, extra: str = "") -> subprocess.CompletedProcess:
         pkg = tmp_path / (leave_out or "all") / "draftsmith"
         pkg.mkdir(parents=True)
         for f in (root / "core").glob("*.py"):
@@ -101,9 +101,15 @@ def test_the_scripts_links_cover_every_subpackage(tmp_path):
             if sub != leave_out:
                 (pkg / sub).symlink_to(root / folder)
         return subprocess.run([sys.executable, str(script), "--import"], capture_output=True, text=True,
-                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(pkg.parent)})
+                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": f"{extra}{pkg.parent}"})
 
     ok = shim(None)
     assert ok.returncode == 0, ok.stderr[-2000:]
     missing = shim("pipeline")
     assert missing.returncode != 0 and "pipeline" in missing.stderr
+    # a lent machine lacks the server's extra (uvicorn): the subcommand that needs it is named, not a failure
+    (tmp_path / "blocked" / "uvicorn").mkdir(parents=True)
+    (tmp_path / "blocked" / "uvicorn" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'uvicorn'\", name='uvicorn')\n")
+    lacking = shim("lacking", extra=f"{tmp_path / 'blocked'}{os.pathsep}")
+    assert lacking.returncode == 0 and "uvicorn is not installed" in lacking.stderr, lacking.stderr[-2000:]
