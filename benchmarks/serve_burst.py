@@ -233,6 +233,16 @@ def data_engine(a, prompts: list[str]) -> dict:
     return out
 
 
+def batching(srv, spec: str) -> dict | None:
+    """Our server's batching counters from ``/health`` (None for vLLM, or a server without them)."""
+    if spec == "vllm":
+        return None
+    try:
+        return httpx.get(srv.base + "/health", timeout=10).json().get("batching")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = parser("serve_burst", __doc__)
     add_common_args(ap, threads=True, threads_default=2)
@@ -305,8 +315,10 @@ def main(argv: list[str] | None = None) -> dict:
             p, ok = phase("burst", srv, make, model, jobs, 0, 0, prompts, a.burst_tokens, a.burst_timeout)
             phases.append(p)
             answers += ok
+            p["batching"] = batching(srv, spec)
             for c in a.clients:
                 p, ok = phase(f"clients-{c}", srv, make, model, None, c, a.phase_s, prompts, a.tokens, a.timeout)
+                p["batching"] = batching(srv, spec)  # ours: cumulative counts after the phase
                 phases.append(p)
                 answers += ok
             if a.overload:

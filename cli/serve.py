@@ -45,6 +45,7 @@ import uvicorn
 from draftsmith.cli.shared import add_dtype_arg, add_suffix_args, load_target_as, suffix_config
 from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
 from draftsmith.serve.app import DecodingService, create_app
+from draftsmith.serve.scheduler import ADMIT_HOLD_STEPS
 from draftsmith.target import default_device
 
 
@@ -73,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                          "$DRAFTSMITH_API_KEY; none: open to whoever reaches the port)")
+    ap.add_argument("--admit-group", type=int, default=None, metavar="N",
+                    help="while a batch decodes, hold waiting requests until N can join it together (one prefill "
+                         "forward for all), for at most --admit-hold-steps steps (default: max-batch / 8, at least "
+                         "1: no holding)")
+    ap.add_argument("--admit-hold-steps", type=int, default=ADMIT_HOLD_STEPS, metavar="S",
+                    help="steps a waiting request may be held for its admission group")
     ap.add_argument("--max-queue", type=int, default=256,
                     help="requests that may wait; past it a request gets 429 with Retry-After")
     ap.add_argument("--max-body-mb", type=float, default=1.0, help="largest request body (413 beyond)")
@@ -131,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                               max_batch=a.max_batch, suffix=suffix_config(a) if a.suffix else None,
                               suffix_state=a.suffix_state, suffix_save_every=a.suffix_save_every,
                               max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens,
-                              max_tokens_limit=a.max_tokens_limit, log_bodies=not a.no_log_bodies)
+                              max_tokens_limit=a.max_tokens_limit, log_bodies=not a.no_log_bodies,
+                              admit_group=a.admit_group, admit_hold_steps=a.admit_hold_steps)
     plain = "none (SuffixDecoding alone)" if a.suffix else "none (plain)"
     print(f"serving {service.model_name} ({target.fingerprint}) with drafter {service.version or plain} "
           f"on http://{a.host}:{a.port}/v1, up to {a.max_batch} request(s) per batch, {a.max_queue} waiting; "

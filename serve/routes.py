@@ -171,7 +171,7 @@ def create_app(service: DecodingService, *, api_key: str | None = None, max_body
     def health() -> dict:
         return {"status": "ok", "drafter_version": service.version, "served": service.served,
                 "aborted": service.aborted, "refused": service.refused, "queued": service.queued(),
-                "suffix": service.suffix_report()}
+                "suffix": service.suffix_report(), "batching": service.batching()}
 
     async def parse(request: Request, schema) -> tuple[Any, Any]:
         """(spec, validated request) or (None, error response)."""

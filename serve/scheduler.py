@@ -8,6 +8,13 @@ fit its cache and share its sampling settings, and the oldest waiting request is
 served: a request with other settings stops admission and heads the next call). Each row streams and logs as it
 commits and leaves. A newly published drafter stops admission; the call drains and the next one uses it.
 
+Admissions are grouped, as the data engine groups them: the rows admitted before a step are prefilled together in
+one forward, which costs about one decoding step whatever its size, so closed-loop clients that come back one at a
+time would otherwise each cost the batch a forward of their own. While rows are decoding, waiting requests are
+held until ``admit_group`` of them can join at once (and as many rows are free), for at most ``admit_hold_steps``
+steps; a call with no live rows never holds. ``admit_group`` defaults to an eighth of ``max_batch`` (1, no
+holding, up to 15 rows).
+
 A drafter the batched decoder refuses (self-drafters such as Kangaroo, dynamic trees, drafters with their own
 tokenizer, the hybrid, non-fixed draft lengths) is served one request at a time by the same thread with the
 single-sequence decoder.
@@ -40,6 +47,13 @@ log = logging.getLogger("draftsmith.serve")
 
 #: how often (seconds) a running batch looks for a newly published drafter before admitting rows
 SWAP_CHECK_S = 1.0
+#: steps a waiting request may be held for its admission group (see the module docstring)
+ADMIT_HOLD_STEPS = 8
+
+
+def default_admit_group(max_batch: int) -> int:
+    """Rows admitted together into a running batch by default: an eighth of ``max_batch``, at least 1."""
+    return max(1, int(max_batch) // 8)
 
 
 class QueueFull(RuntimeError):
@@ -84,10 +98,19 @@ class Job:
 class Scheduler:
     """The bounded queue and the batching thread of a `DecodingService` (see the module docstring)."""
 
-    def __init__(self, service: "DecodingService", max_batch: int, max_queue: int):
+    def __init__(self, service: "DecodingService", max_batch: int, max_queue: int, admit_group: int | None = None,
+                 admit_hold_steps: int = ADMIT_HOLD_STEPS):
         if not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue must be a positive integer, got {max_queue!r}")
+        group = default_admit_group(max_batch) if admit_group is None else admit_group
+        if not isinstance(group, int) or not 1 <= group <= max_batch:
+            raise ValueError(f"admit_group must be an integer from 1 to max_batch ({max_batch}), got {group!r}")
+        if not isinstance(admit_hold_steps, int) or admit_hold_steps < 0:
+            raise ValueError(f"admit_hold_steps must be a non-negative integer, got {admit_hold_steps!r}")
         self.service, self.max_batch, self.max_queue = service, max_batch, max_queue
+        self.admit_group, self.admit_hold_steps = group, admit_hold_steps
+        self.admit_groups: list[int] = []  # rows each admission into a running call brought, in order
+        self.held_steps = 0  # steps at which ready requests were held for their group
         self.batch_sizes: list[int] = []  # rows every batched call started with, in order
         self.admitted = 0  # rows that joined a running call
         self.unbatched = 0  # requests decoded one at a time (unbatchable drafter)
@@ -237,6 +260,7 @@ class Scheduler:
         self.batch_sizes.append(len(rows))
         # the cache is sized once per call, for the longest row the limits allow (rows that need more wait)
         capacity = max(max(dec.positions(len(j.spec.prompt), j.spec.max_tokens) for j in rows), svc.batch_positions)
+        held = [0]  # steps the head of the queue has been held for its admission group
 
         def admit(free: int) -> list[NewRow]:
             if self._closed or self._swap_due():
@@ -244,17 +268,26 @@ class Scheduler:
             take = []
             with self._cv:
                 self._drop_cancelled()
-                while self._waiting and len(take) < free:
-                    j = self._waiting[0]
+                ready = 0  # waiting requests, from the oldest, that may join this call
+                for j in self._waiting[:free]:
                     if j.spec.sampling != sampling or not dec.fits(len(j.spec.prompt), j.spec.max_tokens):
                         break  # it heads the next call
-                    take.append(self._waiting.pop(0))
+                    ready += 1
+                live = self.max_batch - free
+                if ready and live and min(ready, free) < self.admit_group and held[0] < self.admit_hold_steps:
+                    held[0] += 1  # wait for the group: one prefill forward for all of it
+                    self.held_steps += 1
+                    return []
+                held[0] = 0
+                take, self._waiting = self._waiting[:ready], self._waiting[ready:]
             new = []
             for j in take:
                 if self._ready(dec, j):
                     rows.append(j)
                     self.admitted += 1
                     new.append(NewRow(j.spec.prompt, j.spec.max_tokens, TorchRandom(j.spec.seed), j.proc))
+            if new:
+                self.admit_groups.append(len(new))
             return new
 
         def on_step(row: int, new_ids: list[int], st, stop: str | None) -> bool:

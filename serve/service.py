@@ -45,7 +45,7 @@ from draftsmith.engine.sampling import SamplingParams, TorchRandom
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.publish import PublishStore, load_current
 from draftsmith.serve.request import BadRequest, Spec, TextStream
-from draftsmith.serve.scheduler import Cancelled, Job, QueueFull, Scheduler, retry_after_s
+from draftsmith.serve.scheduler import ADMIT_HOLD_STEPS, Cancelled, Job, QueueFull, Scheduler, retry_after_s
 from draftsmith.serve.schema import ChatRequest, CompletionRequest
 from draftsmith.serve.suffix_state import SuffixState
 from draftsmith.target import Target
@@ -77,7 +77,8 @@ class DecodingService:
                  default_max_tokens: int = 256, max_batch: int = 1, start: bool = True,
                  suffix: SuffixConfig | None = None, suffix_state: str | Path | None = None,
                  suffix_save_every: int = 100, max_queue: int = 256, max_prompt_tokens: int | None = None,
-                 max_tokens_limit: int | None = None, log_bodies: bool = True, batch_positions: int = 2048):
+                 max_tokens_limit: int | None = None, log_bodies: bool = True, batch_positions: int = 2048,
+                 admit_group: int | None = None, admit_hold_steps: int = ADMIT_HOLD_STEPS):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         for name, v in (("max_prompt_tokens", max_prompt_tokens), ("max_tokens_limit", max_tokens_limit)):
@@ -109,7 +110,8 @@ class DecodingService:
         self.served = 0
         self.aborted = 0  # requests stopped because their client went away (not logged)
         self.refused_lock = 0  # requests refused with QueueFull while waiting for the lock (max_batch == 1)
-        self.scheduler = Scheduler(self, max_batch, max_queue) if max_batch > 1 else None
+        self.scheduler = (Scheduler(self, max_batch, max_queue, admit_group, admit_hold_steps) if max_batch > 1
+                          else None)
         self.suffix_state_: SuffixState | None = None
         if suffix is not None:
             state = Path(suffix_state) if suffix_state else Path(log_dir) / "suffix-index" if log_dir else None
@@ -432,6 +434,17 @@ class DecodingService:
     def admitted(self) -> int:
         """Requests that joined a running batched call (continuous batching)."""
         return self.scheduler.admitted if self.scheduler is not None else 0
+
+    def batching(self) -> dict:
+        """How the batching thread has batched so far (``/health``): calls and the rows they started with, rows
+        admitted into running calls and in how many admissions (each one prefill forward), steps held for a
+        group, the group size and hold limit."""
+        sc = self.scheduler
+        if sc is None:
+            return {"max_batch": 1}
+        return {"max_batch": self.max_batch, "calls": len(sc.batch_sizes), "rows_at_start": sum(sc.batch_sizes),
+                "admitted": sc.admitted, "admissions": len(sc.admit_groups), "held_steps": sc.held_steps,
+                "admit_group": sc.admit_group, "admit_hold_steps": sc.admit_hold_steps}
 
     @property
     def unbatched(self) -> int:

@@ -399,3 +399,51 @@ def test_an_eagle3_drafter_is_served_in_batches(tmp_path, service):
     raw = [json.loads(x) for f in sorted((tmp_path / "logs").glob("*.jsonl")) for x in f.read_bytes().splitlines()]
     assert {r["drafter"]["kind"] for r in raw} == {"eagle3"}
     assert sum(st[2] for rec in recs for st in rec.steps) > 0  # drafted in batches
+
+
+@pytest.mark.parametrize("hold, groups, held", [(50, [4], 2), (1, [3, 1], 2), (0, [3, 1], 0)])
+def test_admissions_into_a_running_batch_are_grouped(target, tmp_path, service, hold, groups, held):
+    """While a call decodes, requests that arrive are held until ``admit_group`` of them can join together (one
+    prefill forward), for at most ``admit_hold_steps`` steps. Three requests arrive at the call's 3rd step and a
+    fourth at its 5th: with a long hold the four join as one group after 2 held steps; with a hold of 1 step the
+    three join at the 4th step and the fourth alone at the 6th (each held once); with none, nothing is held.
+    Every response still equals plain greedy decoding."""
+    svc = service(target, log_dir=tmp_path / "logs", max_batch=8, start=False, admit_group=4,
+                  admit_hold_steps=hold)
+    client = TestClient(create_app(svc))
+    dec = svc.batched
+    results: dict = {}
+    threads = []
+    bodies = [{"messages": MSGS[i % 3], "max_tokens": 60 if i == 0 else 12, "temperature": 0} for i in range(5)]
+    arrivals = {3: [1, 2, 3], 5: [4]}  # the call's admission check (one a step) -> requests that arrive first
+    generate = dec.generate
+
+    def scripted(*args, admit=None, **kw):
+        steps = [0]
+
+        def admit_after_arrivals(free):
+            steps[0] += 1
+            for i in arrivals.get(steps[0], []):
+                queued = svc.queued()
+                threads.append(_post_in_thread(client, bodies[i], results, i))
+                _wait_queued(svc, queued + 1)
+            return admit(free)
+        return generate(*args, admit=admit_after_arrivals if admit is not None else None, **kw)
+
+    dec.generate = scripted
+    threads.append(_post_in_thread(client, bodies[0], results, 0))
+    _wait_queued(svc, 1)
+    svc.start()
+    for _ in range(2000):
+        if len(threads) == 5:
+            break
+        time.sleep(0.005)
+    for th in threads:
+        th.join(120)
+    assert sorted(results) == list(range(5)) and all(code == 200 for code, _ in results.values()), results
+    assert svc.batch_sizes == [1]
+    assert svc.scheduler.admit_groups == groups and svc.scheduler.held_steps == held
+    assert svc.batching()["admissions"] == len(groups)
+    for i, body in enumerate(bodies):
+        assert results[i][1]["choices"][0]["message"]["content"] == _plain(target, body["messages"],
+                                                                           body["max_tokens"])[1]
