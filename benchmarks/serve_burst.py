@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tree", default="chain")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--max-queue", type=int, default=64)
+    ap.add_argument("--admit-group", type=int, default=None, help="ours (not ours@REV): serve's --admit-group")
     ap.add_argument("--burst", type=int, default=32)
     ap.add_argument("--burst-tokens", type=int, default=256)
     ap.add_argument("--burst-timeout", type=float, default=300)
@@ -301,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
             cmd += ["--suffix"] if a.suffix else []
             if "@" not in spec:
                 cmd += ["--max-queue", str(a.max_queue)]
+                cmd += ["--admit-group", str(a.admit_group)] if a.admit_group else []
         print(f"{spec}: {' '.join(cmd)}", flush=True)
         srv = Server(spec, cmd, env, port, out / f"{spec.replace('@', '_')}.log", "/v1/models", cwd)
         rec: dict = {"command": cmd}

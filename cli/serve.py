@@ -74,10 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                          "$DRAFTSMITH_API_KEY; none: open to whoever reaches the port)")
-    ap.add_argument("--admit-group", type=int, default=None, metavar="N",
+    ap.add_argument("--admit-group", type=int, default=1, metavar="N",
                     help="while a batch decodes, hold waiting requests until N can join it together (one prefill "
-                         "forward for all), for at most --admit-hold-steps steps (default: max-batch / 8, at least "
-                         "1: no holding)")
+                         "forward for all), for at most --admit-hold-steps steps (default: 1, no holding; worth "
+                         "setting for long prompts, whose prefills are dear)")
     ap.add_argument("--admit-hold-steps", type=int, default=ADMIT_HOLD_STEPS, metavar="S",
                     help="steps a waiting request may be held for its admission group")
     ap.add_argument("--max-queue", type=int, default=256,

@@ -78,7 +78,7 @@ class DecodingService:
                  suffix: SuffixConfig | None = None, suffix_state: str | Path | None = None,
                  suffix_save_every: int = 100, max_queue: int = 256, max_prompt_tokens: int | None = None,
                  max_tokens_limit: int | None = None, log_bodies: bool = True, batch_positions: int = 2048,
-                 admit_group: int | None = None, admit_hold_steps: int = ADMIT_HOLD_STEPS):
+                 admit_group: int = 1, admit_hold_steps: int = ADMIT_HOLD_STEPS):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         for name, v in (("max_prompt_tokens", max_prompt_tokens), ("max_tokens_limit", max_tokens_limit)):
