@@ -16,7 +16,10 @@ its whole process tree), and greedy consistency (answers to the same prompt and 
 
 ``--data-engine`` also runs the data engine (`draftsmith.train.data.batchgen.BatchGenerator`, the fused compiled step)
 in this process on the same prompts, ``--max-batch`` rows, ``--tokens`` each, greedy: the tok/s the server's
-32-client phase is measured against.
+32-client phase is measured against. With ``--data-engine``, ``--decoder`` runs the server's own batched decoder
+(`draftsmith.engine.batched`, plain, continuous batching from a queue of the same prompts, no HTTP) in the same
+process, alternating with the data engine for ``--rounds`` rounds: which part of the server's gap to the data
+engine is the decoder's, and which the serving's.
 
 Servers:
   * ``ours``: ``draftsmith serve`` from this tree (``--publish`` / ``--suffix`` / ``--tree`` / ``--max-batch``);
@@ -46,6 +49,9 @@ import torch
 
 from benchmarks.common import add_common_args, free_port, parser, write_json
 from benchmarks.serve_load import percentile
+from draftsmith.engine.batched import NewRow, plain_batched_decoder
+from draftsmith.engine.fastpath import use_fast_forward
+from draftsmith.engine.sampling import TorchRandom
 from draftsmith.eval.mtbench import mtbench_questions_path
 from draftsmith.target import cpu_name, load_target, resolve_target_path
 from draftsmith.traffic import chat_prompt_ids
@@ -222,15 +228,50 @@ def data_engine(a, prompts: list[str]) -> dict:
                          forward="compile")
     for n in gen.fast.graph_rows(a.max_batch) if gen.fast is not None else [2]:  # compiles each of its graphs
         gen.run([Job(i, ids[i % len(ids)], 4) for i in range(n)], lambda j, t, f: None)
-    done: list[int] = []
+    if a.decoder:
+        use_fast_forward(target, "compile")
+        plain_batched_decoder(target).warmup(ids[0], 4, a.max_batch, 2048)  # compiles its graphs, as serve does
+    rounds = []
+    for _ in range(a.rounds if a.decoder else 1):
+        done: list[int] = []
+        t0 = time.perf_counter()
+        gen.run([Job(i, p, a.tokens) for i, p in enumerate(ids)], lambda j, t, f: done.append(len(t)))
+        wall = time.perf_counter() - t0
+        rnd = {"data_engine": {"rows": a.max_batch, "prompts": len(ids), "tokens": sum(done),
+                               "wall_s": round(wall, 1), "tok_s": round(sum(done) / wall, 2)}}
+        print(f"  data engine ({a.max_batch} rows): {sum(done)} tokens in {wall:.1f} s = "
+              f"{rnd['data_engine']['tok_s']} tok/s", flush=True)
+        if a.decoder:
+            rnd["decoder"] = d = batched_decoder(a, target, ids)
+            print(f"  batched decoder ({a.max_batch} rows): {d['tokens']} tokens in {d['wall_s']} s = {d['tok_s']} "
+                  f"tok/s ({d['tok_s'] / rnd['data_engine']['tok_s']:.2f}x the data engine)", flush=True)
+        rounds.append(rnd)
+    return {**rounds[0]["data_engine"], "rounds": rounds} if a.decoder else rounds[0]["data_engine"]
+
+
+def batched_decoder(a, target, ids: list[list[int]]) -> dict:
+    """The server's batched decoder (plain, ``--max-batch`` rows) on the same prompts, without HTTP: the first
+    rows start together and the rest join from a queue as rows free up, each as it comes (the server's default),
+    greedy, ``--tokens`` each; generated tok/s over the wall time (prefills included)."""
+    dec = plain_batched_decoder(target)
+    rows = min(a.max_batch, len(ids))
+    queue = list(range(rows, len(ids)))
+    made = [0]
+
+    def admit(free: int) -> list[NewRow]:
+        take = [queue.pop(0) for _ in range(min(free, len(queue)))]
+        return [NewRow(ids[i], a.tokens, TorchRandom(0), None) for i in take]
+
+    def on_step(row: int, new_ids: list[int], st, stop) -> bool:
+        made[0] += len(new_ids)
+        return False
+
     t0 = time.perf_counter()
-    gen.run([Job(i, p, a.tokens) for i, p in enumerate(ids)], lambda j, t, f: done.append(len(t)))
+    dec.generate([ids[i] for i in range(rows)], [a.tokens] * rows, rngs=[TorchRandom(0) for _ in range(rows)],
+                 on_step=on_step, admit=admit, max_rows=a.max_batch, capacity=2048, release=True)
     wall = time.perf_counter() - t0
-    out = {"rows": a.max_batch, "prompts": len(ids), "tokens": sum(done), "wall_s": round(wall, 1),
-           "tok_s": round(sum(done) / wall, 2)}
-    print(f"  data engine ({a.max_batch} rows): {out['tokens']} tokens in {out['wall_s']} s = {out['tok_s']} tok/s",
-          flush=True)
-    return out
+    return {"rows": a.max_batch, "prompts": len(ids), "tokens": made[0], "wall_s": round(wall, 1),
+            "tok_s": round(made[0] / wall, 2)}
 
 
 def batching(srv, spec: str) -> dict | None:
@@ -264,6 +305,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=80)
     ap.add_argument("--ready-timeout", type=float, default=900)
     ap.add_argument("--data-engine", action="store_true", help="also the data engine in-process (see above)")
+    ap.add_argument("--decoder", action="store_true", help="with --data-engine: also the server's batched decoder "
+                                                           "in-process, alternating with it (see above)")
+    ap.add_argument("--rounds", type=int, default=2, help="--decoder: rounds of the data engine and the decoder")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
