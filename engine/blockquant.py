@@ -17,7 +17,9 @@ of the bytes read.
 How the grid is found (ggml's quantisers): for 4 bits, the smallest weight of a block has q = 0, so m is the
 block's minimum, and the largest has q = 15, so d is near (max - min) / 15, an fp16 number; the fp16 neighbours
 of that quotient are tried and the first that reproduces the block is kept. For 8 bits, m = 0 and d is near
-max |w| / 127. A constant block (d = 0) reproduces with q = 0.
+max |w| / 127 (Q8_0), max |w| / 16 (Q5_0: q - 16 in -16..15) or max |w| / 8 (Q4_0: q - 8 in -8..7), each tried
+per block: files quantised "Q4_K_M" hold most of their matrices as Q5_0 and Q8_0, which all pack at 8 bits
+(their K-quant tensors, with sub-block scales, do not). A constant block (d = 0) reproduces with q = 0.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ import torch
 log = logging.getLogger(__name__)
 
 BLOCK = 32
-LAYOUT = "blocks of 32; 4-bit in the GGUF Q4 order"  # part of the packed cache's key: a new layout, a new entry
+# part of the packed cache's key: a new layout, or a new search (which changes what packs), a new entry
+LAYOUT = "blocks of 32; 4-bit in the GGUF Q4 order; 8-bit from Q8_0, Q5_0 and Q4_0 scales"
+#: |q| of a symmetric block's largest weight in the formats the 8-bit search tries: Q8_0, Q5_0, Q4_0
+SYMMETRIC_LEVELS = (127, 16, 8)
 _CACHE_FROM = 1 << 22  # weights in all, from which `pack_groups` keeps its result on disk (a tiny model: never)
 _CHUNK = 1 << 20  # blocks derived at a time (float32 temporaries of 128 MB at most)
 
@@ -67,14 +72,17 @@ def _derive(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
     if bits == 4:
         m = blocks.min(1).values
         lo, hi, steps = 0, 15, (blocks.max(1).values - m) / 15
-    else:
+    else:  # symmetric grids d * q, the largest |w| at |q| = 127 (Q8_0), 16 (Q5_0) or 8 (Q4_0)
         m = torch.zeros(blocks.shape[0], dtype=torch.float32)
-        lo, hi, steps = -128, 127, blocks.abs().max(1).values / 127
+        amax = blocks.abs().max(1).values
+        lo, hi, steps = -128, 127, None
     want = blocks.view(torch.int32)
     found = torch.zeros(blocks.shape[0], dtype=torch.bool)
     d = torch.zeros(blocks.shape[0], dtype=torch.float32)
     q = torch.zeros(blocks.shape, dtype=torch.float32)
-    for c in _fp16_neighbours(steps):
+    candidates = (_fp16_neighbours(steps) if steps is not None
+                  else [c for levels in SYMMETRIC_LEVELS for c in _fp16_neighbours(amax / levels)])
+    for c in candidates:
         todo = (~found).nonzero().squeeze(1)
         if todo.numel() == 0:
             break
@@ -130,10 +138,20 @@ def unpack(p: Packed) -> torch.Tensor:
     return (p.d.double()[..., None] * q + p.m.double()[..., None]).float().reshape(n, -1)
 
 
-def quantize(w: torch.Tensor, bits: int) -> torch.Tensor:
+def quantize(w: torch.Tensor, bits: int, fmt: str | None = None) -> torch.Tensor:
     """``w`` rounded as ggml's Q4_1 (bits 4) or Q8_0 (bits 8) quantiser rounds it, dequantised to float32: a
-    float32 weight that `pack` finds exact (tests build such targets; no real model needs it)."""
+    float32 weight that `pack` finds exact (tests build such targets; no real model needs it). ``fmt`` "q5_0" or
+    "q4_0": ggml's symmetric 5-bit or 4-bit blocks instead (d = the signed largest weight / -16 or -8, stored as
+    fp16), which `pack` finds at 8 bits."""
     b = w.detach().float().reshape(-1, BLOCK).double()
+    if fmt is not None:
+        half = {"q5_0": 16, "q4_0": 8}[fmt]
+        big = b.gather(1, b.abs().argmax(1, keepdim=True))[:, 0]  # the signed weight of largest magnitude
+        d32 = big / -half
+        q = torch.where(d32[:, None] != 0, (b / torch.where(d32 != 0, d32, 1.0)[:, None] + half + 0.5).floor(),
+                        torch.full_like(b, half)).clamp(0, 2 * half - 1)
+        out = d32.to(torch.float16).double()[:, None] * (q - half)
+        return (out + 0.0).float().reshape(w.shape)
     if bits == 4:
         mn, mx = b.min(1).values, b.max(1).values
         d32 = (mx - mn) / 15  # q from the unrounded scale and minimum, then both stored as fp16 (ggml's order)

@@ -38,6 +38,23 @@ def test_a_dequantised_weight_packs_exactly_and_a_float_one_does_not(bits):
         assert blockquant.pack(blockquant.quantize(w, 4), 8) is None
 
 
+@pytest.mark.parametrize("fmt", ["q5_0", "q4_0"])
+def test_symmetric_5_and_4_bit_blocks_pack_at_8_bits_beside_8_bit_ones(fmt):
+    """A "Q4_K_M" file holds most matrices as Q5_0 and some as Q8_0 (one layer's v projection, the head): each
+    block is found at 8 bits whatever its own format, and a weight whose rows mix the two packs exactly."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(16, 128, generator=g) * 0.05
+    ws = blockquant.quantize(w, 8, fmt)
+    assert not torch.equal(ws, w) and blockquant.pack(ws, 4) is None
+    mixed = torch.cat([ws[:8], blockquant.quantize(w[8:], 8)])
+    for x in (ws, mixed):
+        p = blockquant.pack(x, 8)
+        assert p is not None and torch.equal(_bits(blockquant.unpack(p)), _bits(x))
+    off = ws.clone()
+    off[2, 70] = torch.nextafter(off[2, 70], torch.tensor(1.0))
+    assert blockquant.pack(off, 8) is None
+
+
 def test_pack_refuses_other_bit_widths():
     with pytest.raises(ValueError, match="4 or 8 bits"):
         blockquant.pack(torch.zeros(4, 32), 3)
