@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
                 tree, extra = shim(spec.split("@", 1)[1], work)
                 env.update(extra)
                 cwd = tree
-            logs = out / f"{spec.replace('@', '_')}-logs"
+            logs = (out / f"{spec.replace('@', '_')}-logs").resolve()  # absolute: ours@REV runs in its worktree
             shutil.rmtree(logs, ignore_errors=True)
             cmd = [sys.executable, "-m", "draftsmith.cli", "serve", "--target", a.target, "--port", str(port),
                    "--model-name", model, "--max-batch", str(a.max_batch), "--threads", str(a.threads),
