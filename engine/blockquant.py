@@ -20,6 +20,11 @@ of that quotient are tried and the first that reproduces the block is kept. For 
 max |w| / 127 (Q8_0), max |w| / 16 (Q5_0: q - 16 in -16..15) or max |w| / 8 (Q4_0: q - 8 in -8..7), each tried
 per block: files quantised "Q4_K_M" hold most of their matrices as Q5_0 and Q8_0, which all pack at 8 bits
 (their K-quant tensors, with sub-block scales, do not). A constant block (d = 0) reproduces with q = 0.
+
+A zero weight may be stored as -0.0 (ggml's symmetric formats multiply q - 16 = 0 by a negative scale); packed,
+it is +0.0. The two give the same sums: a product with either zero adds nothing to a non-zero accumulator, and an
+accumulator that starts at +0.0 never becomes -0.0 (x + (-x) is +0.0 when rounding to nearest), so the kernel's
+outputs stay the float32 kernel's, bit for bit, and the search compares the weights with their zeros made +0.0.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32
 # part of the packed cache's key: a new layout, or a new search (which changes what packs), a new entry
-LAYOUT = "blocks of 32; 4-bit in the GGUF Q4 order; 8-bit from Q8_0, Q5_0 and Q4_0 scales"
+LAYOUT = "blocks of 32; 4-bit in the GGUF Q4 order; 8-bit from Q8_0, Q5_0 and Q4_0 scales; -0.0 as +0.0"
 #: |q| of a symmetric block's largest weight in the formats the 8-bit search tries: Q8_0, Q5_0, Q4_0
 SYMMETRIC_LEVELS = (127, 16, 8)
 _CACHE_FROM = 1 << 22  # weights in all, from which `pack_groups` keeps its result on disk (a tiny model: never)
@@ -76,7 +81,7 @@ def _derive(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
         m = torch.zeros(blocks.shape[0], dtype=torch.float32)
         amax = blocks.abs().max(1).values
         lo, hi, steps = -128, 127, None
-    want = blocks.view(torch.int32)
+    want = (blocks + 0.0).view(torch.int32)  # -0.0 as +0.0 (see the module docstring)
     found = torch.zeros(blocks.shape[0], dtype=torch.bool)
     d = torch.zeros(blocks.shape[0], dtype=torch.float32)
     q = torch.zeros(blocks.shape, dtype=torch.float32)

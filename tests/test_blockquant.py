@@ -77,6 +77,27 @@ def test_the_packed_kernel_gives_the_float32_kernels_bits(bits, n, k):
 
 
 @native
+def test_negative_zero_weights_pack_and_give_the_float32_kernels_bits():
+    """ggml's symmetric formats dequantise q - 16 = 0 with a negative scale to -0.0; packed, that weight is +0.0.
+    The outputs are still the float32 kernel's on the weights as stored, bit for bit, whatever the signs of the
+    inputs, including rows that are all zero (no sum of products can become -0.0)."""
+    g = torch.Generator().manual_seed(11)
+    w = blockquant.quantize(torch.randn(64, 96, generator=g) * 0.05, 8, "q5_0")
+    w[w == 0] = -0.0
+    w[5] = -0.0  # a whole row of negative zeros
+    assert (w == 0).sum() > 64 and torch.signbit(w[w == 0]).all()
+    p = blockquant.pack(w, 8)
+    assert p is not None
+    for m in (1, 3, 8):
+        x = torch.randn(m, 96, generator=g)
+        x[0, :40] = -0.0
+        want = torch.ops.draftsmith_native.rows_linear(x, w, None)
+        got = torch.ops.draftsmith_native.rows_linear_q(x, p.q, p.d, p.m, 8, None)
+        assert torch.equal(_bits(got), _bits(want)), m
+        assert not torch.signbit(got[:, 5]).any()
+
+
+@native
 def test_the_packed_kernel_names_bad_shapes():
     w = blockquant.quantize(torch.randn(8, 64) * 0.05, 4)
     p = blockquant.pack(w, 4)
