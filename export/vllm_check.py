@@ -149,6 +149,12 @@ def main(argv: list[str] | None = None) -> dict:
             where = out / f"{Path(ck).parent.name}-{fmt}"
             if not where.exists():
                 export(ck, fmt, where, target)
+            why = vllm_refuses(python, target, VLLM_METHODS[fmt])
+            if why is not None:
+                print(f"{where.name}: not run: {why}", flush=True)
+                report["runs"][where.name] = {"checkpoint": str(ck), "format": fmt, "vllm_method": VLLM_METHODS[fmt],
+                                              "refused": why}
+                continue
             mine = ours(target, drafter_from_checkpoint(ck, target), prompts, n, k)
             spec = {"method": VLLM_METHODS[fmt], "model": str(where), "num_speculative_tokens": k}
             theirs = run_vllm(python, str(target.path), prompts, n, out / f"{where.name}.json", spec, a.threads,
@@ -173,6 +179,33 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+_SUPPORT_PROBE = """\
+import sys
+import vllm
+from vllm.model_executor.models import ModelRegistry
+from vllm.model_executor.models.interfaces import supports_eagle3
+cls = ModelRegistry._try_load_model_cls(sys.argv[1])
+print("unknown" if cls is None else int(bool(supports_eagle3(cls))), vllm.__version__)
+"""
+
+
+def vllm_refuses(python: Path, target, method: str) -> str | None:
+    """Why the vLLM at ``python`` cannot serve a ``method`` drafter for ``target``, read from its own model classes
+    before a run (vLLM itself fails only after loading, with a traceback); None when it can or cannot tell."""
+    if method != "eagle3":
+        return None
+    arch = (getattr(target.model.config, "architectures", None) or [type(target.model).__name__])[0]
+    try:
+        r = subprocess.run([str(python), "-c", _SUPPORT_PROBE, arch], capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    words = r.stdout.split()
+    if r.returncode != 0 or len(words) < 2 or words[-2] != "0":
+        return None
+    return (f"vLLM {words[-1]}'s {arch} does not implement vLLM's EAGLE-3 interface (SupportsEagle3): that vLLM "
+            f"cannot serve an EAGLE-3 drafter for this target (export kept; another vLLM version may)")
+
+
 def table(report: dict) -> str:
     p = report["plain"]
     lines = [f"plain: vLLM {p['vllm_tok_s']:.2f} tok/s, ours {p['ours_tok_s']:.2f} tok/s; vLLM = ours on "
@@ -180,6 +213,9 @@ def table(report: dict) -> str:
              "| run | vLLM = vLLM plain | vLLM = ours plain | acc. length vLLM / ours | vLLM tok/s (x plain) | "
              "ours tok/s (x plain) |", "|---|---|---|---|---|---|"]
     for name, r in report["runs"].items():
+        if "refused" in r:
+            lines.append(f"| {name} | not run: {r['refused']} | | | | |")
+            continue
         va, oa = r["vllm_mean_acceptance_length"], r["ours_mean_acceptance_length"]
         lines.append(f"| {name} | {r['vllm_vs_vllm_plain']['equal']}/{r['vllm_vs_vllm_plain']['of']} | "
                      f"{r['vllm_vs_ours_plain']['equal']}/{r['vllm_vs_ours_plain']['of']} | "

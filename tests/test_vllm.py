@@ -35,3 +35,26 @@ def test_exports_decode_in_vllm_as_without_a_drafter(tmp_path):
     for r in rep["runs"].values():
         assert r["vllm_vs_vllm_plain"]["equal"] == 3 and r["ours_vs_ours_plain"]["equal"] == 3, r
         assert r["vllm_drafts"] > 0 and r["vllm_mean_acceptance_length"] >= 1.0
+
+
+def test_a_vllm_whose_model_class_lacks_eagle3_refuses_before_a_run(tmp_path):
+    """vLLM fails to load an EAGLE-3 drafter for a target whose model class lacks its EAGLE-3 interface (Gemma 3
+    in vLLM 0.32) only after starting, with a traceback; the check asks vLLM's own model classes first and names
+    the architecture and version. A vLLM that supports it, or that cannot be asked, is not refused."""
+    from types import SimpleNamespace
+
+    from draftsmith.export.vllm_check import table, vllm_refuses
+    target = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(architectures=["Gemma3ForCausalLM"])))
+    fake = {}
+    for name, out, rc in (("lacks", "0 0.32.0", 0), ("has", "1 0.32.0", 0), ("broken", "", 1)):
+        fake[name] = tmp_path / name
+        fake[name].write_text(f"#!/bin/sh\necho '{out}'\nexit {rc}\n")
+        fake[name].chmod(0o755)
+    why = vllm_refuses(fake["lacks"], target, "eagle3")
+    assert why is not None and "Gemma3ForCausalLM" in why and "0.32.0" in why and "SupportsEagle3" in why
+    assert vllm_refuses(fake["has"], target, "eagle3") is None
+    assert vllm_refuses(fake["broken"], target, "eagle3") is None
+    assert vllm_refuses(fake["lacks"], target, "medusa") is None
+    report = {"plain": {"vllm_tok_s": 1.0, "ours_tok_s": 1.0, "vllm_vs_ours": {"equal": 1, "of": 1}},
+              "runs": {"x-vllm-eagle3": {"refused": why}}}
+    assert "not run: vLLM 0.32.0's Gemma3ForCausalLM" in table(report)
