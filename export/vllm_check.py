@@ -182,28 +182,31 @@ def main(argv: list[str] | None = None) -> dict:
 _SUPPORT_PROBE = """\
 import sys
 import vllm
-from vllm.model_executor.models import ModelRegistry
-from vllm.model_executor.models.interfaces import supports_eagle3
+from vllm.model_executor.models import ModelRegistry, interfaces
 cls = ModelRegistry._try_load_model_cls(sys.argv[1])
-print("unknown" if cls is None else int(bool(supports_eagle3(cls))), vllm.__version__)
+print("unknown" if cls is None else int(bool(getattr(interfaces, sys.argv[2])(cls))), vllm.__version__)
 """
+#: vLLM's method -> (its check of a target model class, the interface it names): methods that need the target's help
+_TARGET_INTERFACE = {VLLM_METHODS["vllm-eagle3"]: ("supports_eagle3", "SupportsEagle3")}
 
 
 def vllm_refuses(python: Path, target, method: str) -> str | None:
     """Why the vLLM at ``python`` cannot serve a ``method`` drafter for ``target``, read from its own model classes
     before a run (vLLM itself fails only after loading, with a traceback); None when it can or cannot tell."""
-    if method != "eagle3":
+    if method not in _TARGET_INTERFACE:
         return None
+    check, interface = _TARGET_INTERFACE[method]
     arch = (getattr(target.model.config, "architectures", None) or [type(target.model).__name__])[0]
     try:
-        r = subprocess.run([str(python), "-c", _SUPPORT_PROBE, arch], capture_output=True, text=True, timeout=600)
+        r = subprocess.run([str(python), "-c", _SUPPORT_PROBE, arch, check], capture_output=True, text=True,
+                           timeout=600)
     except (OSError, subprocess.TimeoutExpired):
         return None
     words = r.stdout.split()
     if r.returncode != 0 or len(words) < 2 or words[-2] != "0":
         return None
-    return (f"vLLM {words[-1]}'s {arch} does not implement vLLM's EAGLE-3 interface (SupportsEagle3): that vLLM "
-            f"cannot serve an EAGLE-3 drafter for this target (export kept; another vLLM version may)")
+    return (f"vLLM {words[-1]}'s {arch} does not implement vLLM's {interface} interface: that vLLM cannot serve "
+            f"a {method} drafter for this target (export kept; another vLLM version may)")
 
 
 def table(report: dict) -> str:

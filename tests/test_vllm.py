@@ -51,7 +51,8 @@ def test_a_vllm_whose_model_class_lacks_eagle3_refuses_before_a_run(tmp_path):
         fake[name].write_text(f"#!/bin/sh\necho '{out}'\nexit {rc}\n")
         fake[name].chmod(0o755)
     why = vllm_refuses(fake["lacks"], target, "eagle3")
-    assert why is not None and "Gemma3ForCausalLM" in why and "0.32.0" in why and "SupportsEagle3" in why
+    assert why is not None and "Gemma3ForCausalLM" in why and "0.32.0" in why
+    assert "SupportsEagle3" in why and "eagle3 drafter" in why
     assert vllm_refuses(fake["has"], target, "eagle3") is None
     assert vllm_refuses(fake["broken"], target, "eagle3") is None
     assert vllm_refuses(fake["lacks"], target, "medusa") is None
