@@ -57,6 +57,7 @@ from draftsmith.engine.kvcache import KVCache
 from draftsmith.engine.native import (block_for, contiguous_slots, decode_linear, native_for, ragged_block_attention,
                                      ragged_decode_attention, ragged_prefill_attention, rows_linear_dtypes)
 from draftsmith.recipe import default_forward
+from draftsmith.targets import shipped_gguf
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +250,6 @@ class _Core(torch.nn.Module):
         Each is checked against the float32 weight it replaces (`blockquant.exact_for`); a group's weights that
         are not Q4_K (Q6_K's 16-weight sub-blocks, say) stay float32 (a placeholder of 0 bits). Empty when the
         target ships no GGUF file or none of its tensors is Q4_K."""
-        from draftsmith.targets import shipped_gguf  # core: the target's shipped file, only for packing
         todo = {"down": "blk.{}.ffn_down.weight", "o": "blk.{}.attn_output.weight"}
         todo = {g: f for g, f in todo.items() if g in groups and g not in done}
         found = shipped_gguf("", self.source) if todo and self.source else None
