@@ -220,8 +220,10 @@ class _Core(torch.nn.Module):
         """Find the weights that are exactly 4-bit or 8-bit blocks (a target dequantised from a GGUF file's Q4_1
         and Q8_0 tensors: `draftsmith.engine.blockquant`) and keep packed copies, which decoding steps of up to
         `ROWS_LINEAR_MAX` float32 rows multiply by instead, with the same bits. A group (every layer's qkv, say)
-        is packed only if all of its weights are exact; the rest stay float32. ``DRAFTSMITH_PACKED=0`` turns it
-        off. Returns what was packed, for reports."""
+        is packed from its float32 values only if all of its weights are exact; the down and output projections
+        that the target's shipped GGUF file stores as Q4_K are then read from it, weight by weight
+        (`_k_quant_packs`). The rest stay float32. ``DRAFTSMITH_PACKED=0`` turns it off. Returns what was packed,
+        for reports."""
         if (not self.rows_native or self.norm_w.dtype != torch.float32
                 or os.environ.get("DRAFTSMITH_PACKED", "1") == "0"):
             return {}
