@@ -5,7 +5,6 @@ bit) and nothing else is; the packed kernel gives the float32 kernel's bits for 
 forward over packed weights gives the float32 forward's logits bit for bit, and the decoder over it stays
 lossless (exact enumeration) and equal to plain decoding (greedy)."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -188,72 +187,3 @@ def test_decoding_over_packed_weights_is_lossless():
     plain = SpeculativeDecoder(big).generate(prompt, 40).tokens
     spec = SpeculativeDecoder(big, random_medusa(big)).generate(prompt, 40).tokens
     assert list(spec) == list(plain) and len(plain) > 20
-
-
-def _q4_k_bytes(n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random Q4_K super-blocks ([n, k / 256 * 144] uint8): fp16 d and dmin, 12 bytes of 6-bit scales and mins,
-    128 bytes of nibbles (ggml's block_q4_K)."""
-    rng = np.random.default_rng(seed)
-    s = n * k // 256
-    b = np.zeros((s, blockquant.Q4_K_BYTES), np.uint8)
-    b[:, 0:2] = (rng.uniform(1e-4, 2e-3, s).astype(np.float16).view(np.uint8).reshape(s, 2))
-    b[:, 2:4] = (rng.uniform(1e-4, 2e-3, s).astype(np.float16).view(np.uint8).reshape(s, 2))
-    b[:, 4:] = rng.integers(0, 256, (s, 140), dtype=np.uint8)
-    return b.reshape(n, -1)
-
-
-def test_q4_k_tensors_read_from_their_bytes_are_ggufs_own_dequantisation():
-    """`from_q4_k` turns a GGUF Q4_K tensor's bytes into 4-bit blocks of 32 whose fma(D, q, M) is, bit for bit, what
-    the gguf package's own dequantiser gives (the float32 weights a target converted from the file holds), and the
-    packed kernel multiplies by them with the float32 kernel's bits."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-    n, k = 24, 512
-    raw = _q4_k_bytes(n, k)
-    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float32)).reshape(n, k)
-    p = blockquant.from_q4_k(raw, n, k)
-    assert p.bits == 4 and p.q.shape == (n, k // 2) and p.d.shape == (n, k // 32)
-    assert blockquant.exact_for(p, want)
-    assert not blockquant.exact_for(p, want * 1.0001)
-    with pytest.raises(ValueError, match="Q4_K"):
-        blockquant.from_q4_k(raw[:, :-1], n, k)
-    if rows_linear_on():
-        x = torch.randn(3, k)
-        assert torch.equal(_bits(torch.ops.draftsmith_native.rows_linear_q(x, p.q, p.d, p.m, 4, None)),
-                           _bits(torch.ops.draftsmith_native.rows_linear(x, want.contiguous(), None)))
-
-
-@native
-def test_a_group_packed_in_part_keeps_its_other_weights_in_float32(monkeypatch):
-    """A group whose weights are packed only in part (Q4_K down projections beside Q6_K ones, in the named
-    targets' files): the packed ones are multiplied from their blocks, the others from float32, and the forward is
-    still the float32 forward's, bit for bit."""
-    from draftsmith.engine import fastpath
-    from draftsmith.engine.fastpath import FastBody
-    from draftsmith.engine.kvcache import KVCache
-    tgt = _packed_tiny()
-    with torch.no_grad():  # layer 1's down projection off the grid: the group does not pack from float32 values
-        w = tgt.model.model.layers[1].mlp.down_proj.weight
-        w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) * 1e-3)
-
-    def from_file(self, groups, done):  # as if the file held layer 0's down projection as Q4_K
-        assert "down" in groups and "down" not in done
-        keep = blockquant.pack(groups["down"][0], 4)
-        return {"down": [keep, blockquant.Packed(torch.zeros(0, dtype=torch.uint8), torch.zeros(0), torch.zeros(0),
-                                                 0)]}
-
-    monkeypatch.setattr(fastpath._Core, "_k_quant_packs", from_file)
-    packed = FastBody(tgt.model, compile=False)
-    plain = FastBody(tgt.model, compile=False, pack=False)
-    assert packed.packed["down"] == 4 and packed.packed["qkv"] == 4
-    assert plain.step_bytes() > packed.step_bytes() > plain.step_bytes() - sum(
-        p.numel() * 4 for p in tgt.model.parameters() if p.dim() == 2)
-    outs = []
-    for fast in (packed, plain):
-        c = KVCache.for_model(tgt.model, 64)
-        c.set_write(0)
-        with torch.no_grad():
-            fast(input_ids=torch.arange(3, 23)[None], cache=c)
-            c.set_write(20)
-            outs.append(fast(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[20]]), cache=c).logits)
-    assert torch.equal(_bits(outs[0]), _bits(outs[1]))
