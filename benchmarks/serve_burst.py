@@ -237,8 +237,7 @@ def data_engine(a, prompts: list[str]) -> dict:
         t0 = time.perf_counter()
         gen.run([Job(i, p, a.tokens) for i, p in enumerate(ids)], lambda j, t, f: done.append(len(t)))
         wall = time.perf_counter() - t0
-        rnd = {"data_engine": {"rows": a.max_batch, "prompts": len(ids), "tokens": sum(done),
-                               "wall_s": round(wall, 1), "tok_s": round(sum(done) / wall, 2)}}
+        rnd = {"data_engine": rate(a, ids, sum(done), wall)}
         print(f"  data engine ({a.max_batch} rows): {sum(done)} tokens in {wall:.1f} s = "
               f"{rnd['data_engine']['tok_s']} tok/s", flush=True)
         if a.decoder:
@@ -270,8 +269,13 @@ def batched_decoder(a, target, ids: list[list[int]]) -> dict:
     dec.generate([ids[i] for i in range(rows)], [a.tokens] * rows, rngs=[TorchRandom(0) for _ in range(rows)],
                  on_step=on_step, admit=admit, max_rows=a.max_batch, capacity=2048, release=True)
     wall = time.perf_counter() - t0
-    return {"rows": a.max_batch, "prompts": len(ids), "tokens": made[0], "wall_s": round(wall, 1),
-            "tok_s": round(made[0] / wall, 2)}
+    return rate(a, ids, made[0], wall)
+
+
+def rate(a, ids: list[list[int]], tokens: int, wall: float) -> dict:
+    """One in-process generation's figures: rows, prompts, tokens, wall seconds, tok/s."""
+    return {"rows": a.max_batch, "prompts": len(ids), "tokens": tokens, "wall_s": round(wall, 1),
+            "tok_s": round(tokens / wall, 2)}
 
 
 def batching(srv, spec: str) -> dict | None:

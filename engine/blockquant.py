@@ -76,18 +76,16 @@ def _derive(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
     adding m rounds once, as the kernel's fused multiply-add does."""
     if bits == 4:
         m = blocks.min(1).values
-        lo, hi, steps = 0, 15, (blocks.max(1).values - m) / 15
+        lo, hi, scales = 0, 15, [(blocks.max(1).values - m) / 15]
     else:  # symmetric grids d * q, the largest |w| at |q| = 127 (Q8_0), 16 (Q5_0) or 8 (Q4_0)
         m = torch.zeros(blocks.shape[0], dtype=torch.float32)
         amax = blocks.abs().max(1).values
-        lo, hi, steps = -128, 127, None
+        lo, hi, scales = -128, 127, [amax / levels for levels in SYMMETRIC_LEVELS]
     want = (blocks + 0.0).view(torch.int32)  # -0.0 as +0.0 (see the module docstring)
     found = torch.zeros(blocks.shape[0], dtype=torch.bool)
     d = torch.zeros(blocks.shape[0], dtype=torch.float32)
     q = torch.zeros(blocks.shape, dtype=torch.float32)
-    candidates = (_fp16_neighbours(steps) if steps is not None
-                  else [c for levels in SYMMETRIC_LEVELS for c in _fp16_neighbours(amax / levels)])
-    for c in candidates:
+    for c in [c for scale in scales for c in _fp16_neighbours(scale)]:
         todo = (~found).nonzero().squeeze(1)
         if todo.numel() == 0:
             break
