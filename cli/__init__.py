@@ -9,6 +9,7 @@
   draftsmith info PATH                       describe a checkpoint, cache or recipe
   draftsmith targets [install NAME]          named targets: known, installed, converted
   draftsmith eval CHECKPOINT [...]           decode MT-Bench with the lossless decoder
+  draftsmith bench suite CKPT... [--quick]   the evaluation protocol: MT-Bench 1st/2nd turns, HumanEval, T=0/1
   draftsmith export CKPT --to FMT --out DIR  vllm-eagle3 | eagle3 | vllm-medusa | hf | draftsmith | gguf, reloaded
   draftsmith import SRC --out CKPT           an engine-layout dir (EAGLE-3, Medusa) -> checkpoint
   draftsmith traces RECIPE [--checkpoint C]  acceptance traces of a chain drafter on training prompts
@@ -44,7 +45,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("stages", "train stage"),
     "trees": ("stages", "trees stage"),
     "report": ("stages", "report stage"),
-    "bench": ("stages", "bench stage"),
+    "bench": ("stages", "bench stage (`draftsmith bench suite -h`: the evaluation protocol over prompt sets)"),
     "run": ("stages", "every stage in order"),
     "quickstart": ("stages", "the main job: run the quickstart recipe on the default target"),
     "info": ("info", "describe a checkpoint, cache, data dir or recipe"),
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv[:2] == ["bench", "suite"]:  # the suite (a recipe file called suite: give its path to `bench`)
+            return _module("suite").main(argv[2:])
         if argv[:1] and argv[0] in OWN_ARGUMENTS:
             return _module(OWN_ARGUMENTS[argv[0]]).main(argv[1:])
         # the subcommand argparse will pick: the first argument that names one (only -h can come before it)

@@ -18,6 +18,8 @@ command, the config and the environment), DIR/report.md and PNG plots.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith import registry
@@ -125,6 +127,24 @@ def eval_main(argv: list[str] | None = None) -> dict:
     """Entry point of ``draftsmith eval``; returns the report dict."""
 
     a = build_parser().parse_args(argv)
+    loaded = load_for_eval(a)
+    return evaluate(a, loaded, eval_prompts(a, loaded.target), a.out)
+
+
+@dataclass
+class Loaded:
+    """What `load_for_eval` sets up once for any number of prompt sets (`evaluate` per set)."""
+
+    target: object
+    drafters: list  # (drafter, [(tree label, tree), ...]) per checkpoint
+    dtype: str | None
+    layout: dict | None
+    forward: dict
+
+
+def load_for_eval(a: argparse.Namespace) -> Loaded:
+    """The target and every checkpoint's drafter with its trees, in the CPU decoding layout and with the target's
+    forward chosen, from ``draftsmith eval``'s parsed arguments."""
     if a.hf_assisted and not a.drafter_layers:
         raise SystemExit("--hf-assisted needs --drafter-layers N (the assistant model)")
     ckpts = [] if [c.lower() for c in a.checkpoint] == ["none"] else list(a.checkpoint)
@@ -169,13 +189,29 @@ def eval_main(argv: list[str] | None = None) -> dict:
                   f"{layout.get('packed', 0)} oneDNN-packed, {layout['heads']} head copies")
     forward = use_fast_forward(target, a.forward)
     print(f"target forward: {forward}")
+    return Loaded(target, drafters, dtype, layout, forward)
+
+
+def eval_prompts(a: argparse.Namespace, target) -> list:
+    """The prompts ``draftsmith eval`` decodes: the user's file (malformed lines counted) or MT-Bench first turns."""
     if a.prompts_file:
         prompts, bad = user_prompts(target.tokenizer, a.prompts_file, a.prompts)
         if bad["skipped"]:
             print(f"prompts file: skipped {sum(bad['skipped'].values())} lines {bad['skipped']} "
                   f"(first at {bad['first_skipped_at']})")
-    else:
-        prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
+        return prompts
+    return mtbench_prompts(target.tokenizer, a.prompts, spread=True)
+
+
+def evaluate(a: argparse.Namespace, loaded: Loaded, prompts: list, out: str | Path,
+             more_plain: Callable[[dict, list, SamplingParams, str], None] | None = None,
+             described: str | None = None) -> dict:
+    """Benchmark every method on ``prompts`` at each of ``a.temperature``; write the report into ``out`` and
+    return it. Prompts too long for the context are left out and counted (an error when none is left).
+    ``more_plain(figures, prompts, sampling, label)``: adds other engines' plain decoding to each run's figures
+    before the report is written (`draftsmith.eval.bench.add_plain`). ``described``: what the prompts are, for the
+    report (default: the user's file or MT-Bench first turns)."""
+    target, drafters, dtype = loaded.target, loaded.drafters, loaded.dtype
     room = target.context_length - a.max_new_tokens - 64  # 64: the largest draft block a method verifies
     too_long = [p for p in prompts if len(p.ids) > room]
     if too_long:
@@ -188,7 +224,7 @@ def eval_main(argv: list[str] | None = None) -> dict:
     if a.suffix_from_data:
         if a.suffix_index or not a.suffix:
             raise ValueError("--suffix-from-data goes with --suffix, and not with --suffix-index")
-        index_dir = Path(a.out) / "suffix_index"
+        index_dir = Path(out) / "suffix_index"
         seeded = save_index_from_data(a.suffix_from_data, target.tokenizer, index_dir, target.fingerprint,
                                       suffix_config(a))
         print(f"suffix index from {a.suffix_from_data}: {seeded['replies']} answers, {seeded['indexed_tokens']} "
@@ -218,16 +254,20 @@ def eval_main(argv: list[str] | None = None) -> dict:
                            [t for t in a.llamacpp.split(",") if t], sampling=sampling)
         if runs[label].get("llamacpp"):
             print(f"llama.cpp: left out ({runs[label]['llamacpp'].splitlines()[0]})")
+        if more_plain is not None:
+            more_plain(runs[label], prompts, sampling, label)
         print(table(runs[label]), flush=True)
     config = {k: v for k, v in vars(a).items()}
-    config["cpu_layout"] = layout
+    config["cpu_layout"] = loaded.layout
     config["suffix_index_seeded"] = seeded
-    config["forward"] = dict(forward, compile_s=round(getattr(target.fast_body, "compile_s", 0.0), 1),
+    config["forward"] = dict(loaded.forward, compile_s=round(getattr(target.fast_body, "compile_s", 0.0), 1),
                              drafter_compile_s={d.name: round(getattr(d, "compile_s", 0.0), 1) for d, _ in drafters})
     config["target"] = {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint,
                         "dtype": dtype_name(target.dtype),
                         "dtype_reason": resolve_dtype(dtype, target.model.device).reason}
-    report = write_report(a.out, runs, config, command_line(), environment())
-    print(f"wrote {Path(a.out) / 'report.json'}, report.md and {len(report['plots'])} plots")
+    config["out"], config["prompts_decoded"] = str(out), len(prompts)
+    config["prompt_set"] = described or (f"prompts of {a.prompts_file}" if a.prompts_file else "MT-Bench first turns")
+    report = write_report(out, runs, config, command_line(), environment())
+    print(f"wrote {Path(out) / 'report.json'}, report.md and {len(report['plots'])} plots")
     return report
 

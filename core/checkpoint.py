@@ -34,6 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from draftsmith import __version__, registry
+from draftsmith.machine import git_commit, machine
 from draftsmith.target import Target, check_fingerprint, dtype_name
 
 MANIFEST = "manifest.json"
@@ -127,7 +128,8 @@ def command_line() -> str:
 
 
 def environment() -> dict[str, Any]:
-    """Versions and machine facts recorded next to every result."""
+    """Versions, machine facts (CPU model and instruction sets, memory) and the code's commit, recorded next to
+    every result."""
     import transformers
     env = {
         "python": platform.python_version(), "torch": torch.__version__,
@@ -135,6 +137,7 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "machine": machine(), "code": git_commit(),
     }
     return env
 

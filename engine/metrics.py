@@ -11,6 +11,10 @@ Conventions:
     token of every step included.
   * Per-position acceptance at depth i = P(depth i accepted | depth i-1
     accepted and a candidate at depth i was tested), counted over steps.
+  * Draft acceptance rate = accepted draft tokens / drafted tokens, over all
+    steps (for a chain of K: the share of the K drafts kept; a tree's
+    drafted tokens are all its nodes, so a tree's rate reads lower).
+  * Accepted histogram: entry k = the number of steps that accepted k drafts.
   * Speedup = tokens/s of a method / tokens/s of a named baseline, same
     prompts, same machine, measured interleaved.
 """
@@ -88,6 +92,16 @@ def acceptance_by_position(results: Iterable[DecodeResult], max_depth: int | Non
     return out
 
 
+def accepted_histogram(steps: Iterable[StepStats]) -> list[int]:
+    """Steps by the number of drafts they accepted: entry k counts the steps that accepted k."""
+    counts: list[int] = []
+    for s in steps:
+        if s.accepted >= len(counts):
+            counts += [0] * (s.accepted + 1 - len(counts))
+        counts[s.accepted] += 1
+    return counts
+
+
 def time_shares(results: Iterable[DecodeResult]) -> dict[str, float]:
     """Fractions of decoding time (prefill excluded) spent drafting, verifying, and elsewhere."""
     steps = [s for r in results for s in r.steps]
@@ -123,6 +137,7 @@ def summarize(results: Sequence[DecodeResult]) -> dict:
         # draft tokens per step, and drafted tokens that verification threw away per accepted one
         "mean_draft_len": drafted / len(steps) if steps else 0.0,
         "wasted_per_accepted": (drafted - accepted) / accepted if accepted else None,
+        "acceptance_rate": accepted / drafted if drafted else None, "accepted_hist": accepted_histogram(steps),
         "acceptance_by_position": acceptance_by_position(results), "time_shares": time_shares(results),
         "wall_s": wall, "tokens_per_s": tokens_per_second(tokens, wall),
         # mean milliseconds per step: what a step-time breakdown compares (e.g. verification depth)

@@ -33,7 +33,7 @@ from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams
 
 BASELINE = "plain (ours)"
-PLAIN = ("plain (ours", "HF generate", "llama.cpp plain")  # how every plain decoding's method name starts
+PLAIN = ("plain (ours", "HF generate", "llama.cpp plain", "vLLM plain")  # how every plain decoding's method name starts
 
 
 def is_plain(name: str) -> bool:
@@ -55,6 +55,20 @@ def mark_fastest_plain(figures: dict) -> str | None:
         if not any(x["baseline"] == fastest for x in s["speedup"]):
             s["speedup"].append(speedup(s["tokens_per_s"], ms[fastest]["tokens_per_s"], fastest))
     return fastest
+
+
+def add_plain(figures: dict, name: str, stats: dict) -> None:
+    """Another engine's plain decoding, measured on the same prompts (llama.cpp's, vLLM's), as method ``name`` of
+    ``figures`` (``stats``: at least ``tokens_per_s``); every method's speedups then name every plain decoding in
+    ``figures``, and the fastest is marked (`mark_fastest_plain`)."""
+    if not is_plain(name):
+        raise ValueError(f"{name!r} is not named as a plain decoding (names start with one of {PLAIN})")
+    ms = figures["methods"]
+    ms[name] = {"tau": 1.0, "mean_draft_len": 0.0, "acceptance_by_position": [], "time_shares": None, **stats}
+    plains = [n for n in ms if is_plain(n)]
+    for s in ms.values():
+        s["speedup"] = [speedup(s["tokens_per_s"], ms[b]["tokens_per_s"], b) for b in plains]
+    mark_fastest_plain(figures)
 
 
 @dataclass

@@ -64,7 +64,8 @@ def _plots(runs: dict, out: Path) -> list[str]:
 def _markdown(report: dict) -> str:
     lines = ["# Decoding benchmark", "", f"Command: `{report['command']}`", ""]
     cfg = report["config"]
-    lines += [f"MT-Bench first turns: {cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, "
+    lines += [f"{cfg.get('prompt_set', 'MT-Bench first turns')}: {cfg.get('prompts_decoded', cfg['prompts'])} prompts, "
+              f"{cfg['max_new_tokens']} new tokens, "
               f"methods interleaved per prompt. tau = tokens / target forwards that emit tokens (final token "
               f"included; plain decoding = 1.00; see draftsmith.engine.metrics). Speedups name their baseline.", ""]
     for label, figs in report["runs"].items():

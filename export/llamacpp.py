@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith import __version__, paths
+from draftsmith.machine import cpu_stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = Path(__file__).with_name("gguf_tool.py")
@@ -53,19 +54,6 @@ class LlamaCppError(RuntimeError):
 
 
 # ---------------------------------------------------------------- the build
-def cpu_stamp() -> dict:
-    """This CPU's model name and instruction-set flags, as scripts/llamacpp_env.sh records them."""
-    model, flags = "", []
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and not model:
-            model = value.strip()
-        if key.strip() == "flags" and not flags:
-            flags = sorted(value.split())
-    isa = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4", "bmi"))]
-    return {"cpu_model": model, "cpu_isa": isa}
-
-
 @dataclass
 class LlamaCpp:
     """A llama.cpp build: its programs, its source (converter, gguf-py) and its stamp."""

@@ -152,8 +152,7 @@ def add_llamacpp_plain(figures: dict, target, prompts: list, max_new_tokens: int
     with no llama.cpp build, none (``figures["llamacpp"]`` says why). Greedy only (sampled runs differ by design)."""
     import torch  # noqa: PLC0415
 
-    from draftsmith.engine.metrics import speedup  # noqa: PLC0415
-    from draftsmith.eval.bench import BASELINE, mark_fastest_plain  # noqa: PLC0415
+    from draftsmith.eval.bench import add_plain  # noqa: PLC0415 (export -> eval: torch only where it runs)
     if not types:
         return []
     why = have_llamacpp()
@@ -175,21 +174,13 @@ def add_llamacpp_plain(figures: dict, target, prompts: list, max_new_tokens: int
             failed.append(f"{t}: {str(e).splitlines()[0]}")
             continue
         name = f"llama.cpp plain ({t})" if t != "shipped" else f"llama.cpp plain (shipped {shipped_type(target)})"
-        figures["methods"][name] = {"tokens_per_s": r["tok_s"], "tau": 1.0, "mean_draft_len": 0.0,
-                                    "family": "llama.cpp", "acceptance_by_position": [], "time_shares": None,
-                                    "tau_by_category": {c: 1.0 for c in sorted({getattr(p, "category", "all")
-                                                                                for p in prompts})},
-                                    "tokens": r["generated"], "wall_s": r["wall_s"], "threads": threads}
+        add_plain(figures, name, {"tokens_per_s": r["tok_s"], "family": "llama.cpp",
+                                  "tau_by_category": {c: 1.0 for c in sorted({getattr(p, "category", "all")
+                                                                              for p in prompts})},
+                                  "tokens": r["generated"], "wall_s": r["wall_s"], "threads": threads})
         added.append(name)
     if failed:
         figures["llamacpp"] = "; ".join(failed)
-    if not added:
-        return []
-    for s in figures["methods"].values():
-        s["speedup"] = [x for x in s.get("speedup", []) if x["baseline"] in (BASELINE, "HF generate")]
-        for b in added:
-            s["speedup"].append(speedup(s["tokens_per_s"], figures["methods"][b]["tokens_per_s"], b))
-    mark_fastest_plain(figures)
     return added
 
 

@@ -30,10 +30,11 @@ import torch
 from draftsmith.checkpoint import command_line, drafter_from_checkpoint, environment
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.policies import FixedLength
+from draftsmith.eval.bench import add_plain
 from draftsmith.eval.greedy_equality import first_divergence, top2_gap
 from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
 from draftsmith.export import export, formats_for, load_source, source_target
-from draftsmith.target import load_target
+from draftsmith.target import dtype_name, load_target
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 #: our format -> vLLM's speculative method
@@ -71,6 +72,39 @@ def run_vllm(python: Path, target_dir: str, prompts: list[list[int]], max_tokens
         tail = log.read_text()[-3000:]
         raise RuntimeError(f"vLLM worker failed (exit {r.returncode}); its log {log} ends with:\n{tail}")
     return json.loads(out.read_text())
+
+
+def add_vllm_plain(figures: dict, target, prompts: list, max_new_tokens: int, out: Path, sampling=None,
+                   threads: int | None = None) -> str | None:
+    """vLLM CPU's plain decoding of the same prompts (its own process, one request at a time, after ours: not
+    interleaved), in the target's dtype, as method ``vLLM plain`` of ``figures``; every method's speedups then
+    name it too. Returns the name, or None with ``figures["vllm"]`` saying why (no vLLM environment, sampling:
+    measured greedy only, a target that is not a model directory, or vLLM's failure). ``out``: its job and log."""
+    python = vllm_python()
+    why = None
+    if python is None:
+        why = "no vLLM environment (bash scripts/vllm_env.sh builds it)"
+    elif sampling is not None and not sampling.greedy:
+        why = "vLLM plain decoding is measured greedy only"
+    elif not (Path(str(target.path)) / "config.json").exists():
+        why = f"the target {target.name} is not a model directory vLLM can load"
+    if why:
+        figures["vllm"] = why
+        return None
+    threads = threads or torch.get_num_threads()
+    ids = [p.ids if hasattr(p, "ids") else list(p) for p in prompts]
+    room = max(2048, max(len(i) for i in ids) + max_new_tokens + 8)
+    try:
+        res = run_vllm(python, str(target.path), ids, max_new_tokens, out, threads=threads, max_model_len=room,
+                       extra={"dtype": dtype_name(target.dtype), "enforce_eager": False})
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:  # its failure costs its column only
+        figures["vllm"] = str(e).splitlines()[0]
+        return None
+    cats = sorted({getattr(p, "category", "all") for p in prompts})
+    add_plain(figures, "vLLM plain", {"tokens_per_s": res["generated"] / res["wall_s"] if res["wall_s"] else 0.0,
+                                      "family": "vllm", "tokens": res["generated"], "wall_s": res["wall_s"],
+                                      "threads": threads, "tau_by_category": {c: 1.0 for c in cats}})
+    return "vLLM plain"
 
 
 def ours(target, drafter, prompts: list[list[int]], max_new_tokens: int, k: int) -> dict:

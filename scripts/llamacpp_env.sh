@@ -35,7 +35,7 @@ step() { STEP=$*; echo "llamacpp_env: $*"; }
 mkdir -p "$DEST"
 STAMP=$("$PY" -c '
 import json, sys
-from draftsmith.export.llamacpp import cpu_stamp
+from draftsmith.machine import cpu_stamp
 print(json.dumps({"sdist": f"llama-cpp-python=={sys.argv[1]}", "cmake": sys.argv[2].split(),
                   "cflags": sys.argv[4], "targets": sys.argv[3].split(), **cpu_stamp()}, sort_keys=True))' \
   "$VERSION" "$CMAKE_OPTS" "$TARGETS" "$NO_AMX")

@@ -1,0 +1,93 @@
+"""``draftsmith bench suite``: the evaluation protocol's sets, figures and tables, on a tiny target."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.checkpoint import save_checkpoint
+from draftsmith.engine.metrics import StepStats, accepted_histogram
+from draftsmith.eval.bench import add_plain
+from draftsmith.eval.suite import UNAVAILABLE, spread
+from draftsmith.heads.medusa.model import MedusaHeads
+from tests.tiny import make_tiny_target
+
+
+def _step(accepted: int, drafted: int) -> StepStats:
+    return StepStats(emitted=accepted + 1, accepted=accepted, attempted=min(drafted, accepted + 1), drafted=drafted,
+                     draft_s=0.0, verify_s=0.0, other_s=0.0)
+
+
+def test_accepted_histogram_counts_steps_by_accepted_drafts():
+    assert accepted_histogram([_step(0, 3), _step(2, 3), _step(2, 3), _step(3, 3)]) == [1, 0, 2, 1]
+    assert accepted_histogram([]) == []
+
+
+def test_another_engines_plain_decoding_becomes_every_methods_baseline():
+    figs = {"methods": {"plain (ours)": {"tokens_per_s": 10.0}, "ours x chain": {"tokens_per_s": 15.0}}}
+    add_plain(figs, "llama.cpp plain (q4_1)", {"tokens_per_s": 20.0})
+    sp = {x["baseline"]: x["speedup"] for x in figs["methods"]["ours x chain"]["speedup"]}
+    assert sp == {"plain (ours)": 1.5, "llama.cpp plain (q4_1)": 0.75}
+    assert figs["fastest_plain"] == "llama.cpp plain (q4_1)"
+    with pytest.raises(ValueError, match="not named as a plain decoding"):
+        add_plain(figs, "vllm", {"tokens_per_s": 1.0})
+
+
+def test_spread_covers_the_file_and_refuses_zero():
+    assert spread(list(range(10)), 3) == [0, 3, 6]
+    assert spread(list(range(4)), None) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="at least one prompt"):
+        spread(list(range(4)), 0)
+
+
+def test_bench_suite_end_to_end(tmp_path, capsys):
+    from draftsmith.cli import main
+
+    target = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, save_to=tmp_path / "target")
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "ck", MedusaHeads.for_target(target, num_heads=2), target)
+    out = tmp_path / "suite"
+    args = ["bench", "suite", str(tmp_path / "ck"), "--quick", "--prompts", "2", "--max-new-tokens", "4",
+            "--first-answer-tokens", "3", "--no-hf", "--no-vllm", "--llamacpp", "", "--device", "cpu",
+            "--sets", "mt-bench", "mt-bench-2", "humaneval", "gsm8k", "--out", str(out)]
+    assert main(args) == 0
+    assert "set gsm8k: not run" in capsys.readouterr().out
+    suite = json.loads((out / "suite.json").read_text())
+    assert suite["sets"] == ["mt-bench", "mt-bench-2", "humaneval"] and set(suite["unavailable"]) == set(UNAVAILABLE)
+    env = suite["environment"]
+    assert env["machine"]["cpu_count"] and "cpu_kind" in env["machine"] and suite["command"] and suite["date"]
+    rows = {(r["set"], r["sampling"], r["method"]): r for r in suite["rows"]}
+    for s in suite["sets"]:
+        for label in ("greedy", "T=1.0"):
+            plain, heads = rows[(s, label, "plain (ours)")], rows[(s, label, "ours medusa chain")]
+            assert plain["tau"] == 1.0 and plain["speedup"]["plain (ours)"] == 1.0
+            assert heads["prompts"] == 2 and heads["max_new_tokens"] == 4
+            # every step is in the histogram; the acceptance rate is accepted / drafted over those steps
+            hist = heads["accepted_hist"]
+            steps = sum(hist)
+            accepted = sum(k * c for k, c in enumerate(hist))
+            assert steps > 0 and heads["acceptance_rate"] == pytest.approx(accepted / (heads["mean_draft_len"] * steps))
+            assert heads["tau"] == pytest.approx(heads["tokens"] / steps)
+            assert heads["speedup"]["plain (ours)"] == pytest.approx(heads["tokens_per_s"] / plain["tokens_per_s"])
+    # second turns: the target's own first answer sits between the two user turns, kept for a rerun
+    answers = [json.loads(x) for x in (out / "mt_bench_first_answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 2 and answers[0]["key"]["max_new_tokens"] == 3
+    md = (out / "suite.md").read_text()
+    assert "## mt-bench-2, T=1.0: 2 prompts x 4 tokens" in md and "Machine: " in md and "Command: `" in md
+    assert "gsm8k: not run" in md and len(suite["plots"]) == 2
+    assert all((out / s / "report.json").exists() for s in suite["sets"])
+    assert main(args[:-2] + ["--out", str(out)]) == 0  # the rerun reuses the first answers it kept
+    assert len((out / "mt_bench_first_answers.jsonl").read_text().splitlines()) == 2
+    assert main(["bench", "suite", "none", "--sets", "alpaca", "--out", str(tmp_path / "x")]) == 2
+    assert "no set to run" in capsys.readouterr().err
+
+
+def test_second_turn_prompts_carry_the_first_answer(tmp_path):
+    from draftsmith.eval.suite import mtbench_second_turns
+
+    target = make_tiny_target(vocab_size=96, seed=0, init_std=0.3)
+    prompts = mtbench_second_turns(target, 1, 3, tmp_path)
+    row = json.loads((tmp_path / "mt_bench_first_answers.jsonl").read_text())
+    text = target.tokenizer.decode(prompts[0].ids)
+    assert row["answer"] in text and prompts[0].text in text
+    assert text.index(row["answer"]) < text.index(prompts[0].text)
