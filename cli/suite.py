@@ -27,12 +27,13 @@ import os
 import time
 from pathlib import Path
 
-from draftsmith.checkpoint import command_line, environment
+from draftsmith.checkpoint import command_line, environment, read_manifest
 from draftsmith.cli import eval as eval_cli
 from draftsmith.eval.suite import SETS, UNAVAILABLE, markdown, plot, rows_of, set_prompts
 from draftsmith.export.llamacpp import have_llamacpp
 from draftsmith.export.vllm_check import add_vllm_plain
 from draftsmith.engine.sampling import SamplingParams
+from draftsmith.pipeline.stages import forecast_vs_measured
 from draftsmith.target import dtype_name
 
 QUICK = {"prompts": 8, "max_new_tokens": 64, "first_answer_tokens": 64}
@@ -68,6 +69,28 @@ def _vllm(a: argparse.Namespace, target, where: Path):
     return add
 
 
+def _forecasts(a: argparse.Namespace, loaded, set_name: str, report: dict) -> list[dict]:
+    """Per checkpoint and sampling on this set: the trees stage's forecast for its built trees beside the measured
+    tau and speedup (`forecast_vs_measured`), and the training-time probe's last predicted and measured tau
+    (``training_timing.probes``, where the recipe's ``train.probe_every`` ran it) beside the chain's tau here."""
+    rows = []
+    for c, (d, _) in zip(a.checkpoint, loaded.drafters):  # no drafters for "none"
+        if not Path(c).is_dir():  # decoder-only drafters (suffix, ...): nothing forecast
+            continue
+        probes = ((read_manifest(c).get("metrics") or {}).get("training_timing") or {}).get("probes") or []
+        for label, figs in report["runs"].items():
+            for method, fc in forecast_vs_measured(figs, Path(c), a.tree, d.name).items():
+                rows.append({"set": set_name, "sampling": label, "method": method, "source": "trees stage", **fc})
+            chain = figs["methods"].get(f"ours {d.name} chain")
+            if probes and chain and probes[-1].get("tau_sim"):
+                p = probes[-1]
+                rows.append({"set": set_name, "sampling": label, "method": f"ours {d.name} chain",
+                             "source": f"training probe (step {p.get('step')})", "forecast_tau": p["tau_sim"],
+                             "probe_tau": p.get("tau_real"), "measured_tau": round(chain["tau"], 3),
+                             "tau_ratio": round(chain["tau"] / p["tau_sim"], 3)})
+    return rows
+
+
 def main(argv: list[str]) -> int:
     suite_main(argv)
     return 0
@@ -98,19 +121,21 @@ def suite_main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     loaded = eval_cli.load_for_eval(a)
     target = loaded.target
-    reports = {}
+    reports, forecasts = {}, []
     for s in sets:
         prompts = set_prompts(s, target, n, first_tokens, out)
         print(f"=== set {s}: {len(prompts)} prompts x {a.max_new_tokens} tokens", flush=True)
         report = eval_cli.evaluate(a, loaded, prompts, out / s, _vllm(a, target, out / s), SETS[s])
         reports[s] = report
+        forecasts += _forecasts(a, loaded, s, report)
     suite = {"command": command_line(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
              "environment": environment(), "sets": sets, "descriptions": {s: SETS[s] for s in sets},
              "unavailable": dict(UNAVAILABLE),
              "quick": a.quick, "checkpoints": a.checkpoint, "trees": a.tree, "temperatures": a.temperature,
              "max_new_tokens": a.max_new_tokens, "first_answer_tokens": first_tokens,
              "target": {"name": target.name, "fingerprint": target.fingerprint, "dtype": dtype_name(target.dtype)},
-             "rows": [r for s in sets for r in rows_of(s, reports[s])], "wall_s": round(time.time() - t0, 1)}
+             "rows": [r for s in sets for r in rows_of(s, reports[s])], "forecasts": forecasts,
+             "wall_s": round(time.time() - t0, 1)}
     suite["plots"] = plot(suite, out)
     tmp = out / "suite.json.tmp"
     tmp.write_text(json.dumps(suite, indent=2, default=str))

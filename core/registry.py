@@ -124,6 +124,11 @@ class KindBase:
     def set_draft_vocab(self, kept_ids: "torch.Tensor") -> None:
         raise ValueError(f"a {self.kind!r} drafter has no pruned draft vocabulary")  # type: ignore[attr-defined]
 
+    def engine_gap(self, engine: str) -> str | None:
+        """What of this drafter ``engine`` ("llama.cpp", "vllm") would not compute as we do (an option its loader
+        ignores), or None; exports to that engine refuse with it rather than write a file it misreads."""
+        return None
+
 
 def register(cls: type) -> type:
     """Class decorator: register a drafter kind under ``cls.kind``."""

@@ -180,6 +180,19 @@ def markdown(suite: dict) -> str:
                          f"{_f(r['acceptance_rate'], '.3f')} | {acc} | {hist} | {_f(r['draft_ms_per_step'])} | "
                          + " | ".join(_f(r["speedup"].get(p)) for p in plains) + " |")
         lines.append("")
+    if suite.get("forecasts"):
+        lines += ["## Forecasts against measurements", "",
+                  "The trees stage's forecast (held-out acceptance and measured step costs) for each built tree, and "
+                  "the training-time probe's prediction from logged top-1 accuracies (1 + sum_k prod_j<=k top1_j), "
+                  "beside the tau measured here.", "",
+                  "| set | sampling | method | source | forecast tau | measured tau | ratio | forecast speedup | "
+                  "measured speedup | ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for f in suite["forecasts"]:
+            nums = (f["forecast_tau"], f["measured_tau"], f["tau_ratio"], f.get("forecast_speedup"),
+                    f.get("measured_speedup"), f.get("speedup_ratio"))
+            lines.append(f"| {f['set']} | {f['sampling']} | {f['method']} | {f['source']} | "
+                         + " | ".join(_f(x, ".3f") for x in nums) + " |")
+        lines.append("")
     lines += ["Per-set reports (every prompt, plots): " + ", ".join(f"[{s}]({s}/report.md)" for s in suite["sets"]),
               ""]
     return "\n".join(lines)

@@ -68,6 +68,9 @@ class FirstLayersBaseline:
         """A plain transformers causal LM (the standalone-drafter export hook)."""
         return first_layers_drafter(self.target, self.n_layers).model
 
+    def engine_gap(self, engine: str) -> str | None:
+        return None  # the target's own layers: every engine computes them
+
 
 @dataclass
 class Source:

@@ -271,6 +271,10 @@ def _intermediate(src, tmp: Path, target) -> tuple[Path, Path | None, str]:
     from draftsmith.export import export, formats_for  # cycle: draftsmith.export imports this module
     kind = src.kind
     fmts = formats_for(src)
+    gap = src.module.engine_gap("llama.cpp")
+    if gap:
+        raise LlamaCppError(f"a {kind!r} drafter with {gap}: llama.cpp's loader ignores that, so it would draft "
+                            f"with another function; export it for vLLM or our decoder instead")
     if "vllm-eagle3" in fmts:
         export(src.path, "vllm-eagle3", tmp / "hf", target)
         return tmp / "hf", Path(target.path), SPEC_TYPES["eagle3"]

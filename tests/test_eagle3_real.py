@@ -39,11 +39,12 @@ def test_hooked_states_are_the_cached_and_reference_states(real_target, tmp_path
     assert torch.allclose(feats, want, atol=1e-4)
 
 
+@pytest.mark.parametrize("options", [{}, {"fc_norm": True, "norm_output": True}], ids=["eagle3", "eagle3.1"])
 @pytest.mark.parametrize("tree", [None, StaticTree([(0,), (1,), (2,), (0, 0)])], ids=["chain", "tree"])
-def test_greedy_equals_plain_on_the_real_target(real_target, tree):
+def test_greedy_equals_plain_on_the_real_target(real_target, tree, options):
     prompt = _chat(real_target, "Write a haiku about the sea.")
     plain = SpeculativeDecoder(real_target).generate(prompt, 24).tokens
-    dr = Eagle3Module.for_target(real_target, vocab_keep=4096)
+    dr = Eagle3Module.for_target(real_target, vocab_keep=4096, **options)
     dr.set_draft_vocab(torch.arange(4096) * 12)
     got = SpeculativeDecoder(real_target, dr.decoder_drafter(real_target), tree=tree).generate(prompt, 24).tokens
     assert got == plain

@@ -45,7 +45,9 @@ def test_bench_suite_end_to_end(tmp_path, capsys):
 
     target = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, save_to=tmp_path / "target")
     torch.manual_seed(0)
-    save_checkpoint(tmp_path / "ck", MedusaHeads.for_target(target, num_heads=2), target)
+    probe = {"step": 4, "tau_sim": 1.5, "tau_real": 1.4}  # what a training-time probe leaves in the manifest
+    save_checkpoint(tmp_path / "ck", MedusaHeads.for_target(target, num_heads=2), target,
+                    metrics={"training_timing": {"probes": [probe]}})
     out = tmp_path / "suite"
     args = ["bench", "suite", str(tmp_path / "ck"), "--quick", "--prompts", "2", "--max-new-tokens", "4",
             "--first-answer-tokens", "3", "--no-hf", "--no-vllm", "--llamacpp", "", "--device", "cpu",
@@ -69,6 +71,11 @@ def test_bench_suite_end_to_end(tmp_path, capsys):
             assert steps > 0 and heads["acceptance_rate"] == pytest.approx(accepted / (heads["mean_draft_len"] * steps))
             assert heads["tau"] == pytest.approx(heads["tokens"] / steps)
             assert heads["speedup"]["plain (ours)"] == pytest.approx(heads["tokens_per_s"] / plain["tokens_per_s"])
+    # the training probe's prediction beside the chain's tau, per set and sampling
+    fc = {(f["set"], f["sampling"]): f for f in suite["forecasts"]}
+    assert len(fc) == 6 and fc[("humaneval", "greedy")]["source"] == "training probe (step 4)"
+    got = rows[("humaneval", "greedy", "ours medusa chain")]["tau"]
+    assert fc[("humaneval", "greedy")]["tau_ratio"] == pytest.approx(got / 1.5, abs=1e-3)
     # second turns: the target's own first answer sits between the two user turns, kept for a rerun
     answers = [json.loads(x) for x in (out / "mt_bench_first_answers.jsonl").read_text().splitlines()]
     assert len(answers) == 2 and answers[0]["key"]["max_new_tokens"] == 3
@@ -91,3 +98,17 @@ def test_second_turn_prompts_carry_the_first_answer(tmp_path):
     text = target.tokenizer.decode(prompts[0].ids)
     assert row["answer"] in text and prompts[0].text in text
     assert text.index(row["answer"]) < text.index(prompts[0].text)
+
+
+def test_the_machine_is_read_from_cpuinfo():
+    from draftsmith.machine import cpu_kind, cpu_stamp, git_commit
+
+    info = ("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC 7B13\n"
+            "flags\t\t: fpu sse4_2 avx avx2 fma bmi2\n\nprocessor\t: 1\nmodel name\t: other\n")
+    s = cpu_stamp(info)
+    assert (s["cpu_model"], s["cpu_family"], s["cpu_model_number"]) == ("AMD EPYC 7B13", "25", "1")
+    assert s["cpu_isa"] == ["avx", "avx2", "bmi2", "fma", "sse4_2"]
+    assert cpu_kind(s) == "AMD EPYC 7B13 (AVX2 only)"
+    assert cpu_kind({"cpu_model": "Xeon", "cpu_isa": ["avx512f", "amx_tile"]}) == "Xeon (AMX)"
+    assert cpu_kind({"cpu_model": "", "cpu_isa": ["avx512f"]}) == "unknown CPU (AVX-512)"
+    assert git_commit("/") is None  # not a checkout

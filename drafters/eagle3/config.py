@@ -26,6 +26,13 @@ class Eagle3Config(KindConfig):
     train_head: bool = Field(False, description="train the draft LM head (initialised from the target's kept "
                              "rows) instead of keeping it frozen")
     draft_len: int = Field(4, ge=1, le=32, description="default chain length when decoding")
+    # EAGLE 3.1 (vLLM's and speculators' names; all off = EAGLE-3 as published)
+    norm_before_fc: bool = Field(False, description="one RMSNorm over the concatenated target states before fc "
+                                 "(vLLM's and llama.cpp's norm_before_fc)")
+    fc_norm: bool = Field(False, description="EAGLE 3.1: an RMSNorm on each of the three target states before fc "
+                          "(vLLM's fc_norm)")
+    norm_output: bool = Field(False, description="EAGLE 3.1: each step feeds the next its post-norm output state, "
+                              "not the pre-norm one (vLLM's norm_output)")
 
     @field_validator("aux_layers")
     @classmethod

@@ -156,7 +156,7 @@ class Eagle3Drafter:
         dev = ds.feats.device
         ids = torch.tensor(state.tokens[c + 1: L + 1], dtype=torch.long, device=dev)
         pos = torch.arange(c, L, device=dev)
-        h = m.fc(ds.feats)
+        h = m.fuse(ds.feats)
         q, k, v = lay.qkv(lay.attention_input(m.embed_tokens(ids), h), pos)
         k0, v0 = torch.cat([ds.k0, k], dim=1), torch.cat([ds.v0, v], dim=1)
         mask = torch.ones(n, L, dtype=torch.bool, device=dev).tril(c)
@@ -182,7 +182,7 @@ class Eagle3Drafter:
             start = 1
         if end > start:
             parents = [int(tree.parent[i]) for i in range(start, end)]
-            h_in = torch.stack([ds.nout[p] for p in parents])
+            h_in = m.carry(torch.stack([ds.nout[p] for p in parents]))  # the parents' outputs as a next step reads them
             pos = (L - 1) + torch.tensor(tree.depth[start:end], device=dev)
             q, k, v = lay.qkv(lay.attention_input(m.embed_tokens(tree.tok[start:end]), h_in), pos)
             nk = k if ds.nk is None else torch.cat([ds.nk, k], dim=1)
@@ -218,7 +218,7 @@ class Eagle3Drafter:
             if need > kv.node_slots:  # a larger tree than any before: a larger buffer, what it holds copied over
                 kv = kv.grown(max(need, 2 * kv.node_slots))
             dev = tree.tok.device
-            h_in = torch.stack([ds.nout[int(tree.parent[i])] for i in range(start, end)])
+            h_in = torch.stack([ds.nout[int(tree.parent[i])] for i in range(start, end)])  # carried in `nodes`
             anc = tree.ancestor_mask(dev)[start:end, 1:end]
             out, logits = fast.nodes(kv, h_in, tree.tok[start:end], list(tree.depth[start:end]), start, anc, L)
             state.drafter_state = replace(ds, kv=kv, nout=ds.nout + list(out))

@@ -10,7 +10,9 @@ Two layouts, the same tensors:
   * ``eagle3`` (the EAGLE / SpecForge / SGLang layout): a Llama config with ``architectures:
     ["LlamaForCausalLMEagle3"]``, ``num_hidden_layers: 1``, ``draft_vocab_size`` and
     ``eagle_config.eagle_aux_hidden_state_layer_ids``; weights named ``midlayer.*``.
-Both hold ``fc.weight`` (3H -> H), ``norm.weight``, ``lm_head.weight`` (draft vocabulary x H), ``d2t``
+Both write EAGLE 3.1's options (``norm_before_fc``, ``fc_norm``, ``norm_output``) as vLLM reads them, with
+``input_norm.weight`` and ``fc_norm.{0,1,2}.weight`` where they are on. Both hold ``fc.weight`` (3H -> H),
+``norm.weight``, ``lm_head.weight`` (draft vocabulary x H), ``d2t``
 (int64 offsets: target id = draft id + d2t[draft id]) and ``t2d`` (bool over the target vocabulary); no
 ``embed_tokens`` (engines share the target's). Layer ids are Hugging Face ``hidden_states`` indices, as
 vLLM counts them. Reading either back (``draftsmith import``) checks the target's shape, the layer ids and
@@ -42,6 +44,10 @@ LAYER_NAMES = {
     "layer.hidden_norm.weight": "hidden_norm.weight", "layer.post_norm.weight": "post_attention_layernorm.weight",
 }
 PREFIX = {"vllm-eagle3": "layers.0.", "eagle3": "midlayer."}
+#: EAGLE 3.1's options, written into both layouts' config.json under vLLM's names (all false: EAGLE-3)
+EAGLE31 = ("norm_before_fc", "fc_norm", "norm_output")
+#: their tensors: one norm over the concatenation, one per target state (ours and vLLM's names agree)
+EAGLE31_TENSORS = ("input_norm.", "fc_norm.")
 
 
 def _llama_config(m: Eagle3Module, target: Target) -> dict:
@@ -62,6 +68,7 @@ def engine_tensors(m: Eagle3Module, fmt: str) -> dict[str, torch.Tensor]:
     sd = m.state_dict()
     out = {PREFIX[fmt] + eng: sd[ours] for ours, eng in LAYER_NAMES.items()}
     out["fc.weight"], out["norm.weight"] = sd["fc.weight"], sd["norm.weight"]
+    out.update({k: v for k, v in sd.items() if k.startswith(EAGLE31_TENSORS)})  # vLLM's names for them
     V = m.config.vocab_size
     if m.draft_head is not None:
         kept = m.draft_head.kept_ids.long()
@@ -84,12 +91,13 @@ def engine_config(m: Eagle3Module, target: Target, fmt: str, base_model: str, pr
     if fmt == "eagle3":
         return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": n_draft,
                 "target_hidden_size": c["hidden_size"], "norm_before_residual": False,
+                **{k: bool(c[k]) for k in EAGLE31},
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
                 "base_model_name_or_path": base_model, **provenance}
     return {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
         "draft_vocab_size": n_draft, "target_hidden_size": c["hidden_size"], "norm_before_residual": False,
-        "eagle_aux_hidden_state_layer_ids": aux, "transformer_layer_config": layer,
+        **{k: bool(c[k]) for k in EAGLE31}, "eagle_aux_hidden_state_layer_ids": aux, "transformer_layer_config": layer,
         "speculators_config": {
             "algorithm": "eagle3", "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(c["draft_len"]),
@@ -155,11 +163,13 @@ def read_eagle3_dir(src: str | Path, target: Target) -> tuple[Eagle3Module, dict
         if "t2d" in sd and (sd["t2d"].shape != (V,) or not torch.equal(sd["t2d"].bool().nonzero()[:, 0], kept)):
             raise CheckpointError(f"{src / WEIGHTS}: t2d does not agree with d2t")
     full = n_draft == V and bool(torch.equal(kept, torch.arange(V)))
-    m = Eagle3Module.for_target(target, aux_layers=[int(i) for i in aux], vocab_keep=None if full else n_draft)
+    options = {k: bool(config.get(k, False)) for k in EAGLE31}
+    m = Eagle3Module.for_target(target, aux_layers=[int(i) for i in aux], vocab_keep=None if full else n_draft,
+                                **options)
     if not full:
         m.set_draft_vocab(kept)
     mine = {**{ours: prefix + eng for ours, eng in LAYER_NAMES.items()}, "fc.weight": "fc.weight",
-            "norm.weight": "norm.weight"}
+            "norm.weight": "norm.weight", **{k: k for k in m.state_dict() if k.startswith(EAGLE31_TENSORS)}}
     if not full:
         mine["draft_head.weight"] = "lm_head.weight"
     own = m.state_dict()

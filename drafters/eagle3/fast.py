@@ -33,12 +33,25 @@ from draftsmith.common.layers import LayerKV
 from draftsmith.engine.fastpath import CompiledDrafting, bucket
 
 
+def fuse_states(x: torch.Tensor, fc: nn.Module, input_norm: nn.Module | None,
+                fc_norm: nn.ModuleList | None) -> torch.Tensor:
+    """[..., 3H] -> [..., H]: the norms EAGLE 3.1 asks for (one over the concatenation, one per state), then
+    ``fc`` (eager drafting and training pass the module's, compiled drafting its int8 copy)."""
+    if input_norm is not None:
+        x = input_norm(x)
+    if fc_norm is not None:
+        x = torch.cat([norm(part) for norm, part in zip(fc_norm, x.chunk(3, dim=-1))], dim=-1)
+    return fc(x)
+
+
 class _Core(nn.Module):
     """The drafter's layer, norm and draft head (``int8``: quantised copies), the target's embedding shared."""
 
     def __init__(self, module: nn.Module, int8: bool):
         super().__init__()
         self.fc = quantised(module.fc) if int8 else module.fc
+        self.input_norm, self.fc_norm = module.input_norm, module.fc_norm  # EAGLE 3.1's norms (None: off)
+        self.norm_output = bool(module.config.norm_output)
         self.layer = quantised(module.layer) if int8 else module.layer
         self.norm = module.norm
         dh = module.draft_head
@@ -61,6 +74,13 @@ class _Core(nn.Module):
                                            enable_gqa=lay.nkv != lay.nh)[0]
         return lay.finish(h, a)
 
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        return fuse_states(feats, self.fc, self.input_norm, self.fc_norm)
+
+    def carry(self, out: torch.Tensor) -> torch.Tensor:
+        """A parent's output state -> what its children's step reads (`Eagle3Module.carry`)."""
+        return self.norm(out) if self.norm_output else out
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Output states [n, H] -> draft logits [n, V] in target-id space (the dtype's minimum off the kept ids,
         as `PrunedHead.to_target`)."""
@@ -79,7 +99,7 @@ class _Feed(nn.Module):
     def forward(self, feats, ids, pos, mask, slots, keys, values, last):
         """feats [T, 3H] -> (output states [T, H], draft logits [1, V] of row ``last`` [1])."""
         c = self.core
-        out = c.step(c.fc(feats), ids, pos, mask, slots, keys, values)
+        out = c.step(c.fuse(feats), ids, pos, mask, slots, keys, values)
         return out, c.logits(out.index_select(0, last))
 
 
@@ -91,7 +111,7 @@ class _Nodes(nn.Module):
     def forward(self, h, ids, pos, mask, slots, keys, values):
         """Parents' output states h [T, H] -> (the nodes' output states [T, H], their draft logits [T, V])."""
         c = self.core
-        out = c.step(h, ids, pos, mask, slots, keys, values)
+        out = c.step(c.carry(h), ids, pos, mask, slots, keys, values)
         return out, c.logits(out)
 
 

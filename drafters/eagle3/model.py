@@ -7,7 +7,10 @@ Architecture (EAGLE-3's reference code; docs/methods.md section 13):
     target's attention shape (GQA, RoPE), residual ``h`` (``norm_before_residual: false``), then a SwiGLU MLP;
   * ``norm`` and an LM head over the draft vocabulary (a `PrunedHead` of the target's head: the kept ids
     are EAGLE's ``d2t`` / ``t2d``), or the target's own head when ``vocab_keep`` is null;
-  * the target's token embedding, frozen and shared (not stored in the checkpoint).
+  * the target's token embedding, frozen and shared (not stored in the checkpoint);
+  * EAGLE 3.1's options (off by default): ``norm_before_fc`` (one RMSNorm over the 3H concatenation),
+    ``fc_norm`` (an RMSNorm on each of the three states) before ``fc``, and ``norm_output`` (a step feeds the
+    next its output after ``norm``, the state its logits read, instead of the pre-norm one), as vLLM runs them.
 
 Index convention: step 0 at index i reads the target state f_i and token t_{i+1} and predicts t_{i+2};
 step k (k >= 1) at index i reads step k-1's output state at i and token t_{i+k+1}, sits at RoPE position
@@ -28,7 +31,7 @@ from draftsmith.common.layers import DecoderLayer, RMSNorm, target_rope
 from draftsmith.common.vocab import PrunedVocab
 from draftsmith.drafters.eagle3.config import Eagle3ModelConfig, default_aux_layers
 from draftsmith.drafters.eagle3.decode import Eagle3Drafter
-from draftsmith.drafters.eagle3.fast import FastEagle3
+from draftsmith.drafters.eagle3.fast import FastEagle3, fuse_states
 from draftsmith.drafters.eagle3.objective import Eagle3Objective, heldout_metrics, rank_acceptance
 from draftsmith.engine.policies import FixedLength
 from draftsmith.registry import KindBase, register
@@ -61,6 +64,8 @@ class Eagle3Module(PrunedVocab, KindBase, nn.Module):
         self.draft_len = c.draft_len
         hidden_size, eps = c.hidden_size, c.eps
         self.fc = nn.Linear(3 * hidden_size, hidden_size, bias=False)
+        self.input_norm = RMSNorm(3 * hidden_size, eps) if c.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(hidden_size, eps) for _ in range(3)) if c.fc_norm else None
         # the shared decoder layer, reading [input_norm(embed(token)); hidden_norm(h)], with the target's RoPE
         # (frequencies and scaling copied into a buffer of the layer's: casting the drafter leaves the target's alone)
         inv_freq, rope_scale = target_rope(rotary)
@@ -115,6 +120,14 @@ class Eagle3Module(PrunedVocab, KindBase, nn.Module):
         return Eagle3Drafter(target, self, target_fingerprint=target_fingerprint, name=name,
                              policy=FixedLength(self.draft_len))
 
+    def engine_gap(self, engine: str) -> str | None:
+        """llama.cpp (the build scripts/llamacpp_env.sh makes) reads ``norm_before_fc`` but neither of EAGLE 3.1's
+        other options; vLLM reads all three."""
+        if engine == "llama.cpp":
+            off = [k for k in ("fc_norm", "norm_output") if getattr(self.config, k)]
+            return f"EAGLE 3.1's {' and '.join(off)}" if off else None
+        return None
+
     def fast_drafting(self, compile: bool = True, int8: bool | None = None) -> FastEagle3:
         """Compiled drafting (drafters/eagle3/fast.py), used by decoders whose target forward is compiled; ``int8``:
         weight-only int8 layer and head (default: on CPU in fp32/bf16/fp16)."""
@@ -128,6 +141,15 @@ class Eagle3Module(PrunedVocab, KindBase, nn.Module):
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids).to(self.fc.weight.dtype)
 
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        """Fused target states [..., 3H] -> step 0's input state [..., H] (`fuse_states`)."""
+        return fuse_states(feats.to(self.fc.weight.dtype), self.fc, self.input_norm, self.fc_norm)
+
+    def carry(self, out: torch.Tensor) -> torch.Tensor:
+        """A step's output state -> the state the next step reads: the same, or with ``norm_output`` after
+        ``norm`` (the logits read ``norm(out)`` either way)."""
+        return self.norm(out) if self.config.norm_output else out
+
     # ------------------------------------------------------------------ training-time test
     def ttt(self, feats: torch.Tensor, next_ids: torch.Tensor, steps: int | None = None) -> list[torch.Tensor]:
         """feats [B, T, 3H] (f_i), next_ids [B, T + steps] (token t_{i+1} at column i, right-padded) ->
@@ -135,7 +157,7 @@ class Eagle3Module(PrunedVocab, KindBase, nn.Module):
         steps = steps or self.ttt_steps
         B, T, _ = feats.shape
         L = self.layer
-        h = self.fc(feats.to(self.fc.weight.dtype))
+        h = self.fuse(feats)
         pos = torch.arange(T, device=feats.device).expand(B, T)
         scale = 1.0 / math.sqrt(L.hd)
         causal = torch.ones(T, T, dtype=torch.bool, device=feats.device).tril()
@@ -157,6 +179,7 @@ class Eagle3Module(PrunedVocab, KindBase, nn.Module):
                 a = a + w[..., T + s: T + s + 1] * dv
             h = L.finish(h, a)
             out.append(self.project(h))
+            h = self.carry(h)
         return out
 
     def forward(self, feats: torch.Tensor, next_ids: torch.Tensor) -> list[torch.Tensor]:
