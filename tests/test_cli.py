@@ -143,6 +143,17 @@ def test_bench_times_plain_float32_only_when_asked(tmp_path, tiny_dir):
     assert plain_dtypes(off, "bfloat16") == [] and plain_dtypes(on, "bfloat16", "cuda") == ["float32"]
 
 
+def test_the_data_stage_alone_fills_eagle3s_layers_from_the_target(tmp_path, capsys):
+    """`draftsmith data` on an EAGLE-3 recipe that leaves aux_layers out: the fused cache's plan reads the layers the
+    target gives (it failed after writing every prompt when only the later stages filled them in)."""
+    tiny4 = tmp_path / "tiny4"
+    make_tiny_target(save_to=tiny4, layers=4)
+    p = _recipe_file(tmp_path, tiny4, drafter={"kind": "eagle3", "vocab_keep": 48, "ttt_steps": 2})
+    assert main(["data", str(p)]) == 0
+    assert main(["cache", str(p)]) == 0
+    assert "needs ['layer:1', 'layer:2', 'layer:3', 'final']" in capsys.readouterr().out
+
+
 def test_eagle3_run_builds_trees_from_its_steps_rank_acceptance(tmp_path, capsys):
     """The whole job with EAGLE-3: the trees stage builds static trees from the training-time steps' acceptance
     by rank on the calibration split (rank 0 of step k is the report's conditional top-1 there), and the bench
