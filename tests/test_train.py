@@ -80,6 +80,22 @@ def test_too_little_data_is_a_clear_error(tiny_target, cached, tmp_path):
         train(r, tiny_target, cached, r.out)
 
 
+def test_a_probe_whose_drafter_freezes_the_module_leaves_it_training(tiny_target, cached, tmp_path, monkeypatch):
+    """EAGLE-3's and the standalone kind's decoder drafters freeze the module they draft with: after a probe the
+    trainable parameters must train again (the next step's loss had no gradient, and the run failed)."""
+    from draftsmith.train.training import trainer
+
+    def freezing(target, prompts, max_new_tokens):
+        def probe(module):
+            module.requires_grad_(False)
+            return 1.0
+        return probe
+    monkeypatch.setattr(trainer, "tau_probe", freezing)
+    r = _recipe(tmp_path, epochs=2, probe_every=2, probe_prompts=1, probe_tokens=4)
+    _, timing = train(r, tiny_target, cached, r.out)
+    assert len(timing["probes"]) >= 2 and timing["steps"] > 2
+
+
 def test_probe_measures_tau_while_training_beside_the_prediction(tiny_target, cached, tmp_path):
     """``train.probe_every``: the lossless decoder on held-out prompts every N steps and after the last, its measured
     tau logged beside the one the logged accuracies predict; off by default."""

@@ -392,9 +392,14 @@ def fit(acc, recipe: Recipe, model: torch.nn.Module, objective, run_dir: Path,
                 and acc.is_main_process:
             t4 = time.perf_counter()
             module = acc.unwrap_model(model)
+            trainable = [p.requires_grad for p in module.parameters()]
             module.eval()
-            real = float(probe(module))
-            module.train()
+            try:
+                real = float(probe(module))
+            finally:  # decoder drafters freeze the module they draft with (EAGLE-3's, the standalone kind's)
+                for p, flag in zip(module.parameters(), trainable):
+                    p.requires_grad_(flag)
+                module.train()
             sim = predicted_tau(_summarise(window) if window else last)  # the freshest accuracies
             row = {"step": done, "tau_real": round(real, 4), "tau_sim": None if sim is None else round(sim, 4),
                    "ratio": None if not sim else round(real / sim, 4), "seconds": round(time.perf_counter() - t4, 1)}
