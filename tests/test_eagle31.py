@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.engine.policies import FixedLength
-from draftsmith.engine.trees import DraftTree, StaticTree
+from draftsmith.engine.trees import StaticTree
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
 from tests.test_decoder import tiny
 from tests.test_decoder_enumeration import N_NEW, PROMPT as ENUM_PROMPT, TEMP
-from tests.test_eagle3 import PROMPT, feats_of, module
+from tests.test_eagle3 import PROMPT, assert_decoding_is_the_training_time_test, feats_of, module
 from tests.test_eagle3_fast import _drafting, _recording
 from tests.tiny import make_tiny_target
 
@@ -50,20 +50,7 @@ def test_each_option_changes_the_function():
 @pytest.mark.parametrize("options", OPTIONS, ids=IDS)
 def test_decoding_computes_what_the_training_time_test_trains(options):
     t = tiny(vocab=40, layers=4, dtype=torch.float64)
-    m = eagle31(t, options)
-    seq, K, L = PROMPT + [7, 9, 11, 13], 4, len(PROMPT) - 1
-    with torch.no_grad():
-        steps = m.ttt(feats_of(t, seq)[None], torch.tensor([seq[1:] + [0] * (K + 1)]), steps=K)
-    dr = m.decoder_drafter(t)
-    dec = SpeculativeDecoder(t, dr, policy=FixedLength(K))
-    state = dec.start(PROMPT, 8)
-    tree = DraftTree(PROMPT[-1], 8, "cpu")
-    got = [dr.propose(dec, state, tree, 0, 1)[0]]
-    for k in range(1, K):
-        tree.add(k - 1, seq[L + k])
-        got.append(dr.propose(dec, state, tree, k, k + 1)[0])
-    for k in range(K):
-        assert torch.allclose(got[k], steps[k][0, L - 1], atol=1e-9), k
+    assert_decoding_is_the_training_time_test(t, eagle31(t, options))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-fn", "compiled"])
