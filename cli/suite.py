@@ -14,6 +14,9 @@ CPU's (where ``scripts/vllm_env.sh`` built it), after ours in their own processe
 once; each set writes DIR/SET/report.{json,md} and its plots (``draftsmith eval``'s report), and the suite
 writes DIR/suite.json (every row, the machine, versions, commit, command), DIR/suite.md and DIR/suite_*.png.
 
+Decoder-only drafters keep their state across sets: ``suffix``'s global index learns from every response of the
+run, in order (as in a server), so later sets draft from what earlier sets decoded.
+
 ``--quick``: 8 prompts per set x 64 tokens (first answers of 64 tokens), a few minutes; the default is every
 prompt x 128 tokens (first answers of 256), hours on a 2-core CPU. Every other option of ``draftsmith eval``
 applies (``--dtype``, ``--forward``, ``--target``, ``--suffix-from-data`` ...).
