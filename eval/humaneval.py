@@ -25,11 +25,16 @@ def humaneval_problems() -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def humaneval_text(problem: dict) -> str:
+    """A problem as the user turn every HumanEval measurement here sends: "Complete this Python function." and its
+    stub."""
+    return f"Complete this Python function.\n\n```python\n{problem['prompt']}```"
+
+
 def humaneval_prompt_ids(tokenizer, n: int, samples: int = 1) -> list[list[int]]:
-    """The first ``n`` problems as chat prompts ("Complete this Python function." and its stub), each repeated
-    ``samples`` times in a row (repeated sampling, where drafting from earlier outputs pays)."""
+    """The first ``n`` problems as chat prompts (`humaneval_text`), each repeated ``samples`` times in a row
+    (repeated sampling, where drafting from earlier outputs pays)."""
     out = []
     for prob in humaneval_problems()[:n]:
-        ids = chat_ids(tokenizer, f"Complete this Python function.\n\n```python\n{prob['prompt']}```")
-        out += [ids] * samples
+        out += [chat_ids(tokenizer, humaneval_text(prob))] * samples
     return out

@@ -24,22 +24,35 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return prompt_token_ids(tokenizer, [{"role": "user", "content": text}])
 
 
+def spread(rows: list, n: int | None) -> list:
+    """``n`` rows evenly spaced over ``rows`` (all of them when ``n`` is None or not smaller): the question files are
+    grouped by category, so a spread subset covers every category."""
+    if n is not None and n < 1:
+        raise ValueError(f"need at least one prompt, got {n}")
+    if n is None or n >= len(rows):
+        return list(rows)
+    return [rows[(i * len(rows)) // n] for i in range(n)]
+
+
+def mtbench_rows(n: int | None = None, spread_out: bool = True) -> list[dict]:
+    """MT-Bench's question rows (``question_id``, ``category``, ``turns``): ``n`` of them spread over the
+    categories, or the first ``n`` without ``spread_out``, or all."""
+    rows = [json.loads(line) for line in mtbench_questions_path().read_text().splitlines() if line.strip()]
+    if spread_out or n is None:
+        return spread(rows, n)
+    if n < 1:
+        raise ValueError(f"need at least one prompt, got {n}")
+    return rows[:n]
+
+
 def mtbench_prompts(tokenizer, n: int | None = None, spread: bool = False) -> list[Prompt]:
     """First turns of the 80 MT-Bench questions, chat template applied.
 
     With ``n``: the first ``n``, or with ``spread`` ``n`` evenly spaced ones
     (the file is grouped by category, so a spread subset covers them all).
     """
-    rows = [json.loads(line) for line in mtbench_questions_path().read_text().splitlines() if line.strip()]
-    if n is not None:
-        if n < 1:
-            raise ValueError(f"need at least one prompt, got {n}")
-        if spread and n < len(rows):
-            rows = [rows[(i * len(rows)) // n] for i in range(n)]
-        else:
-            rows = rows[:n]
     return [Prompt(int(r["question_id"]), r["category"], r["turns"][0], chat_ids(tokenizer, r["turns"][0]))
-            for r in rows]
+            for r in mtbench_rows(n, spread)]
 
 
 def user_prompts(tokenizer, path: str | Path, n: int | None = None) -> tuple[list[Prompt], dict]:

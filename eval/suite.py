@@ -23,9 +23,8 @@ from pathlib import Path
 from draftsmith.chat import prompt_token_ids
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.eval.bench import is_plain
-from draftsmith.eval.humaneval import humaneval_problems
-from draftsmith.eval.mtbench import Prompt, chat_ids
-from draftsmith.paths import mtbench_questions_path
+from draftsmith.eval.humaneval import humaneval_problems, humaneval_text
+from draftsmith.eval.mtbench import Prompt, chat_ids, mtbench_prompts, mtbench_rows, spread
 from draftsmith.target import dtype_name
 
 #: The sets the suite decodes, in order: name -> what it is.
@@ -44,29 +43,10 @@ UNAVAILABLE = {
 FIRST_ANSWERS = "mt_bench_first_answers.jsonl"
 
 
-def spread(rows: list, n: int | None) -> list:
-    """``n`` rows evenly spaced over ``rows`` (all of them when ``n`` is None or not smaller): the files are
-    grouped by category, so a spread subset covers every category."""
-    if n is None or n >= len(rows):
-        return list(rows)
-    if n < 1:
-        raise ValueError(f"need at least one prompt, got {n}")
-    return [rows[(i * len(rows)) // n] for i in range(n)]
-
-
-def mtbench_rows(n: int | None = None) -> list[dict]:
-    rows = [json.loads(line) for line in mtbench_questions_path().read_text().splitlines() if line.strip()]
-    return spread(rows, n)
-
-
 def humaneval_prompts(tokenizer, n: int | None = None) -> list[Prompt]:
-    """HumanEval problems (``n`` spread over the 164) as chat prompts, the way `humaneval_prompt_ids` writes them."""
-    out = []
-    for i, prob in enumerate(spread(humaneval_problems(), n)):
-        text = f"Complete this Python function.\n\n```python\n{prob['prompt']}```"
-        out.append(Prompt(int(str(prob["task_id"]).rpartition("/")[2] or i), "humaneval", text,
-                          chat_ids(tokenizer, text)))
-    return out
+    """HumanEval problems (``n`` spread over the 164) as chat prompts (`humaneval_text`)."""
+    return [Prompt(int(str(prob["task_id"]).rpartition("/")[2]), "humaneval", humaneval_text(prob),
+                   chat_ids(tokenizer, humaneval_text(prob))) for prob in spread(humaneval_problems(), n)]
 
 
 def first_answers(target, rows: list[dict], max_new_tokens: int, path: Path) -> dict[int, str]:
@@ -82,11 +62,11 @@ def first_answers(target, rows: list[dict], max_new_tokens: int, path: Path) -> 
                 have[int(row["question_id"])] = row["answer"]
     todo = [r for r in rows if int(r["question_id"]) not in have]
     if todo:
-        dec = SpeculativeDecoder(target)
+        dec, eos = SpeculativeDecoder(target), set(target.eos_token_ids)
         with path.open("a") as f:
             for r in todo:
                 res = dec.generate(chat_ids(target.tokenizer, r["turns"][0]), max_new_tokens, seed=0)
-                toks = [t for t in res.tokens if t not in set(target.eos_token_ids)]
+                toks = [t for t in res.tokens if t not in eos]
                 answer = target.tokenizer.decode(toks, skip_special_tokens=True)
                 have[int(r["question_id"])] = answer
                 f.write(json.dumps({"key": key, "question_id": int(r["question_id"]), "answer": answer}) + "\n")
@@ -113,8 +93,7 @@ def set_prompts(name: str, target, n: int | None, first_answer_tokens: int, out:
     if name in UNAVAILABLE:
         raise ValueError(f"set {name!r} cannot run here: {UNAVAILABLE[name]}")
     if name == "mt-bench":
-        return [Prompt(int(r["question_id"]), r["category"], r["turns"][0], chat_ids(target.tokenizer, r["turns"][0]))
-                for r in mtbench_rows(n)]
+        return mtbench_prompts(target.tokenizer, n, spread=True)
     if name == "mt-bench-2":
         return mtbench_second_turns(target, n, first_answer_tokens, out)
     if name == "humaneval":

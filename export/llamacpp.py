@@ -266,7 +266,7 @@ def check_pair(draft: dict, target: dict, expected_fingerprint: str | None = Non
 
 
 # ---------------------------------------------------------------- drafters
-def _intermediate(src, tmp: Path, target) -> tuple[Path, Path | None, str]:
+def converter_input(src, tmp: Path, target) -> tuple[Path, Path | None, str]:
     """Our Hugging Face layout of the drafter llama.cpp's converter reads; (dir, --target-model-dir, spec type)."""
     from draftsmith.export import export, formats_for  # cycle: draftsmith.export imports this module
     kind = src.kind
@@ -312,7 +312,7 @@ def export_gguf(spec: str, out: str | Path, target, gguf_type: str = "f32", *, t
                     "", f"Run: `llama-server -m {f.name}` or `llama-cli -m {f.name}`.", ""]
         else:
             src = load_source(spec, target)
-            hf_dir, target_dir, spec_type = _intermediate(src, tmp, target)
+            hf_dir, target_dir, spec_type = converter_input(src, tmp, target)
             raw = convert_hf(ll, hf_dir, tmp / "raw.gguf", t if t in CONVERT_TYPES else "f32", target_dir)
             prov = {k.replace("draftsmith_", "draftsmith."): v for k, v in provenance(src, target, "gguf").items()}
             prov["draftsmith.gguf_type"] = t

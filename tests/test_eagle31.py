@@ -115,7 +115,7 @@ def test_exports_carry_the_options_and_reload_exactly(tmp_path, fmt):
 def test_llamacpp_refuses_what_its_loader_ignores(tmp_path):
     from draftsmith.checkpoint import save_checkpoint
     from draftsmith.export import load_source
-    from draftsmith.export.llamacpp import LlamaCppError, _intermediate
+    from draftsmith.export.llamacpp import LlamaCppError, converter_input
 
     t = make_tiny_target(init_std=0.3, layers=4, save_to=tmp_path / "target")
     for opts, refused in ((OPTIONS[0], "fc_norm and norm_output"), ({"norm_before_fc": True}, None)):
@@ -124,8 +124,8 @@ def test_llamacpp_refuses_what_its_loader_ignores(tmp_path):
         src = load_source(ck, t)
         if refused:
             with pytest.raises(LlamaCppError, match=f"EAGLE 3.1's {refused}"):
-                _intermediate(src, tmp_path / f"tmp{len(opts)}", t)
+                converter_input(src, tmp_path / f"tmp{len(opts)}", t)
         else:  # llama.cpp reads norm_before_fc: written for its converter
-            d, _, spec = _intermediate(src, tmp_path / f"tmp{len(opts)}", t)
+            d, _, spec = converter_input(src, tmp_path / f"tmp{len(opts)}", t)
             assert json.loads((d / "config.json").read_text())["norm_before_fc"] is True
             assert spec == "draft-eagle3"

@@ -8,7 +8,8 @@ import torch
 from draftsmith.checkpoint import save_checkpoint
 from draftsmith.engine.metrics import StepStats, accepted_histogram
 from draftsmith.eval.bench import add_plain
-from draftsmith.eval.suite import UNAVAILABLE, spread
+from draftsmith.eval.mtbench import spread
+from draftsmith.eval.suite import UNAVAILABLE
 from draftsmith.heads.medusa.model import MedusaHeads
 from tests.tiny import make_tiny_target
 
