@@ -27,18 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draftsmith.common.hidden_cache import decoder_of
+from draftsmith.common.taps import LayerTap
 from draftsmith.engine.policies import LengthPolicy
 from draftsmith.engine.trees import DraftTree
 
 if TYPE_CHECKING:  # the model module builds these drafters: importing it here would be a cycle
     from draftsmith.drafters.eagle3.model import Eagle3Module
-
-
-def _capture(store: dict, j: int):
-    def hook(_module, _args, output):
-        store[j] = output[0] if isinstance(output, tuple) else output
-    return hook
 
 
 @dataclass
@@ -91,18 +85,13 @@ class Eagle3Drafter:
         self.default_policy = policy
         self.max_depth = None
         self._fast: Any = None  # the module's compiled drafting (``module.fast_drafting()``), built on first use
-        body = decoder_of(target.model)
-        self._captured: dict[int, torch.Tensor] = {}
-        # The hooks hold the captured tensors' dict, not the drafter: a drafter nobody holds is collected
-        # and its __del__ takes its hooks off the target's layers.
-        self._hooks = [body.layers[i - 1].register_forward_hook(_capture(self._captured, j))
-                       for j, i in enumerate(module.aux_layers)]
+        self._tap = LayerTap(target, module.aux_layers, "EAGLE-3")
 
     def close(self) -> None:
         """Remove the hooks from the target's layers."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        tap = self.__dict__.get("_tap")  # absent when the constructor failed before it
+        if tap is not None:
+            tap.close()
 
     def __del__(self):
         self.close()
@@ -115,9 +104,7 @@ class Eagle3Drafter:
     def _features(self, row: int = 0) -> torch.Tensor:
         """[entries, 3H]: the last target forward's states of the three layers (low | middle | high) for batch
         row ``row`` of that forward."""
-        if len(self._captured) != 3:
-            raise RuntimeError("no target states captured: the target's forward did not run through its layers")
-        return torch.cat([self._captured[j][row] for j in range(3)], dim=-1)
+        return self._tap.features(row)
 
     # ------------------------------------------------------------------ decoder interface
     @torch.no_grad()

@@ -1,0 +1,49 @@
+"""The target's intermediate states as a decoder's forwards leave them: forward hooks on chosen decoder layers.
+
+Drafters that read several of the target's layers (EAGLE-3's three fused states, DFlash's context features) do
+not change the decoder's forward: every target forward the decoder runs (a prefill, a verification, the fused
+step, which calls the layers' hooks with its outputs) leaves the hooked layers' outputs behind, and the drafter
+reads the rows it needs. The hooks hold the captured tensors' dict, not the drafter, so a drafter nobody holds
+is collected and its ``close`` (or ``__del__``) takes the hooks off the target's layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.common.hidden_cache import decoder_of
+
+
+def _capture(store: dict, j: int):
+    def hook(_module, _args, output):
+        store[j] = output[0] if isinstance(output, tuple) else output
+    return hook
+
+
+class LayerTap:
+    """Hooks on the target's decoder layers ``layers`` (Hugging Face ``hidden_states`` indices: N = the output of
+    decoder layer N, 1-based); `features` concatenates the last forward's outputs in that order."""
+
+    def __init__(self, target, layers: list[int], what: str):
+        self.layers, self.what = [int(i) for i in layers], what
+        body = decoder_of(target.model)
+        n = len(body.layers)
+        bad = [i for i in self.layers if not 1 <= i <= n]
+        if bad:
+            raise ValueError(f"{what} reads the outputs of layers {bad}, but the target has layers 1..{n}")
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = [body.layers[i - 1].register_forward_hook(_capture(self._captured, j))
+                       for j, i in enumerate(self.layers)]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def features(self, row: int = 0) -> torch.Tensor:
+        """[entries, len(layers) x H]: the last target forward's outputs of the hooked layers for batch row ``row``
+        of that forward."""
+        if len(self._captured) != len(self.layers):
+            raise RuntimeError(f"no target states captured for {self.what}: the target's forward did not run "
+                               "through its layers")
+        return torch.cat([self._captured[j][row] for j in range(len(self.layers))], dim=-1)
