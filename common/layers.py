@@ -210,6 +210,15 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return self.rope(q, pos), self.rope(k, pos), heads(self.v(a), self.nkv)
 
+    def kv(self, a: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values only (`qkv` without the queries): a [..., T, width] at positions pos [..., T] -> k, v
+        [..., nkv, T, hd], RoPE applied to k (DFlash projects the target's context this way)."""
+        *lead, T, _ = a.shape
+        k = self.k(a).view(*lead, T, self.nkv, self.hd).transpose(-2, -3)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        return self.rope(k, pos), self.v(a).view(*lead, T, self.nkv, self.hd).transpose(-2, -3)
+
     def expand(self, kv: torch.Tensor) -> torch.Tensor:
         """[..., nkv, S, hd] -> [..., nh, S, hd] (grouped-query attention)."""
         rep = self.nh // self.nkv

@@ -24,13 +24,14 @@ KINDS = {
     "hydra": ("hydra", {"num_heads": 2, "num_layers": 2, "prefix_layer": False}),
     "hydra++": ("hydra", {"num_heads": 2, "num_layers": 2, "prefix_layer": True}),
     "eagle3": ("eagle3", {"aux_layers": [1, 2, 3], "vocab_keep": None}),
+    "dflash": ("dflash", {"target_layers": [1, 2, 3], "vocab_keep": None, "block_size": 4, "mask_token_id": 4}),
     "kangaroo": ("kangaroo", {"exit_layer": 1, "adapter_mlp": True}),
     "standalone": ("standalone", {"init": "target", "num_layers": 1}),
 }
 # kinds that build a layer like the target's (Hydra++'s prefix layer, Kangaroo's adapter) know the Llama-shaped
 # families and Gemma 3's layer; Phi-3's (fused projections) is refused by name
 REFUSED = {("phi3", "hydra++"), ("phi3", "kangaroo")}
-TREES = {"medusa", "hydra", "hydra++", "eagle3"}  # kinds drafting from a static tree here
+TREES = {"medusa", "hydra", "hydra++", "eagle3", "dflash"}  # kinds drafting from a static tree here
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

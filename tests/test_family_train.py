@@ -16,7 +16,7 @@ from draftsmith.train.training.trainer import train
 from tests.families import FAMILIES, VOCAB, WINDOW, family_target
 from tests.test_families import KINDS, REFUSED
 
-TRAINED = ("medusa", "hydra++", "eagle3", "kangaroo", "standalone")
+TRAINED = ("medusa", "hydra++", "eagle3", "dflash", "kangaroo", "standalone")
 
 
 def _sequences(n: int = 8, length: int = WINDOW, seed: int = 0) -> list[dict]:
@@ -34,7 +34,8 @@ def test_every_kind_trains_on_each_family(family, tmp_path):
         if (family, name) in REFUSED:
             continue
         kind, fields = KINDS[name]
-        fields = {k: v for k, v in fields.items() if k != "aux_layers"}  # EAGLE-3's: derived from the target
+        # EAGLE-3's and DFlash's layers: derived from the target
+        fields = {k: v for k, v in fields.items() if k not in ("aux_layers", "target_layers")}
         recipe = parse_recipe({"name": name, "output_dir": str(tmp_path / name), "seed": 0,
                                "drafter": {"kind": kind, **fields},
                                "train": {"max_steps": 2, "batch_size": 4, "chunk_len": WINDOW, "lr": 1e-3,

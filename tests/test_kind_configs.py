@@ -22,6 +22,7 @@ FIELDS = {
     "medusa": {"num_heads": 2},
     "hydra": {"num_heads": 2, "num_layers": 2, "prefix_layer": True},
     "eagle3": {"aux_layers": [1, 2, 3], "vocab_keep": None},
+    "dflash": {"target_layers": [1, 2, 3], "vocab_keep": None, "block_size": 4, "mask_token_id": 5},
     "kangaroo": {"exit_layer": 1, "adapter_mlp": True},
     "standalone": {"init": "target", "num_layers": 1},
 }
@@ -70,7 +71,7 @@ def test_bad_config_json_is_refused_naming_the_field(kind, target, tmp_path):
             load_checkpoint(ck, target)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle3", "kangaroo"])
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle3", "dflash", "kangaroo"])
 def test_config_for_other_sizes_is_refused(kind, target, tmp_path):
     cls = registry.get(kind)
     ck = save_checkpoint(tmp_path / "ck", cls.for_target(target, **FIELDS[kind]), target)
