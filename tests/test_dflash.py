@@ -208,6 +208,10 @@ def test_training_end_to_end_checkpoint_and_decoding(tmp_path, loss):
     else:  # the data's tokens (a cycle the tiny random target did not write) are what hard labels teach
         got, start = _label_agreement(model, cache, t), _label_agreement(build_drafter(r, t), cache, t)
         assert got > start + 0.3, (start, got)
+    # the trees stage's acceptance by rank: its rank 0 is the held-out report's conditional top-1, slot by slot
+    ranks = model.rank_acceptance(cache, t)
+    assert ranks["top1"] == pytest.approx(after["step_top1_conditional"], abs=1e-6)  # float32 ratios
+    assert all(sum(r) <= 1 + 1e-9 for r in ranks["rank_acc"])
     dr = drafter_from_checkpoint(ckpt, t)
     plain = SpeculativeDecoder(t).generate(PROMPT, 24).tokens
     assert SpeculativeDecoder(t, dr).generate(PROMPT, 24).tokens == plain
@@ -283,3 +287,79 @@ def test_bad_configs_are_clear_errors():
         DFlashModule.for_target(t, target_layers=LAYERS, mask_token_id=999)
     with pytest.raises(ValueError, match="draft_len 9 is more than a block of 4"):
         DFlashModule.for_target(t, target_layers=LAYERS, mask_token_id=1, block_size=4, draft_len=9)
+
+
+@pytest.mark.parametrize("pruned", [False, True], ids=["full-vocab", "pruned"])
+def test_export_reloads_and_imports_back(tmp_path, pruned):
+    from draftsmith.checkpoint import save_checkpoint
+    from draftsmith.export import export, import_drafter, load_drafter
+
+    t = make_tiny_target(init_std=0.3, layers=4)
+    m = module(t, vocab_keep=30 if pruned else None, block_size=4, draft_layers=2)
+    if pruned:
+        m.set_draft_vocab(torch.arange(30) * 3)
+    save_checkpoint(tmp_path / "ck", m, t)
+    out = export(tmp_path / "ck", "vllm-dflash", tmp_path / "ex", t)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["num_hidden_layers"] == 2
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 1, 2]  # z-lab's ids: ours minus one
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == LAYERS
+    assert cfg["dflash_config"]["mask_token_id"] == t.vocab_size - 1
+    w = load_file(str(out / "model.safetensors"))
+    assert not any("embed" in k for k in w) and "layers.1.self_attn.k_norm.weight" in w
+    if pruned:
+        assert cfg["draft_vocab_size"] == 30 and torch.equal(w["d2t"] + torch.arange(30), torch.arange(30) * 3)
+    else:
+        assert "lm_head.weight" not in w and "d2t" not in w
+    plain = SpeculativeDecoder(t).generate(PROMPT, 16)
+    ours = SpeculativeDecoder(t, drafter_from_checkpoint(tmp_path / "ck", t)).generate(PROMPT, 16)
+    back = SpeculativeDecoder(t, load_drafter(out, t)).generate(PROMPT, 16)
+    assert back.tokens == ours.tokens == plain.tokens
+    assert [s.accepted for s in back.steps] == [s.accepted for s in ours.steps]
+    import_drafter(out, tmp_path / "imported", t)
+    again = SpeculativeDecoder(t, drafter_from_checkpoint(tmp_path / "imported", t)).generate(PROMPT, 16)
+    assert [s.accepted for s in again.steps] == [s.accepted for s in ours.steps]
+    assert (m.engine_gap("llama.cpp") is not None) == pruned and m.engine_gap("vllm") is None
+
+
+def test_bad_exports_are_clear_errors(tmp_path):
+    from safetensors.torch import save_file
+
+    from draftsmith.checkpoint import CheckpointError, save_checkpoint
+    from draftsmith.export import export, import_drafter
+    from draftsmith.target import TargetMismatchError
+
+    t = make_tiny_target(init_std=0.3, layers=4)
+    m = module(t, vocab_keep=30)
+    m.set_draft_vocab(torch.arange(30) * 3)
+    save_checkpoint(tmp_path / "ck", m, t)
+    out = export(tmp_path / "ck", "vllm-dflash", tmp_path / "ex", t)
+    w = load_file(str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+
+    def variant(name, tensors=None, config=None):
+        d = tmp_path / name
+        d.mkdir()
+        save_file(tensors if tensors is not None else w, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps(config if config is not None else cfg))
+        return d
+
+    with pytest.raises(CheckpointError, match="d2t has shape"):
+        import_drafter(variant("short", {**w, "d2t": w["d2t"][:20]}), tmp_path / "o1", t)
+    with pytest.raises(CheckpointError, match="no d2t"):
+        import_drafter(variant("nod2t", {k: v for k, v in w.items() if k != "d2t"}), tmp_path / "o2", t)
+    with pytest.raises(CheckpointError, match="target layer ids"):
+        import_drafter(variant("layers", config={**cfg, "eagle_aux_hidden_state_layer_ids": [2, 15, 27]}),
+                       tmp_path / "o3", t)
+    no_mask = {**cfg, "dflash_config": {k: v for k, v in cfg["dflash_config"].items() if k != "mask_token_id"}}
+    with pytest.raises(CheckpointError, match="mask_token_id"):
+        import_drafter(variant("mask", config=no_mask), tmp_path / "o4", t)
+    with pytest.raises(CheckpointError, match="causal"):
+        import_drafter(variant("causal", config={**cfg, "dflash_config": {**cfg["dflash_config"], "causal": True}}),
+                       tmp_path / "o6", t)
+    with pytest.raises(CheckpointError, match="layers.0.mlp.up_proj.weight"):
+        import_drafter(variant("missing", {k: v for k, v in w.items() if "up_proj" not in k}), tmp_path / "o7", t)
+    with pytest.raises(TargetMismatchError):
+        import_drafter(out, tmp_path / "o5", make_tiny_target(init_std=0.3, layers=4, seed=5))
+    with pytest.raises(ValueError, match="cannot be exported to 'vllm-eagle3'"):
+        export(tmp_path / "ck", "vllm-eagle3", tmp_path / "ex2", t)

@@ -46,7 +46,8 @@ class DFlashConfig(KindConfig):
     def with_target(self, target) -> "DFlashConfig":
         if self.target_layers is not None:
             return self
-        return self.model_copy(update={"target_layers": default_target_layers(int(target.model.config.num_hidden_layers))})
+        layers = default_target_layers(int(target.model.config.num_hidden_layers))
+        return self.model_copy(update={"target_layers": layers})
 
 
 def default_target_layers(num_layers: int, count: int = 5) -> list[int]:

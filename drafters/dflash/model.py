@@ -1,6 +1,6 @@
 """The DFlash drafter module: the target's fused context states -> decoder layers over a block -> draft logits.
 
-Architecture (z-lab's reference and the trainers that follow it; docs/methods.md section 16):
+Architecture (z-lab's reference and the trainers that follow it; docs/methods.md section 18):
   * ``fc``: Linear(n x H -> H, no bias) over the concatenated target states of `target_layers` (Hugging Face
     ``hidden_states`` indices), then ``hidden_norm``: the context c_j of every committed position j;
   * ``draft_layers`` decoder layers (Qwen3-style: RMS norms on each head's queries and keys, no biases). A block
@@ -28,7 +28,7 @@ from draftsmith.common.layers import DecoderLayer, RMSNorm, target_rope
 from draftsmith.common.vocab import PrunedVocab
 from draftsmith.drafters.dflash.config import DFlashModelConfig, default_target_layers
 from draftsmith.drafters.dflash.decode import DFlashDrafter
-from draftsmith.drafters.dflash.objective import DFlashObjective, heldout_metrics
+from draftsmith.drafters.dflash.objective import DFlashObjective, heldout_metrics, rank_acceptance
 from draftsmith.engine.policies import FixedLength
 from draftsmith.registry import KindBase, register
 from draftsmith.schema import DecoderShape
@@ -61,6 +61,7 @@ def check_target_layers(ids: list[int], num_layers: int) -> None:
 class DFlashModule(PrunedVocab, KindBase, nn.Module):
     kind = "dflash"
     conditional_accuracy = True  # slot k's figures are over the blocks whose slots 1..k-1 drafted right
+    builds_trees = True  # from its slots' acceptance by rank (`rank_acceptance`): a depth's nodes share one slot
 
     config_class = DFlashModelConfig
 
@@ -125,8 +126,19 @@ class DFlashModule(PrunedVocab, KindBase, nn.Module):
                                max_anchors=d.max_anchors, loss=t.loss, chunk_len=t.chunk_len, exclude=exclude,
                                seed=recipe.seed, mask_token_id=mask)
 
+    def engine_gap(self, engine: str) -> str | None:
+        """llama.cpp's converter drops d2t / t2d, so a pruned draft vocabulary would draft draft-vocabulary ids as
+        target ids there; vLLM maps them."""
+        if engine == "llama.cpp" and self.draft_head is not None:
+            return "a pruned draft vocabulary (llama.cpp's DFlash reads no d2t; train with vocab_keep: null)"
+        return None
+
     def heldout_metrics(self, cache: HiddenCache, target) -> dict:
         return heldout_metrics(self, cache, target)
+
+    def rank_acceptance(self, cache: HiddenCache, target, sequences=None, ranks: int = 10) -> dict:
+        """Per slot, acceptance by draft rank on the accepted path: what the trees stage builds trees from."""
+        return rank_acceptance(self, cache, target, sequences=sequences, ranks=ranks)
 
     def decoder_drafter(self, target, target_fingerprint: str | None = None, name: str = "dflash") -> DFlashDrafter:
         return DFlashDrafter(target, self, target_fingerprint=target_fingerprint, name=name,

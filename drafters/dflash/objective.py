@@ -176,27 +176,37 @@ def slot_agreement(logits: torch.Tensor, batch: DFlashBatch) -> dict:
     return out
 
 
-@torch.no_grad()
-def heldout_metrics(model, cache: HiddenCache, target, batch_size: int = 4) -> dict:
-    """Per-slot and conditional top-1 agreement over every anchor of every sequence of a held-out cache, and the
-    chain's predicted acceptance length 1 + sum_k prod_{j<=k} (conditional agreement of slot j)."""
+def _every_block(model, cache: HiddenCache, target, exclude: set[int] | None = None, batch_size: int = 4):
+    """(batch, logits of its counted slots) for every anchor of every sequence of ``cache`` (less ``exclude``), the
+    teacher over the drafter's draft vocabulary: what the evaluation figures read."""
     m = getattr(model, "module", model)
     was = m.training
     m.eval()
     c = m.config
     obj = DFlashObjective(cache, target, m.target_layers, m.block_size, gamma=c.gamma, max_anchors=None,
-                          loss="soft", chunk_len=1 << 30, mask_token_id=c.mask_token_id)
+                          loss="soft", chunk_len=1 << 30, exclude=exclude, mask_token_id=c.mask_token_id)
     obj.use_pruned_teacher(draft_head(m))
     dev = next(m.parameters()).device
-    acc: dict[str, list[int]] = {}
     ids = list(range(len(obj.chunks)))
-    for s in range(0, len(ids), batch_size):
-        batch = obj.prepare(ids[s: s + batch_size], every=True).to(dev)
-        for key, (h, n) in slot_agreement(m(batch.feats, batch.ids, batch.anchors, batch.valid), batch).items():
+    try:
+        for s in range(0, len(ids), batch_size):
+            batch = obj.prepare(ids[s: s + batch_size], every=True).to(dev)
+            yield batch, m(batch.feats, batch.ids, batch.anchors, batch.valid)
+    finally:
+        m.train(was)
+
+
+@torch.no_grad()
+def heldout_metrics(model, cache: HiddenCache, target, batch_size: int = 4) -> dict:
+    """Per-slot and conditional top-1 agreement over every anchor of every sequence of a held-out cache, and the
+    chain's predicted acceptance length 1 + sum_k prod_{j<=k} (conditional agreement of slot j)."""
+    m = getattr(model, "module", model)
+    acc: dict[str, list[int]] = {}
+    for batch, logits in _every_block(m, cache, target, batch_size=batch_size):
+        for key, (h, n) in slot_agreement(logits, batch).items():
             a = acc.setdefault(key, [0, 0])
             a[0] += h
             a[1] += n
-    m.train(was)
     K = m.block_size - 1
     top1 = [acc[f"step{k}/top1"][0] / max(acc[f"step{k}/top1"][1], 1) for k in range(1, K + 1)]
     cond = [top1[0]] + [acc[f"step{k}/top1_cond"][0] / max(acc[f"step{k}/top1_cond"][1], 1) for k in range(2, K + 1)]
@@ -206,3 +216,28 @@ def heldout_metrics(model, cache: HiddenCache, target, batch_size: int = 4) -> d
         tau += run
     return {"step_top1": top1, "step_top1_conditional": cond, "predicted_chain_tau": tau,
             "positions": acc["step1/top1"][1]}
+
+
+@torch.no_grad()
+def rank_acceptance(model, cache: HiddenCache, target, sequences=None, ranks: int = 10, batch_size: int = 4) -> dict:
+    """What static trees are built from (`draftsmith.engine.tree_build.build_trees`): ``rank_acc[k][r]``, how often
+    the target's argmax for slot k+1 is that slot's r-th ranked draft, over the blocks whose slots 1..k drafted
+    the target's argmax first (a node's children on the accepted path); over every sequence of ``cache`` or
+    those in ``sequences``."""
+    m = getattr(model, "module", model)
+    K = m.block_size - 1
+    exclude = None if sequences is None else set(range(len(cache))) - set(sequences)
+    hits, count = torch.zeros(K, ranks), torch.zeros(K)
+    for batch, logits in _every_block(m, cache, target, exclude, batch_size):
+        v = batch.valid.cpu()
+        top = logits.topk(min(ranks, logits.shape[-1]), dim=-1).indices.cpu()
+        eq = torch.zeros(*v.shape, top.shape[-1], dtype=torch.bool)
+        eq[v] = top == batch.teacher.argmax(-1).cpu()[:, None]
+        run = None
+        for k in range(1, K + 1):
+            vk = v[..., k] if run is None else v[..., k] & run
+            hits[k - 1, : eq.shape[-1]] += eq[..., k, :][vk].float().sum(0)
+            count[k - 1] += vk.sum()
+            run = eq[..., k, 0] if run is None else run & eq[..., k, 0]
+    rank_acc = [[float(hits[k, r] / count[k]) if count[k] else 0.0 for r in range(ranks)] for k in range(K)]
+    return {"rank_acc": rank_acc, "positions": count.tolist(), "top1": [r[0] for r in rank_acc]}
