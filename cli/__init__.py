@@ -10,8 +10,8 @@
   draftsmith targets [install NAME]          named targets: known, installed, converted
   draftsmith eval CHECKPOINT [...]           decode MT-Bench with the lossless decoder
   draftsmith bench suite CKPT... [--quick]   the evaluation protocol: MT-Bench 1st/2nd turns, HumanEval, T=0/1
-  draftsmith export CKPT --to FMT --out DIR  vllm-eagle3 | eagle3 | vllm-medusa | hf | draftsmith | gguf, reloaded
-  draftsmith import SRC --out CKPT           an engine-layout dir (EAGLE-3, Medusa) -> checkpoint
+  draftsmith export CKPT --to FMT --out DIR  vllm-eagle3 | eagle3 | vllm-dflash | vllm-medusa | hf | draftsmith | gguf
+  draftsmith import SRC --out CKPT           an engine-layout dir (EAGLE-3, DFlash, Medusa) -> checkpoint
   draftsmith traces RECIPE [--checkpoint C]  acceptance traces of a chain drafter on training prompts
   draftsmith predictors TRACES               DISCO and SpecDec++ trained and tuned on those traces
   draftsmith simulate calibrate|record|run|replay|dsi  cost-model simulator (measured or published profiles)

@@ -1,17 +1,17 @@
 """llama.cpp, the engine CPU users run GGUF files with: find its build, turn targets and drafters into GGUF, run
 its server.
 
-    draftsmith export CKPT --to gguf --gguf-type q4_1 --out DIR      # an EAGLE-3 or standalone drafter
+    draftsmith export CKPT --to gguf --gguf-type q4_1 --out DIR      # an EAGLE-3, DFlash or standalone drafter
     draftsmith export target --to gguf --gguf-type f32 --out DIR     # the target itself
 
 The build comes from ``scripts/llamacpp_env.sh`` (``.llamacpp/`` in the checkout, or ``$DRAFTSMITH_LLAMACPP``);
 its stamp (``BUILD.json``) names the CPU it was built for, and a build for another CPU kind is refused (a
 GGML_NATIVE binary dies with an illegal instruction elsewhere). Conversion is llama.cpp's own
-``convert_hf_to_gguf.py`` on our Hugging Face layouts (``vllm-eagle3`` for EAGLE-3, ``hf`` for standalone
-drafters), then ``llama-quantize`` for the 4- and 5-bit types. Every GGUF we write carries the provenance the
+``convert_hf_to_gguf.py`` on our Hugging Face layouts (``vllm-eagle3`` for EAGLE-3, ``vllm-dflash`` for DFlash,
+``hf`` for standalone drafters), then ``llama-quantize`` for the 4- and 5-bit types. Every GGUF we write carries the provenance the
 other exports carry, as ``draftsmith.*`` string keys, and the target's fingerprint. A drafter GGUF is checked
-against the target GGUF before use: vocabulary (token list hash), hidden size, layer count (EAGLE-3's
-auxiliary layers must exist) and, where the target GGUF carries one, the fingerprint. The export is reloaded
+against the target GGUF before use: vocabulary (token list hash), hidden size, layer count (EAGLE-3's and
+DFlash's target layers must exist) and, where the target GGUF carries one, the fingerprint. The export is reloaded
 by llama.cpp itself (``llama-speculative-simple`` drafts with it against the target GGUF) before it returns.
 ``export/llamacpp_server.py`` runs ``llama-server`` for measurement.
 
@@ -46,7 +46,8 @@ CONVERT_TYPES = ("f32", "f16", "bf16", "q8_0")
 QUANT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q5_k_m", "q6_k")
 GGUF_TYPES = CONVERT_TYPES + QUANT_TYPES
 #: drafter kind -> llama.cpp's --spec-type
-SPEC_TYPES = {"eagle3": "draft-eagle3", "standalone": "draft-simple", "first-layers": "draft-simple"}
+SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash", "standalone": "draft-simple",
+              "first-layers": "draft-simple"}
 
 
 class LlamaCppError(RuntimeError):
@@ -275,9 +276,10 @@ def converter_input(src, tmp: Path, target) -> tuple[Path, Path | None, str]:
     if gap:
         raise LlamaCppError(f"a {kind!r} drafter with {gap}: llama.cpp's loader ignores that, so it would draft "
                             f"with another function; export it for vLLM or our decoder instead")
-    if "vllm-eagle3" in fmts:
-        export(src.path, "vllm-eagle3", tmp / "hf", target)
-        return tmp / "hf", Path(target.path), SPEC_TYPES["eagle3"]
+    for fmt, spec_type in (("vllm-eagle3", "eagle3"), ("vllm-dflash", "dflash")):  # read with the target's metadata
+        if fmt in fmts:
+            export(src.path, fmt, tmp / "hf", target)
+            return tmp / "hf", Path(target.path), SPEC_TYPES[spec_type]
     if "hf" in fmts:
         spec = str(src.path) if src.path else f"first-layers:{src.manifest.get('layers')}"
         export(spec, "hf", tmp / "hf", target)
@@ -285,8 +287,8 @@ def converter_input(src, tmp: Path, target) -> tuple[Path, Path | None, str]:
             raise LlamaCppError(f"a {kind!r} drafter with its own tokenizer cannot draft in llama.cpp (its draft "
                                 f"models must share the target's vocabulary)")
         return tmp / "hf", None, "draft-simple"
-    raise LlamaCppError(f"a {kind!r} drafter has no GGUF layout llama.cpp loads (it loads EAGLE-3 and standalone "
-                        f"draft models); export it with --to draftsmith for our decoder")
+    raise LlamaCppError(f"a {kind!r} drafter has no GGUF layout llama.cpp loads (it loads EAGLE-3, DFlash and "
+                        f"standalone draft models); export it with --to draftsmith for our decoder")
 
 
 def export_gguf(spec: str, out: str | Path, target, gguf_type: str = "f32", *, target_file: str | Path | None = None,

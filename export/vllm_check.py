@@ -3,8 +3,10 @@
     python -m draftsmith.export.vllm_check CKPT [CKPT ...] --prompts 80 --max-new-tokens 128 --draft-len 3 \\
         --out DIR [--vllm-python .venv-vllm/bin/python] [--threads 1]
 
-For every checkpoint and every format of it vLLM loads (``vllm-eagle3`` as method ``eagle3``, ``vllm-medusa``
-as ``medusa``, ``hf`` as ``draft_model``), on MT-Bench first turns, one request at a time:
+For every checkpoint and every format of it vLLM loads (``vllm-eagle3`` as method ``eagle3``, ``vllm-dflash`` as
+``dflash``, ``vllm-medusa`` as ``medusa``, ``hf`` as ``draft_model``), on MT-Bench first turns, one request at a
+time (a DFlash block in vLLM is the newest token and K mask tokens, so ``--draft-len`` should be its block size
+minus one, the block it was trained on and our decoder drafts from):
   * vLLM's tokens with the drafter against vLLM without one and against our plain decoding (divergences
     counted, with the target's top-2 logit gap at the first differing position: a near tie means float
     noise, not a bug);
@@ -38,7 +40,7 @@ from draftsmith.target import dtype_name, load_target
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 #: our format -> vLLM's speculative method
-VLLM_METHODS = {"vllm-eagle3": "eagle3", "vllm-medusa": "medusa", "hf": "draft_model"}
+VLLM_METHODS = {"vllm-eagle3": "eagle3", "vllm-dflash": "dflash", "vllm-medusa": "medusa", "hf": "draft_model"}
 DEFAULT_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
 
@@ -221,7 +223,7 @@ cls = ModelRegistry._try_load_model_cls(sys.argv[1])
 print("unknown" if cls is None else int(bool(getattr(interfaces, sys.argv[2])(cls))), vllm.__version__)
 """
 #: vLLM's method -> (its check of a target model class, the interface it names): methods that need the target's help
-_TARGET_INTERFACE = {VLLM_METHODS["vllm-eagle3"]: ("supports_eagle3", "SupportsEagle3")}
+_TARGET_INTERFACE = {VLLM_METHODS[f]: ("supports_eagle3", "SupportsEagle3") for f in ("vllm-eagle3", "vllm-dflash")}
 
 
 def vllm_refuses(python: Path, target, method: str) -> str | None:

@@ -164,7 +164,7 @@ def test_target_f32_gguf_decodes_what_we_decode(tiny_gguf_target, tmp_path):
 
 
 @needs_build
-@pytest.mark.parametrize("kind", ["eagle3", "standalone"])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "standalone"])
 def test_drafter_gguf_loads_drafts_and_keeps_llamacpp_greedy_tokens(tiny_gguf_target, tmp_path, kind):
     from draftsmith.checkpoint import save_checkpoint
     t = tiny_gguf_target
@@ -177,6 +177,10 @@ def test_drafter_gguf_loads_drafts_and_keeps_llamacpp_greedy_tokens(tiny_gguf_ta
         ck = tmp_path / "ck"
         save_checkpoint(ck, m, t)
         spec = str(ck)
+    elif kind == "dflash":  # over the full vocabulary: llama.cpp's DFlash reads no d2t
+        from tests.test_dflash import module as dflash_module
+        save_checkpoint(tmp_path / "ck", dflash_module(t, block_size=4, mask=16), t)
+        spec = str(tmp_path / "ck")
     else:
         spec = "first-layers:2"  # the target's first two layers as a standalone draft model
     rep = lc.export_gguf(spec, tmp_path / "d", t, "q8_0" if kind == "eagle3" else "f32",
