@@ -47,3 +47,43 @@ class LayerTap:
             raise RuntimeError(f"no target states captured for {self.what}: the target's forward did not run "
                                "through its layers")
         return torch.cat([self._captured[j][row] for j in range(len(self.layers))], dim=-1)
+
+
+class TappedRows:
+    """Batched decoding (`draftsmith.engine.batched.BatchedSpeculativeDecoder`) for a single-sequence drafter that
+    reads the target's layers through a `LayerTap` (EAGLE-3's, DFlash's): each row keeps the drafter's own state in
+    its `DecodeState`; the target's states come from the same hooks, after each row's prefill forward (one row per
+    forward, ``prefilled``) and from the batched verification forward, whose batch row ``row`` holds that live
+    row's block (``commit``). Drafting runs the drafter's ``propose`` row by row: rows differ in prefix length and
+    tree, and the drafter is small next to the target's verification of every row.
+
+    The drafter provides ``start(dec, state)``, ``propose(dec, state, tree, start, end)``, ``keep(state, rows,
+    path)`` and ``tap`` (its `LayerTap`)."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def prefilled(self, row: int, state) -> None:
+        state.drafter_state = self.drafter.start(None, state)
+
+    def start(self, dec, states: list, capacity: int, rows: int) -> None:
+        pass  # each row was started by `prefilled`, right after its prefill forward
+
+    def join(self, dec, state) -> None:
+        pass  # as `start`: `prefilled` started it
+
+    def begin_step(self, states: list) -> None:
+        pass
+
+    @torch.no_grad()
+    def propose(self, rows: list[int], states: list, trees: list, ranges: list[tuple[int, int]]) -> list:
+        return [self.drafter.propose(None, s, t, a, b) for s, t, (a, b) in zip(states, trees, ranges)]
+
+    def commit(self, row: int, dec, state, tree, path: list[int]) -> None:
+        self.drafter.keep(state, self.drafter.tap.features(row)[: tree.n + 1], path)
+
+    def history(self, state, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        return new
+
+    def move_row(self, src: int, dst: int, src_state) -> None:
+        pass  # per-row state lives in the row's DecodeState

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from draftsmith.checkpoint import CheckpointError
+
 
 def kept_size(keep: int | float, vocab_size: int) -> int:
     """``keep`` as an id count: an int N, or a float ratio in (0, 1] of the vocabulary."""
@@ -140,3 +142,48 @@ def draft_head(module: nn.Module) -> PrunedHead | None:
     """The pruned head of a (possibly DDP-wrapped) drafter, or None when it drafts over the full vocabulary."""
     m = getattr(module, "module", module)
     return getattr(m, "draft_head", None)
+
+
+# ---------------------------------------------------------------- the engines' vocabulary maps (EAGLE's d2t / t2d)
+def vocab_maps(kept: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
+    """A draft vocabulary (``kept``: sorted target ids) as the engines store it: ``d2t``, int64 offsets (target id =
+    draft id + d2t[draft id]), and ``t2d``, a bool over the target vocabulary."""
+    kept = kept.long()
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device=kept.device)
+    t2d[kept] = True
+    return {"d2t": kept - torch.arange(len(kept), device=kept.device), "t2d": t2d}
+
+
+def kept_from_maps(tensors: dict, n_draft: int, vocab_size: int, where) -> torch.Tensor:
+    """The kept target ids an export's ``d2t`` (and ``t2d``, where present) give for ``n_draft`` draft ids; all ids
+    when it has no ``d2t`` and drafts over the whole vocabulary. `CheckpointError` naming ``where`` otherwise."""
+    if "d2t" not in tensors:
+        if n_draft != vocab_size:
+            raise CheckpointError(f"{where}: no d2t, and draft_vocab_size {n_draft} is not the target's vocabulary "
+                                  f"({vocab_size}): the draft ids cannot be mapped")
+        return torch.arange(vocab_size)
+    d2t = tensors["d2t"].long()
+    if d2t.shape != (n_draft,):
+        raise CheckpointError(f"{where}: d2t has shape {list(d2t.shape)}, draft_vocab_size is {n_draft}")
+    kept = torch.arange(n_draft) + d2t
+    if bool((kept[1:] <= kept[:-1]).any()) or int(kept.min()) < 0 or int(kept.max()) >= vocab_size:
+        raise CheckpointError(f"{where}: d2t does not map the draft ids to sorted, distinct target ids below "
+                              f"{vocab_size}")
+    t2d = tensors.get("t2d")
+    if t2d is not None and (t2d.shape != (vocab_size,) or not torch.equal(t2d.bool().nonzero()[:, 0], kept)):
+        raise CheckpointError(f"{where}: t2d does not agree with d2t")
+    return kept
+
+
+@torch.no_grad()
+def copy_tensors(module: nn.Module, tensors: dict, names: dict[str, str], where) -> None:
+    """Copy ``tensors[theirs]`` into ``module``'s parameter ``ours`` for each (ours, theirs) of ``names``, checking
+    presence and shape (`CheckpointError` naming ``where`` and the tensor)."""
+    own = module.state_dict()
+    for ours, theirs in names.items():
+        t = tensors.get(theirs)
+        if t is None:
+            raise CheckpointError(f"{where}: no tensor {theirs!r}")
+        if tuple(t.shape) != tuple(own[ours].shape):
+            raise CheckpointError(f"{where}: {theirs!r} has shape {list(t.shape)}, expected {list(own[ours].shape)}")
+        module.get_parameter(ours).copy_(t.to(own[ours].dtype))

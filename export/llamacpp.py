@@ -8,11 +8,12 @@ The build comes from ``scripts/llamacpp_env.sh`` (``.llamacpp/`` in the checkout
 its stamp (``BUILD.json``) names the CPU it was built for, and a build for another CPU kind is refused (a
 GGML_NATIVE binary dies with an illegal instruction elsewhere). Conversion is llama.cpp's own
 ``convert_hf_to_gguf.py`` on our Hugging Face layouts (``vllm-eagle3`` for EAGLE-3, ``vllm-dflash`` for DFlash,
-``hf`` for standalone drafters), then ``llama-quantize`` for the 4- and 5-bit types. Every GGUF we write carries the provenance the
-other exports carry, as ``draftsmith.*`` string keys, and the target's fingerprint. A drafter GGUF is checked
-against the target GGUF before use: vocabulary (token list hash), hidden size, layer count (EAGLE-3's and
-DFlash's target layers must exist) and, where the target GGUF carries one, the fingerprint. The export is reloaded
-by llama.cpp itself (``llama-speculative-simple`` drafts with it against the target GGUF) before it returns.
+``hf`` for standalone drafters), then ``llama-quantize`` for the 4- and 5-bit types. Every GGUF we write carries
+the provenance the other exports carry, as ``draftsmith.*`` string keys, and the target's fingerprint. A drafter
+GGUF is checked against the target GGUF before use: vocabulary (token list hash), hidden size, layer count
+(EAGLE-3's and DFlash's target layers must exist) and, where the target GGUF carries one, the fingerprint. The
+export is reloaded by llama.cpp itself (``llama-speculative-simple`` drafts with it against the target GGUF)
+before it returns.
 ``export/llamacpp_server.py`` runs ``llama-server`` for measurement.
 
 The default target's GGUF as shipped (``SmolLM2-135M-Instruct.Q4_1.gguf``) is the model our fp32 target is

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from draftsmith.common.taps import LayerTap
+from draftsmith.common.taps import LayerTap, TappedRows
 from draftsmith.engine.policies import LengthPolicy
 from draftsmith.engine.trees import DraftTree
 
@@ -56,11 +56,11 @@ class DFlashDrafter:
         self.name, self.target_fingerprint = name, target_fingerprint
         self.default_policy = policy
         self.max_depth = module.block_size - 1
-        self._tap = LayerTap(target, module.target_layers, "DFlash")
+        self.tap = LayerTap(target, module.target_layers, "DFlash")
 
     def close(self) -> None:
         """Remove the hooks from the target's layers."""
-        tap = self.__dict__.get("_tap")  # absent when the constructor failed before it
+        tap = self.__dict__.get("tap")  # absent when the constructor failed before it
         if tap is not None:
             tap.close()
 
@@ -71,7 +71,7 @@ class DFlashDrafter:
     @torch.no_grad()
     def start(self, dec, state) -> _State:
         L, m = state.length, self.module
-        feats = self._tap.features() if L > 0 else m.fc.weight.new_zeros(0, m.fc.in_features)
+        feats = self.tap.features() if L > 0 else m.fc.weight.new_zeros(0, m.fc.in_features)
         if feats.shape[0] != L:
             raise RuntimeError(f"DFlash needs the target's states of the {L} committed tokens at start; the last "
                                f"forward gave {feats.shape[0]} rows")
@@ -113,7 +113,7 @@ class DFlashDrafter:
 
     def commit(self, dec, state, tree: DraftTree, path: list[int]) -> None:
         """Keep the target's states of the root and the accepted nodes (this step's verification rows)."""
-        f = self._tap.features()
+        f = self.tap.features()
         self.keep(state, f[f.shape[0] - (tree.n + 1):], path)  # any uncached prefix comes first
 
     def observe_step(self, dec, state, tree: DraftTree, path: list[int]) -> None:
@@ -129,41 +129,7 @@ class DFlashDrafter:
         new = block[torch.tensor(path, device=block.device)].to(ds.feats.dtype)
         state.drafter_state = ds.pending(torch.cat([ds.feats, new]))
 
-    def batch_adapter(self) -> "DFlashRows":
-        return DFlashRows(self)
+    def batch_adapter(self) -> TappedRows:
+        """Batched decoding: this drafter's steps row by row (`draftsmith.common.taps.TappedRows`)."""
+        return TappedRows(self)
 
-
-class DFlashRows:
-    """Batched decoding (`draftsmith.engine.batched.BatchedSpeculativeDecoder`) with a DFlash drafter: each row
-    keeps the single-sequence drafter's state in its `DecodeState`; the target states come from the same hooks,
-    after each row's prefill forward (``prefilled``) and from the batched verification forward, whose batch row
-    ``row`` holds that live row's block (``commit``). Drafting runs the single-sequence block row by row."""
-
-    def __init__(self, drafter: DFlashDrafter):
-        self.drafter = drafter
-
-    def prefilled(self, row: int, state) -> None:
-        state.drafter_state = self.drafter.start(None, state)
-
-    def start(self, dec, states: list, capacity: int, rows: int) -> None:
-        pass  # each row was started by `prefilled`, right after its prefill forward
-
-    def join(self, dec, state) -> None:
-        pass  # as `start`: `prefilled` started it
-
-    def begin_step(self, states: list) -> None:
-        pass
-
-    @torch.no_grad()
-    def propose(self, rows: list[int], states: list, trees: list[DraftTree],
-                ranges: list[tuple[int, int]]) -> list[torch.Tensor | None]:
-        return [self.drafter.propose(None, s, t, a, b) for s, t, (a, b) in zip(states, trees, ranges)]
-
-    def commit(self, row: int, dec, state, tree: DraftTree, path: list[int]) -> None:
-        self.drafter.keep(state, self.drafter._tap.features(row)[: tree.n + 1], path)
-
-    def history(self, state, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-        return new
-
-    def move_row(self, src: int, dst: int, src_state) -> None:
-        pass  # per-row state lives in the row's DecodeState

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from draftsmith.checkpoint import (CheckpointError, MissingFileError, check_safetensors, read_export_config,
                                    read_safetensors)
 from draftsmith.common.layers import rope_parameters
+from draftsmith.common.vocab import copy_tensors, kept_from_maps, vocab_maps
 from draftsmith.drafters.dflash.model import DFlashModule, check_target_layers
 from draftsmith.registry import ExportFormat, register_format
 from draftsmith.target import Target
@@ -53,13 +54,8 @@ def engine_tensors(m: DFlashModule) -> dict[str, torch.Tensor]:
     sd = m.state_dict()
     out = {theirs: sd[ours] for ours, theirs in name_map(m).items()}
     if m.draft_head is not None:
-        V = m.config.vocab_size
-        kept = m.draft_head.kept_ids.long()
         out["lm_head.weight"] = m.draft_head.weight
-        out["d2t"] = kept - torch.arange(len(kept), device=kept.device)
-        t2d = torch.zeros(V, dtype=torch.bool, device=kept.device)
-        t2d[kept] = True
-        out["t2d"] = t2d
+        out.update(vocab_maps(m.draft_head.kept_ids, m.config.vocab_size))
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
 
@@ -118,18 +114,8 @@ def read_dflash_dir(src: str | Path, target: Target) -> tuple[DFlashModule, dict
     sd = read_safetensors(src / WEIGHTS, "DFlash weights")
     V = target.vocab_size
     n_draft = int(config.get("draft_vocab_size") or V)
-    if "d2t" in sd:
-        d2t = sd["d2t"].long()
-        if d2t.shape != (n_draft,):
-            raise CheckpointError(f"{src / WEIGHTS}: d2t has shape {list(d2t.shape)}, draft_vocab_size is {n_draft}")
-        kept = torch.arange(n_draft) + d2t
-        if bool((kept[1:] <= kept[:-1]).any()) or int(kept.min()) < 0 or int(kept.max()) >= V:
-            raise CheckpointError(f"{src / WEIGHTS}: d2t does not map the draft ids to sorted, distinct target ids "
-                                  f"below {V}")
-    elif n_draft != V:
-        raise CheckpointError(f"{src / WEIGHTS}: no d2t, and draft_vocab_size {n_draft} is not the target's "
-                              f"vocabulary ({V}): the draft ids cannot be mapped")
-    full = n_draft == V
+    kept = kept_from_maps(sd, n_draft, V, src / WEIGHTS)
+    full = n_draft == V and bool(torch.equal(kept, torch.arange(V)))
     m = DFlashModule.for_target(target, target_layers=[int(i) for i in ids], mask_token_id=int(mask),
                                 block_size=block, draft_layers=int(config.get("num_hidden_layers", 1)),
                                 vocab_keep=None if full else n_draft, draft_len=config.get("draftsmith_draft_len"))
@@ -138,16 +124,7 @@ def read_dflash_dir(src: str | Path, target: Target) -> tuple[DFlashModule, dict
     mine = name_map(m)
     if not full:
         mine["draft_head.weight"] = "lm_head.weight"
-    own = m.state_dict()
-    with torch.no_grad():
-        for ours, theirs in mine.items():
-            t = sd.get(theirs)
-            if t is None:
-                raise CheckpointError(f"{src / WEIGHTS}: no tensor {theirs!r}")
-            if tuple(t.shape) != tuple(own[ours].shape):
-                raise CheckpointError(f"{src / WEIGHTS}: {theirs!r} has shape {list(t.shape)}, expected "
-                                      f"{list(own[ours].shape)}")
-            m.get_parameter(ours).copy_(t.to(own[ours].dtype))
+    copy_tensors(m, sd, mine, src / WEIGHTS)
     if full and "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"].float(),
                                                            target.lm_head.weight.detach().float().cpu()):
         raise CheckpointError(f"{src / WEIGHTS}: a full-vocabulary lm_head other than the target's is not supported")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draftsmith.common.taps import LayerTap
+from draftsmith.common.taps import LayerTap, TappedRows
 from draftsmith.engine.policies import LengthPolicy
 from draftsmith.engine.trees import DraftTree
 
@@ -85,11 +85,11 @@ class Eagle3Drafter:
         self.default_policy = policy
         self.max_depth = None
         self._fast: Any = None  # the module's compiled drafting (``module.fast_drafting()``), built on first use
-        self._tap = LayerTap(target, module.aux_layers, "EAGLE-3")
+        self.tap = LayerTap(target, module.aux_layers, "EAGLE-3")
 
     def close(self) -> None:
         """Remove the hooks from the target's layers."""
-        tap = self.__dict__.get("_tap")  # absent when the constructor failed before it
+        tap = self.__dict__.get("tap")  # absent when the constructor failed before it
         if tap is not None:
             tap.close()
 
@@ -104,7 +104,7 @@ class Eagle3Drafter:
     def _features(self, row: int = 0) -> torch.Tensor:
         """[entries, 3H]: the last target forward's states of the three layers (low | middle | high) for batch
         row ``row`` of that forward."""
-        return self._tap.features(row)
+        return self.tap.features(row)
 
     # ------------------------------------------------------------------ decoder interface
     @torch.no_grad()
@@ -230,44 +230,7 @@ class Eagle3Drafter:
         new = block[torch.tensor(path, device=block.device)].to(ds.feats.dtype)
         state.drafter_state = ds.pending(torch.cat([ds.feats, new]))
 
-    def batch_adapter(self) -> "Eagle3Rows":
-        return Eagle3Rows(self)
+    def batch_adapter(self) -> TappedRows:
+        """Batched decoding: this drafter's steps row by row (`draftsmith.common.taps.TappedRows`)."""
+        return TappedRows(self)
 
-
-class Eagle3Rows:
-    """Batched decoding (`draftsmith.engine.batched.BatchedSpeculativeDecoder`) with an EAGLE-3 drafter.
-
-    Each row keeps the single-sequence drafter's own state in its `DecodeState`; the three layers' outputs come
-    from the same hooks: after each row's prefill forward (one row per forward, ``prefilled``), and from the
-    batched verification forward, whose batch row ``row`` holds that live row's block (``commit``). Drafting
-    runs the single-sequence ``propose`` row by row: rows differ in prefix length and tree, and the layer is
-    small next to the target's verification of every row."""
-
-    def __init__(self, drafter: Eagle3Drafter):
-        self.drafter = drafter
-
-    def prefilled(self, row: int, state) -> None:
-        state.drafter_state = self.drafter.start(None, state)
-
-    def start(self, dec, states: list, capacity: int, rows: int) -> None:
-        pass  # each row was started by `prefilled`, right after its prefill forward
-
-    def join(self, dec, state) -> None:
-        pass  # as `start`: `prefilled` started it
-
-    def begin_step(self, states: list) -> None:
-        pass
-
-    @torch.no_grad()
-    def propose(self, rows: list[int], states: list, trees: list[DraftTree],
-                ranges: list[tuple[int, int]]) -> list[torch.Tensor | None]:
-        return [self.drafter.propose(None, s, t, a, b) for s, t, (a, b) in zip(states, trees, ranges)]
-
-    def commit(self, row: int, dec, state, tree: DraftTree, path: list[int]) -> None:
-        self.drafter.keep(state, self.drafter._features(row)[: tree.n + 1], path)
-
-    def history(self, state, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-        return new
-
-    def move_row(self, src: int, dst: int, src_state) -> None:
-        pass  # per-row state lives in the row's DecodeState

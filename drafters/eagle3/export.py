@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from draftsmith.checkpoint import (CheckpointError, MissingFileError, check_safetensors, read_export_config,
                                    read_safetensors)
 from draftsmith.common.layers import rope_parameters
+from draftsmith.common.vocab import copy_tensors, kept_from_maps, vocab_maps
 from draftsmith.drafters.eagle3.model import Eagle3Module, check_aux_layers
 from draftsmith.registry import ExportFormat, register_format
 from draftsmith.target import Target
@@ -76,10 +77,7 @@ def engine_tensors(m: Eagle3Module, fmt: str) -> dict[str, torch.Tensor]:
     else:
         kept = torch.arange(V, device=m.lm_head.weight.device)
         out["lm_head.weight"] = m.lm_head.weight
-    out["d2t"] = kept - torch.arange(len(kept), device=kept.device)
-    t2d = torch.zeros(V, dtype=torch.bool, device=kept.device)
-    t2d[kept] = True
-    out["t2d"] = t2d
+    out.update(vocab_maps(kept, V))
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
 
@@ -147,21 +145,7 @@ def read_eagle3_dir(src: str | Path, target: Target) -> tuple[Eagle3Module, dict
     sd = read_safetensors(src / WEIGHTS, "EAGLE-3 weights")
     V = target.vocab_size
     n_draft = int(config.get("draft_vocab_size", V))
-    if "d2t" not in sd:
-        if n_draft != V:
-            raise CheckpointError(f"{src / WEIGHTS}: no d2t, and draft_vocab_size {n_draft} is not the target's "
-                                  f"vocabulary ({V}): the draft ids cannot be mapped")
-        kept = torch.arange(V)
-    else:
-        d2t = sd["d2t"].long()
-        if d2t.shape != (n_draft,):
-            raise CheckpointError(f"{src / WEIGHTS}: d2t has shape {list(d2t.shape)}, draft_vocab_size is {n_draft}")
-        kept = torch.arange(n_draft) + d2t
-        if bool((kept[1:] <= kept[:-1]).any()) or int(kept.min()) < 0 or int(kept.max()) >= V:
-            raise CheckpointError(f"{src / WEIGHTS}: d2t does not map the draft ids to sorted, distinct target ids "
-                                  f"below {V}")
-        if "t2d" in sd and (sd["t2d"].shape != (V,) or not torch.equal(sd["t2d"].bool().nonzero()[:, 0], kept)):
-            raise CheckpointError(f"{src / WEIGHTS}: t2d does not agree with d2t")
+    kept = kept_from_maps(sd, n_draft, V, src / WEIGHTS)
     full = n_draft == V and bool(torch.equal(kept, torch.arange(V)))
     options = {k: bool(config.get(k, False)) for k in EAGLE31}
     m = Eagle3Module.for_target(target, aux_layers=[int(i) for i in aux], vocab_keep=None if full else n_draft,
@@ -172,16 +156,7 @@ def read_eagle3_dir(src: str | Path, target: Target) -> tuple[Eagle3Module, dict
             "norm.weight": "norm.weight", **{k: k for k in m.state_dict() if k.startswith(EAGLE31_TENSORS)}}
     if not full:
         mine["draft_head.weight"] = "lm_head.weight"
-    own = m.state_dict()
-    with torch.no_grad():
-        for ours, theirs in mine.items():
-            t = sd.get(theirs)
-            if t is None:
-                raise CheckpointError(f"{src / WEIGHTS}: no tensor {theirs!r}")
-            if tuple(t.shape) != tuple(own[ours].shape):
-                raise CheckpointError(f"{src / WEIGHTS}: {theirs!r} has shape {list(t.shape)}, expected "
-                                      f"{list(own[ours].shape)}")
-            m.get_parameter(ours).copy_(t.to(own[ours].dtype))
+    copy_tensors(m, sd, mine, src / WEIGHTS)
     if full and "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"].float(),
                                                            target.lm_head.weight.detach().float().cpu()):
         raise CheckpointError(f"{src / WEIGHTS}: a full-vocabulary lm_head other than the target's is not supported")
