@@ -162,6 +162,8 @@ def load_for_eval(a: argparse.Namespace) -> Loaded:
         d = resolve_drafter(c, target)
         if Path(c).is_dir():
             d.name = (read_manifest(c).get("recipe") or {}).get("name") or d.name
+            if d.name in {x.name for x, _ in drafters}:  # two runs of one recipe: their run directories tell them apart
+                d.name = f"{d.name} ({run_name(c)})"
         if a.confidence is not None and isinstance(d, SelfDrafter):  # another second-early-exit threshold
             d.set_confidence(a.confidence)
         specs = tree_specs_for(a.tree or ["chain"], d.name)
@@ -190,6 +192,16 @@ def load_for_eval(a: argparse.Namespace) -> Loaded:
     forward = use_fast_forward(target, a.forward)
     print(f"target forward: {forward}")
     return Loaded(target, drafters, dtype, layout, forward)
+
+
+def run_name(checkpoint: str | Path) -> str:
+    """A checkpoint's run: its directory's name, or its run directory's for a run's ``final`` or ``checkpoints/N``."""
+    p = Path(checkpoint).resolve()
+    if p.name == "final":
+        return p.parent.name
+    if p.parent.name == "checkpoints":
+        return p.parent.parent.name
+    return p.name
 
 
 def eval_prompts(a: argparse.Namespace, target) -> list:

@@ -113,3 +113,19 @@ def test_the_machine_is_read_from_cpuinfo():
     assert cpu_kind({"cpu_model": "Xeon", "cpu_isa": ["avx512f", "amx_tile"]}) == "Xeon (AMX)"
     assert cpu_kind({"cpu_model": "", "cpu_isa": ["avx512f"]}) == "unknown CPU (AVX-512)"
     assert git_commit("/") is None  # not a checkout
+
+
+def test_two_runs_of_one_recipe_get_their_run_names(tmp_path):
+    """Checkpoints whose recipes share a name (one recipe trained twice) are told apart by their run directories,
+    not refused as duplicate methods."""
+    from draftsmith.cli import main
+
+    target = make_tiny_target(vocab_size=96, seed=0, init_std=0.3, save_to=tmp_path / "target")
+    for run in ("run-a", "run-b"):
+        save_checkpoint(tmp_path / run / "final", MedusaHeads.for_target(target, num_heads=2), target)
+    out = tmp_path / "suite"
+    assert main(["bench", "suite", str(tmp_path / "run-a" / "final"), str(tmp_path / "run-b" / "final"), "--quick",
+                 "--prompts", "1", "--max-new-tokens", "3", "--no-hf", "--no-vllm", "--llamacpp", "", "--device",
+                 "cpu", "--sets", "mt-bench", "--out", str(out)]) == 0
+    methods = {r["method"] for r in json.loads((out / "suite.json").read_text())["rows"]}
+    assert {"ours medusa chain", "ours medusa (run-b) chain"} <= methods
