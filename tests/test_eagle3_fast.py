@@ -93,9 +93,13 @@ def test_compiled_eagle3_is_exact(tree):
     assert total_variation(got, ref) < 1e-6
 
 
-def test_int8_drafting_stays_close_and_is_lossless():
-    # int8 (the default on CPU in float32): the logits near the drafter's own, the same top candidate on most
-    # proposals; exact enumeration within float32 rounding; greedy output equal to plain decoding
+def test_int8_drafting_stays_close_and_is_lossless(monkeypatch):
+    # int8 (made the default in float32 here; by default it is bf16/fp16's): the logits near the drafter's own,
+    # the same top candidate on most proposals; exact enumeration within float32 rounding; greedy output equal to
+    # plain decoding
+    import draftsmith.common.int8 as int8
+
+    monkeypatch.setattr(int8, "INT8_DTYPES", (torch.float32,))
     t = tiny(vocab=40, layers=4)
     m = module(t, std=0.3, vocab_keep=24)
     m.set_draft_vocab(torch.arange(2, 26))

@@ -134,7 +134,7 @@ def test_int8_drafting_stays_close_to_the_heads(compiled):
     # the logits' spread, and the same top candidate on most rows; the prefix layer's base states likewise.
     tgt = tiny(vocab=50, seed=7, std=0.5)
     m = _heads(tgt, vocab_keep=24, num_heads=2, prefix=True)
-    q = m.fast_drafting(compile=compiled)
+    q = m.fast_drafting(compile=compiled, int8=True)
     assert q.int8 and not m.fast_drafting(compile=False, int8=False).int8
     ref = m.fast_drafting(compile=False, int8=False)
     base, paths = torch.randn(1, tgt.hidden_size), torch.randint(0, 50, (6, 2))
@@ -151,9 +151,13 @@ def test_int8_drafting_stays_close_to_the_heads(compiled):
     assert (bq - br).abs().max() < 0.05 * br.abs().max()
 
 
-def test_int8_drafting_is_exact_and_greedy_equal():
+def test_int8_drafting_is_exact_and_greedy_equal(monkeypatch):
     # Losslessness does not depend on the draft's numbers: exact enumeration through int8 drafting on a float32
-    # target (TV within float32 rounding of the reference), and greedy equality with plain decoding.
+    # target (TV within float32 rounding of the reference), and greedy equality with plain decoding. int8 is made
+    # the default in float32 here (by default it is bf16/fp16's, where the CPU's int8 product is the faster one).
+    import draftsmith.common.int8 as int8
+
+    monkeypatch.setattr(int8, "INT8_DTYPES", (torch.float32,))
     samp = SamplingParams(0.8)
     tgt = tiny(vocab=6, seed=0, std=0.5, layers=2, dtype=torch.float32)
     use_fast_forward(tgt, "compile", autotune=False)
@@ -169,3 +173,16 @@ def test_int8_drafting_is_exact_and_greedy_equal():
     dr = HeadDrafter(random_hydra(t, prefix=True), t.fingerprint, name="hydra")
     res = SpeculativeDecoder(t, dr, tree=_STATIC).generate([1, 3, 4, 2, 5], 40)
     assert dr._fast.int8 and res.tokens == plain and res.tau > 1.1
+
+
+def test_int8_is_the_default_in_bf16_and_fp16_not_float32():
+    """ATen's weight-only int8 product is the slower one in float32 on a CPU (docs/results.md section 38): drafting
+    there keeps the dense weights unless asked."""
+    from draftsmith.common.int8 import int8_by_default
+
+    tgt = tiny(vocab=50, seed=7, std=0.5)
+    m = _heads(tgt, vocab_keep=24, num_heads=2, prefix=True)
+    assert not m.fast_drafting(compile=False).int8 and m.fast_drafting(compile=False, int8=True).int8
+    assert int8_by_default(torch.zeros(1, dtype=torch.bfloat16))
+    assert int8_by_default(torch.zeros(1, dtype=torch.float16))
+    assert not int8_by_default(torch.zeros(1))

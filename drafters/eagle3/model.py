@@ -130,7 +130,7 @@ class Eagle3Module(PrunedVocab, KindBase, nn.Module):
 
     def fast_drafting(self, compile: bool = True, int8: bool | None = None) -> FastEagle3:
         """Compiled drafting (drafters/eagle3/fast.py), used by decoders whose target forward is compiled; ``int8``:
-        weight-only int8 layer and head (default: on CPU in fp32/bf16/fp16)."""
+        weight-only int8 layer and head (default: on CPU in bf16/fp16, `int8_by_default`)."""
         return FastEagle3(self, compile=compile, int8=int8)
 
     # ------------------------------------------------------------------ shared pieces

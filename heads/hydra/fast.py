@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.common.int8 import quantised
+from draftsmith.common.int8 import int8_by_default, quantised
 from draftsmith.common.layers import LayerKV
 from draftsmith.engine.fastpath import CompiledDrafting, bucket
 
@@ -93,8 +93,8 @@ class FastHydra:
         if heads.training:
             raise ValueError("FastHydra drafts with heads in eval mode (dropout off): call heads.eval() first")
         p = next(heads.parameters())
-        if int8 is None:  # default: int8 weights where the CPU kernel exists for the heads' dtype
-            int8 = p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        if int8 is None:  # default: int8 weights where the CPU's int8 product is the faster one for this dtype
+            int8 = int8_by_default(p)
         self.heads, self.int8 = heads, bool(int8)
         pre = heads.prefix
         self.prefix = _PrefixCore(quantised(pre) if int8 else pre) if pre is not None else None

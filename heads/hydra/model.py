@@ -158,7 +158,7 @@ class HydraHeads(PrunedVocab, KindBase, nn.Module):
 
     def fast_drafting(self, compile: bool = True, int8: bool | None = None):
         """Compiled drafting (heads/hydra/fast.py), used by decoders whose target forward is compiled; ``int8``:
-        weight-only int8 heads (default: on CPU in fp32/bf16/fp16)."""
+        weight-only int8 heads (default: on CPU in bf16/fp16, `int8_by_default`)."""
         return FastHydra(self, compile=compile, int8=int8)
 
     # ------------------------------------------------------------------ base states
