@@ -49,6 +49,46 @@ class LayerTap:
         return torch.cat([self._captured[j][row] for j in range(len(self.layers))], dim=-1)
 
 
+class TappedDrafter:
+    """What a single-sequence drafter that reads the target's layers through a `LayerTap` (``self.tap``) does the
+    same way whatever it drafts with (EAGLE-3, DFlash): its state (``state.drafter_state``) holds ``feats``, the
+    target's states not fed to it yet, and ``pending(feats)`` gives the state with those to feed next. After each
+    verification the rows of the accepted path are appended (``commit``); a step another drafter drafted (the
+    hybrid's SuffixDecoding, a plain step) is kept the same way (``observe_step``), as the next own step feeds
+    every committed position."""
+
+    tap: LayerTap
+
+    def close(self) -> None:
+        """Remove the hooks from the target's layers."""
+        tap = self.__dict__.get("tap")  # absent when the constructor failed before it
+        if tap is not None:
+            tap.close()
+
+    def __del__(self):
+        self.close()
+
+    def commit(self, dec, state, tree, path: list[int]) -> None:
+        """Keep the target's states of the root and the accepted nodes (this step's verification rows)."""
+        f = self.tap.features()
+        self.keep(state, f[f.shape[0] - (tree.n + 1):], path)  # any uncached prefix comes first
+
+    def observe_step(self, dec, state, tree, path: list[int]) -> None:
+        self.commit(dec, state, tree, path)
+
+    @staticmethod
+    def keep(state, block: torch.Tensor, path: list[int]) -> None:
+        """Append the target's states of the accepted path (``block``: the root's and the nodes' rows) to what
+        the next step feeds."""
+        ds = state.drafter_state
+        new = block[torch.tensor(path, device=block.device)].to(ds.feats.dtype)
+        state.drafter_state = ds.pending(torch.cat([ds.feats, new]))
+
+    def batch_adapter(self) -> "TappedRows":
+        """Batched decoding: this drafter's steps row by row (`TappedRows`)."""
+        return TappedRows(self)
+
+
 class TappedRows:
     """Batched decoding (`draftsmith.engine.batched.BatchedSpeculativeDecoder`) for a single-sequence drafter that
     reads the target's layers through a `LayerTap` (EAGLE-3's, DFlash's): each row keeps the drafter's own state in

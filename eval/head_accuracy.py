@@ -6,7 +6,7 @@ import torch
 
 from draftsmith.common.vocab import draft_head
 from draftsmith.common.hidden_cache import HiddenCache
-from draftsmith.train.training.trainer import predicted_chain_tau  # noqa: F401 (here since it was first)
+from draftsmith.common.losses import predicted_chain_tau
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ Per step (state.length = L; the root token t_L is the newest token, not yet in t
   * the root's call fuses the committed positions not fed yet (fed..L-1) into the context and appends each layer's
     keys and values of them to this drafter's context cache, then runs one block [t_L, MASK x (S-1)] at positions
     L..L+S-1 over it: slot k's logits are the draft distribution of t_{L+k};
+  * the mask token is never drafted (its logit at the dtype's minimum);
   * a tree node at depth d gets slot d+1's logits: the block's slots do not read the drafted tokens, so every
     node of a depth shares one distribution (chains, and static or dynamic trees of its top tokens, verify
     losslessly all the same: each draft is sampled from, and verified against, the distribution it came from).
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from draftsmith.common.taps import LayerTap, TappedRows
+from draftsmith.common.taps import LayerTap, TappedDrafter
 from draftsmith.engine.policies import LengthPolicy
 from draftsmith.engine.trees import DraftTree
 
@@ -43,8 +44,9 @@ class _State:
         return _State(self.ctx, self.fed, feats)
 
 
-class DFlashDrafter:
-    """Drafts with a DFlash module; see the module docstring."""
+class DFlashDrafter(TappedDrafter):
+    """Drafts with a DFlash module; see the module docstring. ``commit``, ``observe_step`` and batched decoding:
+    `TappedDrafter`."""
 
     needs_target_hidden = True  # the prefill runs first, so the hooks hold the prompt's states at start
     supports_trees = True
@@ -57,15 +59,6 @@ class DFlashDrafter:
         self.default_policy = policy
         self.max_depth = module.block_size - 1
         self.tap = LayerTap(target, module.target_layers, "DFlash")
-
-    def close(self) -> None:
-        """Remove the hooks from the target's layers."""
-        tap = self.__dict__.get("tap")  # absent when the constructor failed before it
-        if tap is not None:
-            tap.close()
-
-    def __del__(self):
-        self.close()
 
     # ------------------------------------------------------------------ decoder interface
     @torch.no_grad()
@@ -96,6 +89,9 @@ class DFlashDrafter:
         logits = m.project(h[1:])
         if m.draft_head is not None:
             logits = m.draft_head.to_target(logits)
+        # the mask token is the block's filler, never a draft (training learns that; an untrained block whose
+        # head is the tied, scaled embedding of its own mask input would draft nothing else)
+        logits[:, m.config.mask_token_id] = torch.finfo(logits.dtype).min
         return _State(ctx, L, ds.feats[:0], L, logits)
 
     @torch.no_grad()
@@ -110,26 +106,3 @@ class DFlashDrafter:
         if len(set(depths)) == 1:
             return ds.logits[depths[0]].expand(end - start, -1)
         return ds.logits[torch.tensor(depths, device=ds.logits.device)]
-
-    def commit(self, dec, state, tree: DraftTree, path: list[int]) -> None:
-        """Keep the target's states of the root and the accepted nodes (this step's verification rows)."""
-        f = self.tap.features()
-        self.keep(state, f[f.shape[0] - (tree.n + 1):], path)  # any uncached prefix comes first
-
-    def observe_step(self, dec, state, tree: DraftTree, path: list[int]) -> None:
-        """A step another drafter drafted (the hybrid's SuffixDecoding or plain steps): the target's states of its
-        accepted tokens are kept all the same, as the next own step feeds every committed position."""
-        self.commit(dec, state, tree, path)
-
-    @staticmethod
-    def keep(state, block: torch.Tensor, path: list[int]) -> None:
-        """Append the target's states of the accepted path (``block``: the root's and the nodes' rows) to what
-        the next step feeds."""
-        ds = state.drafter_state
-        new = block[torch.tensor(path, device=block.device)].to(ds.feats.dtype)
-        state.drafter_state = ds.pending(torch.cat([ds.feats, new]))
-
-    def batch_adapter(self) -> TappedRows:
-        """Batched decoding: this drafter's steps row by row (`draftsmith.common.taps.TappedRows`)."""
-        return TappedRows(self)
-

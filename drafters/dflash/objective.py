@@ -25,6 +25,7 @@ import torch
 
 from draftsmith.common.chunks import make_chunks
 from draftsmith.common.hidden_cache import HiddenCache, teacher_logits
+from draftsmith.common.losses import add_hits, chain_metrics
 from draftsmith.common.vocab import PrunedHead, draft_head
 
 
@@ -203,19 +204,8 @@ def heldout_metrics(model, cache: HiddenCache, target, batch_size: int = 4) -> d
     m = getattr(model, "module", model)
     acc: dict[str, list[int]] = {}
     for batch, logits in _every_block(m, cache, target, batch_size=batch_size):
-        for key, (h, n) in slot_agreement(logits, batch).items():
-            a = acc.setdefault(key, [0, 0])
-            a[0] += h
-            a[1] += n
-    K = m.block_size - 1
-    top1 = [acc[f"step{k}/top1"][0] / max(acc[f"step{k}/top1"][1], 1) for k in range(1, K + 1)]
-    cond = [top1[0]] + [acc[f"step{k}/top1_cond"][0] / max(acc[f"step{k}/top1_cond"][1], 1) for k in range(2, K + 1)]
-    tau, run = 1.0, 1.0
-    for x in cond:
-        run *= x
-        tau += run
-    return {"step_top1": top1, "step_top1_conditional": cond, "predicted_chain_tau": tau,
-            "positions": acc["step1/top1"][1]}
+        add_hits(acc, slot_agreement(logits, batch))
+    return chain_metrics(acc, m.block_size - 1)
 
 
 @torch.no_grad()

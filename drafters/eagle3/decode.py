@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draftsmith.common.taps import LayerTap, TappedRows
+from draftsmith.common.taps import LayerTap, TappedDrafter
 from draftsmith.engine.policies import LengthPolicy
 from draftsmith.engine.trees import DraftTree
 
@@ -72,8 +72,9 @@ class _FastState:
                           list(self.nout))
 
 
-class Eagle3Drafter:
-    """Drafts with an EAGLE-3 module; see the module docstring."""
+class Eagle3Drafter(TappedDrafter):
+    """Drafts with an EAGLE-3 module; see the module docstring. ``commit``, ``observe_step`` and batched decoding:
+    `TappedDrafter`."""
 
     needs_target_hidden = True  # the prefill runs first, so the hooks hold the prompt's states at start
     supports_trees = True
@@ -87,24 +88,10 @@ class Eagle3Drafter:
         self._fast: Any = None  # the module's compiled drafting (``module.fast_drafting()``), built on first use
         self.tap = LayerTap(target, module.aux_layers, "EAGLE-3")
 
-    def close(self) -> None:
-        """Remove the hooks from the target's layers."""
-        tap = self.__dict__.get("tap")  # absent when the constructor failed before it
-        if tap is not None:
-            tap.close()
-
-    def __del__(self):
-        self.close()
-
     @property
     def compile_s(self) -> float:
         """Seconds spent compiling this drafter's graphs (0 when it drafts eagerly)."""
         return float(getattr(self._fast, "compile_s", 0.0))
-
-    def _features(self, row: int = 0) -> torch.Tensor:
-        """[entries, 3H]: the last target forward's states of the three layers (low | middle | high) for batch
-        row ``row`` of that forward."""
-        return self.tap.features(row)
 
     # ------------------------------------------------------------------ decoder interface
     @torch.no_grad()
@@ -113,7 +100,7 @@ class Eagle3Drafter:
         m = self.module
         dtype = m.fc.weight.dtype
         # a one-token prompt has nothing committed: no prefill ran, nothing to read
-        feats = self._features() if L > 0 else m.fc.weight.new_zeros(0, m.fc.in_features)
+        feats = self.tap.features() if L > 0 else m.fc.weight.new_zeros(0, m.fc.in_features)
         if feats.shape[0] != L:
             raise RuntimeError(f"EAGLE-3 needs the target's states of the {L} committed tokens at start; the last "
                                f"forward gave {feats.shape[0]} rows")
@@ -211,26 +198,4 @@ class Eagle3Drafter:
             state.drafter_state = replace(ds, kv=kv, nout=ds.nout + list(out))
             rows.append(logits)
         return torch.cat(rows) if len(rows) > 1 else rows[0]
-
-    def commit(self, dec, state, tree: DraftTree, path: list[int]) -> None:
-        """Keep the target's states of the root and the accepted nodes (this step's verification rows)."""
-        f = self._features()
-        self.keep(state, f[f.shape[0] - (tree.n + 1):], path)  # any uncached prefix comes first
-
-    def observe_step(self, dec, state, tree: DraftTree, path: list[int]) -> None:
-        """A step another drafter drafted (the hybrid's SuffixDecoding or plain steps): the target's states of its
-        accepted tokens are kept all the same, as the next own step feeds every committed index."""
-        self.commit(dec, state, tree, path)
-
-    @staticmethod
-    def keep(state, block: torch.Tensor, path: list[int]) -> None:
-        """Append the target's states of the accepted path (``block``: the root's and the nodes' rows) to what
-        the next step feeds."""
-        ds = state.drafter_state
-        new = block[torch.tensor(path, device=block.device)].to(ds.feats.dtype)
-        state.drafter_state = ds.pending(torch.cat([ds.feats, new]))
-
-    def batch_adapter(self) -> TappedRows:
-        """Batched decoding: this drafter's steps row by row (`draftsmith.common.taps.TappedRows`)."""
-        return TappedRows(self)
 

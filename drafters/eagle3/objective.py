@@ -20,6 +20,7 @@ import torch
 
 from draftsmith.common.chunks import make_chunks
 from draftsmith.common.hidden_cache import HiddenCache, teacher_logits
+from draftsmith.common.losses import add_hits, chain_metrics
 from draftsmith.common.vocab import PrunedHead, draft_head
 
 
@@ -155,19 +156,8 @@ def heldout_metrics(model, cache: HiddenCache, target, batch_size: int = 4) -> d
     predicted acceptance length 1 + sum_k prod_{j<=k} (conditional agreement of step j)."""
     acc: dict[str, list[int]] = {}
     for batch, steps in _ttt_batches(model, cache, target, batch_size=batch_size):
-        for key, (h, n) in step_agreement(steps, batch).items():
-            a = acc.setdefault(key, [0, 0])
-            a[0] += h
-            a[1] += n
-    K = model.ttt_steps
-    top1 = [acc[f"step{k}/top1"][0] / max(acc[f"step{k}/top1"][1], 1) for k in range(1, K + 1)]
-    cond = [top1[0]] + [acc[f"step{k}/top1_cond"][0] / max(acc[f"step{k}/top1_cond"][1], 1) for k in range(2, K + 1)]
-    tau, run = 1.0, 1.0
-    for c in cond:
-        run *= c
-        tau += run
-    return {"step_top1": top1, "step_top1_conditional": cond, "predicted_chain_tau": tau,
-            "positions": acc["step1/top1"][1]}
+        add_hits(acc, step_agreement(steps, batch))
+    return chain_metrics(acc, model.ttt_steps)
 
 
 @torch.no_grad()

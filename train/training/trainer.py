@@ -28,6 +28,7 @@ from draftsmith import registry
 from draftsmith.chat import prompt_token_ids
 from draftsmith.checkpoint import CheckpointError, read_json, read_manifest, read_safetensors, save_checkpoint
 from draftsmith.common.chunks import calibration_split
+from draftsmith.common.losses import predicted_chain_tau
 from draftsmith.common.vocab import draft_head, frequent_ids, kept_size
 from draftsmith.recipe import Recipe
 from draftsmith.target import check_fingerprint
@@ -204,19 +205,6 @@ def train_on_text(recipe: Recipe, target, out: Path, *, resume: bool = True,
     timing = {**timing, "train_s": round(timing["wall_s"], 1), "wall_s": round(time.time() - t0, 1), **metrics}
     (out / "train_text.json").write_text(json.dumps(timing, indent=2))
     return final, timing
-
-
-def predicted_chain_tau(top1: list[float]) -> float:
-    """1 + sum_k prod_{j<=k} acc_j: tokens per step a greedy chain of these heads predicts.
-
-    Treats head k's accuracy as the chance of acceptance given heads 1..k-1
-    were accepted (an approximation: heads are measured independently).
-    """
-    tau, run = 1.0, 1.0
-    for a in top1:
-        run *= a
-        tau += run
-    return tau
 
 
 def predicted_tau(summary: dict) -> float | None:
