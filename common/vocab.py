@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from draftsmith.checkpoint import CheckpointError
+from draftsmith.common.int8 import quantised
 
 
 def kept_size(keep: int | float, vocab_size: int) -> int:
@@ -136,6 +137,28 @@ class PrunedVocab:
     def vocab_logits(self, x: torch.Tensor) -> torch.Tensor:
         """States -> logits over the draft vocabulary ([..., N] pruned, [..., V] otherwise)."""
         return self.draft_head(x) if self.draft_head is not None else self.full_head()(x)
+
+
+class TargetIdHead(nn.Module):
+    """A `PrunedVocab` drafter's head as compiled drafting runs it: states [n, H] -> logits in target-id space
+    [n, V], the dtype's minimum off the kept ids (what `PrunedHead.to_target` gives); ``int8``: a quantised copy of
+    the head (`draftsmith.common.int8`)."""
+
+    def __init__(self, module: nn.Module, int8: bool = False):
+        super().__init__()
+        dh = module.draft_head
+        head = dh if dh is not None else module.full_head()
+        self.head = quantised(head) if int8 else head
+        self.vocab_size = int(dh.vocab_size) if dh is not None else None
+        if dh is not None:
+            self.register_buffer("kept_ids", dh.kept_ids.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept = self.head(x)
+        if self.vocab_size is None:
+            return kept
+        full = kept.new_full((x.shape[0], self.vocab_size), torch.finfo(kept.dtype).min)
+        return full.index_copy(1, self.kept_ids, kept)
 
 
 def draft_head(module: nn.Module) -> PrunedHead | None:

@@ -14,12 +14,16 @@ Per step (state.length = L; the root token t_L is the newest token, not yet in t
     losslessly all the same: each draft is sampled from, and verified against, the distribution it came from).
 Nothing of a block is kept: the next step feeds the accepted positions' true states and drafts a new block.
 Drafter state is replaced, never mutated in place, so cloned decode states never share it.
+
+When the decoder's target forward is compiled, the same step runs through `FastDFlash` (drafters/dflash/fast.py)
+over pre-allocated key buffers written in place: a copied state (``copy.copy``) clones them.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +48,23 @@ class _State:
         return _State(self.ctx, self.fed, feats)
 
 
+@dataclass
+class _FastState:
+    """Compiled drafting (`FastDFlash`): each layer's context keys live in a pre-allocated buffer written in place,
+    so a copied state gets its own buffers."""
+    kv: list  # per draft layer a common.layers.LayerKV: context at slots 0..fed-1, the block after the capacity
+    fed: int
+    feats: torch.Tensor
+    root_len: int = -1
+    logits: torch.Tensor | None = None
+
+    def pending(self, feats: torch.Tensor) -> "_FastState":
+        return _FastState(self.kv, self.fed, feats)
+
+    def __copy__(self) -> "_FastState":
+        return _FastState([copy.copy(k) for k in self.kv], self.fed, self.feats, self.root_len, self.logits)
+
+
 class DFlashDrafter(TappedDrafter):
     """Drafts with a DFlash module; see the module docstring. ``commit``, ``observe_step`` and batched decoding:
     `TappedDrafter`."""
@@ -58,7 +79,13 @@ class DFlashDrafter(TappedDrafter):
         self.name, self.target_fingerprint = name, target_fingerprint
         self.default_policy = policy
         self.max_depth = module.block_size - 1
+        self._fast: Any = None  # the module's compiled drafting (``module.fast_drafting()``), built on first use
         self.tap = LayerTap(target, module.target_layers, "DFlash")
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent compiling this drafter's graphs (0 when it drafts eagerly)."""
+        return float(getattr(self._fast, "compile_s", 0.0))
 
     # ------------------------------------------------------------------ decoder interface
     @torch.no_grad()
@@ -69,15 +96,23 @@ class DFlashDrafter(TappedDrafter):
             raise RuntimeError(f"DFlash needs the target's states of the {L} committed tokens at start; the last "
                                f"forward gave {feats.shape[0]} rows")
         dtype = m.dtype()
+        fb = getattr(dec, "fast", None)
+        if fb is not None and fb.compiled is not None:  # the decoder's target forward is compiled: so is drafting
+            if self._fast is None:
+                self._fast = m.fast_drafting()
+            return _FastState(self._fast.new_kv(dec.capacity), 0, feats.to(dtype))
         empty = feats.new_zeros(m.config.num_kv_heads, 0, m.config.head_dim, dtype=dtype)
         return _State([(empty, empty) for _ in m.layers], 0, feats.to(dtype))
 
-    def _draft(self, ds: _State, state) -> _State:
+    def _draft(self, ds, state):
         """Feed the committed positions fed..L-1 into the context, then draft the block at L."""
         m, L, S = self.module, state.length, self.module.block_size
         n = L - ds.fed
         if ds.feats.shape[0] != n:
             raise RuntimeError(f"DFlash holds target states for {ds.feats.shape[0]} positions, {n} are committed")
+        if isinstance(ds, _FastState):
+            logits = self._fast.draft(ds.kv, ds.feats, ds.fed, int(state.tokens[L]))
+            return _FastState(ds.kv, L, ds.feats[:0], L, logits)
         dev = ds.feats.device
         ctx = ds.ctx
         if n:

@@ -28,6 +28,7 @@ from draftsmith.common.layers import DecoderLayer, RMSNorm, target_rope
 from draftsmith.common.vocab import PrunedVocab
 from draftsmith.drafters.dflash.config import DFlashModelConfig, default_target_layers
 from draftsmith.drafters.dflash.decode import DFlashDrafter
+from draftsmith.drafters.dflash.fast import FastDFlash
 from draftsmith.drafters.dflash.objective import DFlashObjective, heldout_metrics, rank_acceptance
 from draftsmith.engine.policies import FixedLength
 from draftsmith.registry import KindBase, register
@@ -143,6 +144,11 @@ class DFlashModule(PrunedVocab, KindBase, nn.Module):
     def decoder_drafter(self, target, target_fingerprint: str | None = None, name: str = "dflash") -> DFlashDrafter:
         return DFlashDrafter(target, self, target_fingerprint=target_fingerprint, name=name,
                              policy=FixedLength(self.config.draft_len or self.block_size - 1))
+
+    def fast_drafting(self, compile: bool = True, int8: bool | None = None) -> FastDFlash:
+        """Compiled drafting (drafters/dflash/fast.py), used by decoders whose target forward is compiled; ``int8``:
+        weight-only int8 layers and head (default: on CPU in bf16/fp16, `int8_by_default`)."""
+        return FastDFlash(self, compile=compile, int8=int8)
 
     # ------------------------------------------------------------------ shared pieces
     def dtype(self) -> torch.dtype:

@@ -30,6 +30,7 @@ from torch import nn
 
 from draftsmith.common.int8 import int8_by_default, quantised
 from draftsmith.common.layers import LayerKV
+from draftsmith.common.vocab import TargetIdHead
 from draftsmith.engine.fastpath import CompiledDrafting, bucket
 
 
@@ -54,13 +55,8 @@ class _Core(nn.Module):
         self.norm_output = bool(module.config.norm_output)
         self.layer = quantised(module.layer) if int8 else module.layer
         self.norm = module.norm
-        dh = module.draft_head
-        head = dh if dh is not None else module.lm_head
-        self.head = quantised(head) if int8 else head
+        self.head = TargetIdHead(module, int8)
         self.embed = module.embed
-        self.vocab_size = int(dh.vocab_size) if dh is not None else None
-        if dh is not None:
-            self.register_buffer("kept_ids", dh.kept_ids.clone())
 
     def step(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
              keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -84,11 +80,7 @@ class _Core(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Output states [n, H] -> draft logits [n, V] in target-id space (the dtype's minimum off the kept ids,
         as `PrunedHead.to_target`)."""
-        kept = self.head(self.norm(x))
-        if self.vocab_size is None:
-            return kept
-        full = kept.new_full((x.shape[0], self.vocab_size), torch.finfo(kept.dtype).min)
-        return full.index_copy(1, self.kept_ids, kept)
+        return self.head(self.norm(x))
 
 
 class _Feed(nn.Module):
