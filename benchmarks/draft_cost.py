@@ -3,11 +3,11 @@
     python -m benchmarks.draft_cost --checkpoint runs/quickstart/final [--tree built:best] [--prompts 8]
         [--max-new-tokens 64] [--threads 2] [--dtype bfloat16] [--out FILE]
 
-The same Hydra or EAGLE-3 checkpoint decodes MT-Bench first turns on the compiled target forward
+The same Hydra, EAGLE-3 or DFlash checkpoint decodes MT-Bench first turns on the compiled target forward
 (engine/fastpath.py) with its drafting done three ways: eager (Hydra's heads with the CPU decoding layout),
 compiled with the drafter's own weights, and compiled with int8 weights (heads/hydra/fast.py,
-drafters/eagle3/fast.py; int8 is the default on CPU); plus plain decoding. For EAGLE-3, give ``--tree`` as a
-list of paths or ``chain`` (it has no built trees).
+drafters/eagle3/fast.py, drafters/dflash/fast.py; int8 is the default on CPU in bf16); plus plain decoding. For a
+checkpoint without built trees, give ``--tree`` as a list of paths or ``chain``.
 Printed per method: draft and verification ms per step, tau, tok/s and the ratio to plain decoding; the
 methods run in turn on every prompt (a seeded shuffle), after a warm-up that compiles what each one uses.
 A graph first compiled inside a timed run (a prompt whose cache is larger than any before): its compile seconds,
@@ -37,14 +37,14 @@ from draftsmith.target import load_target, resolve_dtype
 
 def _drafter(ckpt: str, target, mode: str):
     d = drafter_from_checkpoint(ckpt, target)
-    mod = getattr(d, "heads", None) or getattr(d, "module", None)  # Hydra heads, or an EAGLE-3 module
+    mod = getattr(d, "heads", None) or getattr(d, "module", None)  # Hydra heads, or an EAGLE-3 or DFlash module
     if not callable(getattr(mod, "fast_drafting", None)):
-        raise ValueError(f"{ckpt}: its drafter has no compiled drafting (Hydra heads and EAGLE-3 have)")
+        raise ValueError(f"{ckpt}: its drafter has no compiled drafting (Hydra heads, EAGLE-3 and DFlash have)")
     if isinstance(d, HeadDrafter):
         apply_cpu_layout(target, d)
     if mode == "compiled, own weights":
         mod.fast_drafting = types.MethodType(lambda self: type(self).fast_drafting(self, int8=False), mod)
-    elif mode == "eager heads":
+    elif mode == "eager drafting":
         mod.fast_drafting = None  # the decoder then drafts with the drafter itself
     d.name = mode
     return d
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     tree = parse_tree(a.tree, a.checkpoint)
     greedy = SamplingParams(0.0, 0, 1.0)
     decs = {m: SpeculativeDecoder(target, _drafter(a.checkpoint, target, m), tree=tree, sampling=greedy)
-            for m in ("eager heads", "compiled, own weights", "compiled, int8 weights")}
+            for m in ("eager drafting", "compiled, own weights", "compiled, int8 weights")}
     decs["plain"] = SpeculativeDecoder(target, sampling=greedy)
     prompts = mtbench_prompts(target.tokenizer, a.prompts + 1, spread=True)
     for dec in decs.values():  # warm-up: every graph each method uses

@@ -96,10 +96,11 @@ class DFlashDrafter(TappedDrafter):
             raise RuntimeError(f"DFlash needs the target's states of the {L} committed tokens at start; the last "
                                f"forward gave {feats.shape[0]} rows")
         dtype = m.dtype()
-        fb = getattr(dec, "fast", None)
-        if fb is not None and fb.compiled is not None:  # the decoder's target forward is compiled: so is drafting
+        fb, make = getattr(dec, "fast", None), getattr(m, "fast_drafting", None)
+        if fb is not None and fb.compiled is not None and make is not None:
+            # the decoder's target forward is compiled: so is drafting
             if self._fast is None:
-                self._fast = m.fast_drafting()
+                self._fast = make()
             return _FastState(self._fast.new_kv(dec.capacity), 0, feats.to(dtype))
         empty = feats.new_zeros(m.config.num_kv_heads, 0, m.config.head_dim, dtype=dtype)
         return _State([(empty, empty) for _ in m.layers], 0, feats.to(dtype))
