@@ -11,8 +11,12 @@ without a checkpoint.
 
 CHECKPOINT is a drafter checkpoint directory, or ``none`` to benchmark
 baselines only. Plain decoding with our decoder always runs: it is the
-baseline every speedup names. Writes DIR/report.json (every figure, the
-command, the config and the environment), DIR/report.md and PNG plots.
+baseline every speedup names. On a CPU, when the methods decode in another
+dtype, our plain decoding in float32 runs too (``--plain-float32``; the
+packed 4/8-bit weights of a quantised target file make it the fastest plain
+decoding there), and every speedup also names the fastest plain decoding
+measured. Writes DIR/report.json (every figure, the command, the config and
+the environment), DIR/report.md and PNG plots.
 """
 
 from __future__ import annotations
@@ -22,17 +26,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from draftsmith import registry
 from draftsmith.checkpoint import command_line, environment, read_manifest, resolve_drafter
 from draftsmith.cli.shared import add_dtype_arg, add_suffix_args, load_target_as, suffix_config
 from draftsmith.engine.capabilities import capabilities
+from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
 from draftsmith.engine.drafters import SelfDrafter
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.tree_build import TREES, parse_tree
 from draftsmith.export.llamacpp_server import add_llamacpp_plain
-from draftsmith.eval.bench import compile_seconds, default_methods, run_bench, table
+from draftsmith.eval.bench import (BASELINE, compile_seconds, default_methods, mark_fastest_plain, ours, run_bench,
+                                   table)
 from draftsmith.eval.compare import self_drafter_methods, tree_specs_for
 from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
 from draftsmith.eval.report import write_report
@@ -114,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     add_dtype_arg(ap, None, "the first checkpoint's recipe dtype, else float32")
+    ap.add_argument("--plain-float32", default="auto", choices=["auto", "on", "off"],
+                    help="also time our plain decoding in float32 (the target's 4/8-bit blocks packed where it "
+                         "ships as a quantised file) when the methods decode in another dtype; auto (default): on a "
+                         "CPU. The fastest plain decoding on a CPU may be one the drafters do not run in")
     ap.add_argument("--no-cpu-layout", dest="cpu_layout", action="store_false",
                     help="keep PyTorch's default weight layout on CPU (default: column-major linears, oneDNN-packed "
                          "copies for 2+ rows and a transposed LM-head copy for every method, see "
@@ -140,6 +152,7 @@ class Loaded:
     dtype: str | None
     layout: dict | None
     forward: dict
+    plain_targets: tuple = ()  # the target in other dtypes, each timed as plain decoding only
 
 
 def load_for_eval(a: argparse.Namespace) -> Loaded:
@@ -191,7 +204,17 @@ def load_for_eval(a: argparse.Namespace) -> Loaded:
                   f"{layout.get('packed', 0)} oneDNN-packed, {layout['heads']} head copies")
     forward = use_fast_forward(target, a.forward)
     print(f"target forward: {forward}")
-    return Loaded(target, drafters, dtype, layout, forward)
+    others = []
+    want = getattr(a, "plain_float32", "off")
+    if want == "on" or (want == "auto" and target.model.device.type == "cpu"):
+        if target.dtype != torch.float32:
+            other = load_target_as(target_name or "smollm2-135m-instruct", "float32", target.model.device)
+            if a.cpu_layout:
+                apply_cpu_layout(other)
+            # plain decoding compiles only the 1-row graph, whose products are the native kernels: no GEMM to autotune
+            use_fast_forward(other, a.forward, autotune=False)
+            others.append(other)
+    return Loaded(target, drafters, dtype, layout, forward, tuple(others))
 
 
 def run_name(checkpoint: str | Path) -> str:
@@ -247,6 +270,9 @@ def evaluate(a: argparse.Namespace, loaded: Loaded, prompts: list, out: str | Pa
         label = "greedy" if sampling.greedy else f"T={temp}"
         methods = default_methods(target, sampling, drafter_layers=a.drafter_layers, draft_len=a.draft_len,
                                   hf=a.plain, hf_assisted_too=a.hf_assisted, cpu_layout=a.cpu_layout)
+        for other in loaded.plain_targets:
+            methods.insert(1, ours(f"{BASELINE[:-1]}, {dtype_name(other.dtype)})",
+                                   SpeculativeDecoder(other, sampling=sampling)))
         for d, trees in drafters:
             methods += default_methods(target, sampling, drafter_layers=None, hf=False, heads=d, trees=trees)[1:]
             methods += self_drafter_methods(target, d, sampling, a, trees)
@@ -259,7 +285,8 @@ def evaluate(a: argparse.Namespace, loaded: Loaded, prompts: list, out: str | Pa
             methods += extra
         print(f"== {label}: {', '.join(m.name for m in methods)}", flush=True)
         runs[label] = run_bench(methods, prompts, a.max_new_tokens, seed=a.seed,
-                                compile_clock=lambda: compile_seconds(target, [d for d, _ in drafters]))
+                                compile_clock=lambda: compile_seconds(target, [d for d, _ in drafters]) + sum(
+                                    compile_seconds(t) for t in loaded.plain_targets))
         if a.suffix:
             runs[label]["suffix"] = suffix_stats(members)
         add_llamacpp_plain(runs[label], target, prompts, a.max_new_tokens,
@@ -268,6 +295,7 @@ def evaluate(a: argparse.Namespace, loaded: Loaded, prompts: list, out: str | Pa
             print(f"llama.cpp: left out ({runs[label]['llamacpp'].splitlines()[0]})")
         if more_plain is not None:
             more_plain(runs[label], prompts, sampling, label)
+        mark_fastest_plain(runs[label])  # every speedup also against the fastest plain decoding measured
         print(table(runs[label]), flush=True)
     config = {k: v for k, v in vars(a).items()}
     config["cpu_layout"] = loaded.layout

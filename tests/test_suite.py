@@ -129,3 +129,21 @@ def test_two_runs_of_one_recipe_get_their_run_names(tmp_path):
                  "cpu", "--sets", "mt-bench", "--out", str(out)]) == 0
     methods = {r["method"] for r in json.loads((out / "suite.json").read_text())["rows"]}
     assert {"ours medusa chain", "ours medusa (run-b) chain"} <= methods
+
+
+def test_eval_times_float32_plain_decoding_beside_another_dtype(tmp_path):
+    """``--plain-float32``: our plain decoding in float32 joins a bf16 run as one more plain baseline (every method's
+    speedup names it), on a CPU by default; ``off`` leaves it out."""
+    from draftsmith.cli import main
+
+    make_tiny_target(vocab_size=96, seed=0, init_std=0.3, save_to=tmp_path / "target")
+    base = ["eval", "none", "--target", str(tmp_path / "target"), "--dtype", "bfloat16", "--prompts", "2",
+            "--max-new-tokens", "4", "--temperature", "0", "--device", "cpu", "--forward", "fast"]
+    methods = {}
+    for want in ("auto", "off"):
+        assert main(base + ["--plain-float32", want, "--out", str(tmp_path / want)]) == 0
+        methods[want] = json.loads((tmp_path / want / "report.json").read_text())["runs"]["greedy"]["methods"]
+    on = methods["auto"]
+    assert set(on) == {"plain (ours)", "plain (ours, float32)"} and set(methods["off"]) == {"plain (ours)"}
+    assert on["plain (ours, float32)"]["tokens"] > 0
+    assert {s["baseline"] for s in on["plain (ours)"]["speedup"]} >= {"plain (ours, float32)"}

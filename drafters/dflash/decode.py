@@ -49,7 +49,7 @@ class _State:
 
 
 @dataclass
-class _FastState:
+class _CompiledState:
     """Compiled drafting (`FastDFlash`): each layer's context keys live in a pre-allocated buffer written in place,
     so a copied state gets its own buffers."""
     kv: list  # per draft layer a common.layers.LayerKV: context at slots 0..fed-1, the block after the capacity
@@ -58,11 +58,11 @@ class _FastState:
     root_len: int = -1
     logits: torch.Tensor | None = None
 
-    def pending(self, feats: torch.Tensor) -> "_FastState":
-        return _FastState(self.kv, self.fed, feats)
+    def pending(self, feats: torch.Tensor) -> "_CompiledState":
+        return _CompiledState(self.kv, self.fed, feats)
 
-    def __copy__(self) -> "_FastState":
-        return _FastState([copy.copy(k) for k in self.kv], self.fed, self.feats, self.root_len, self.logits)
+    def __copy__(self) -> "_CompiledState":
+        return _CompiledState([copy.copy(k) for k in self.kv], self.fed, self.feats, self.root_len, self.logits)
 
 
 class DFlashDrafter(TappedDrafter):
@@ -101,7 +101,7 @@ class DFlashDrafter(TappedDrafter):
             # the decoder's target forward is compiled: so is drafting
             if self._fast is None:
                 self._fast = make()
-            return _FastState(self._fast.new_kv(dec.capacity), 0, feats.to(dtype))
+            return _CompiledState(self._fast.new_kv(dec.capacity), 0, feats.to(dtype))
         empty = feats.new_zeros(m.config.num_kv_heads, 0, m.config.head_dim, dtype=dtype)
         return _State([(empty, empty) for _ in m.layers], 0, feats.to(dtype))
 
@@ -111,9 +111,9 @@ class DFlashDrafter(TappedDrafter):
         n = L - ds.fed
         if ds.feats.shape[0] != n:
             raise RuntimeError(f"DFlash holds target states for {ds.feats.shape[0]} positions, {n} are committed")
-        if isinstance(ds, _FastState):
+        if isinstance(ds, _CompiledState):
             logits = self._fast.draft(ds.kv, ds.feats, ds.fed, int(state.tokens[L]))
-            return _FastState(ds.kv, L, ds.feats[:0], L, logits)
+            return _CompiledState(ds.kv, L, ds.feats[:0], L, logits)
         dev = ds.feats.device
         ctx = ds.ctx
         if n:
