@@ -156,7 +156,10 @@ def run(args: argparse.Namespace) -> int:
                       + f"; measured {f['measured_tau']:.2f}"
                       + (f" and {f['measured_speedup']:.2f}x" if "measured_speedup" in f else "")
                       + f" (tau {f['tau_ratio']:.2f} of the forecast"
-                      + (f", speed {f['speedup_ratio']:.2f}" if "speedup_ratio" in f else "") + ")")
+                      + (f", speed {f['speedup_ratio']:.2f}" if "speedup_ratio" in f else "")
+                      + (f": a step cost {f['measured_step_cost']:.2f} plain steps, forecast "
+                         f"{f['forecast_step_cost']:.2f}; the prefill and the rest x{f['rest_ratio']:.2f}"
+                         if "rest_ratio" in f else "") + ")")
             ms = b["methods"]
             plain = ms.get(BASELINE)
             drafted = {n: m for n, m in ms.items() if not is_plain(n)}

@@ -553,7 +553,14 @@ def forecast_vs_measured(figures: dict, ckpt: Path, specs: list[str], name: str)
     """The trees stage's forecast (``trees.json`` in the checkpoint: expected tau and speed relative to plain
     decoding, from held-out acceptance and measured step costs) beside what the bench measured with that tree:
     {method: {tree, forecast_tau, measured_tau, tau_ratio, forecast_speedup, measured_speedup, speedup_ratio}}.
-    Built trees only (``built:N``, ``built:best``); the hybrid with SuffixDecoding is not what was forecast."""
+    Built trees only (``built:N``, ``built:best``); the hybrid with SuffixDecoding is not what was forecast.
+
+    Where both decoders' step times were measured (``step_ms``: draft, verify, other) the speed's miss is split
+    into its factors, speedup_ratio = tau_ratio / step_cost_ratio x rest_ratio: ``forecast_step_cost`` (the
+    tree's step, drafting included, in plain steps, as the trees stage measured it alone) against
+    ``measured_step_cost`` (the same ratio of mean step times in the bench), and ``rest_ratio`` for what is
+    neither (the prefill, which plain decoding fuses into its first step and a drafter that reads the target's
+    states runs apart; time outside the steps)."""
     path = Path(ckpt) / "trees.json"
     if not path.exists():
         return {}
@@ -573,6 +580,12 @@ def forecast_vs_measured(figures: dict, ckpt: Path, specs: list[str], name: str)
             measured = got["tokens_per_s"] / plain
             row.update(forecast_speedup=round(fc["relative_speed"], 3), measured_speedup=round(measured, 3),
                        speedup_ratio=round(measured / fc["relative_speed"], 3))
+            step, plain_step = got.get("step_ms"), figures["methods"][BASELINE].get("step_ms")
+            if fc.get("step_cost") and step and plain_step and sum(plain_step.values()) > 0:
+                cost = sum(step.values()) / sum(plain_step.values())
+                steady = got["tau"] / cost  # the speedup if nothing but the steps took time
+                row.update(forecast_step_cost=round(fc["step_cost"], 3), measured_step_cost=round(cost, 3),
+                           step_cost_ratio=round(cost / fc["step_cost"], 3), rest_ratio=round(measured / steady, 3))
         out[f"ours {name} {spec}"] = row
     return out
 

@@ -138,6 +138,16 @@ def test_bench_puts_the_trees_forecast_beside_its_measurement(tmp_path):
     assert b["tree"] == "built:7" and b["forecast_tau"] == 1.6 and b["tau_ratio"] == 0.9
     assert b["measured_speedup"] == 1.1 and b["speedup_ratio"] == 0.88
     assert got["ours d built:3"]["tau_ratio"] == 1.0
+    assert "step_cost_ratio" not in b  # no step times measured: no split
+    # with step times: the speed's miss split into tau, step cost and the rest, whose product it is
+    (tmp_path / "trees.json").write_text(json.dumps({"best": "7", "trees": {
+        "7": {"expected_tau": 1.6, "relative_speed": 1.6 / 1.1, "step_cost": 1.1}}}))
+    figures["methods"][BASELINE]["step_ms"] = {"draft": 0.0, "verify": 10.0, "other": 0.0}
+    figures["methods"]["ours d built:best"]["step_ms"] = {"draft": 2.0, "verify": 11.0, "other": 0.2}
+    b = forecast_vs_measured(figures, tmp_path, ["built:best"], "d")["ours d built:best"]
+    assert b["measured_step_cost"] == 1.32 and b["step_cost_ratio"] == 1.2
+    assert b["rest_ratio"] == pytest.approx(1.1 / (1.44 / 1.32), abs=1e-3)
+    assert b["speedup_ratio"] == pytest.approx(b["tau_ratio"] / b["step_cost_ratio"] * b["rest_ratio"], abs=2e-3)
     assert forecast_vs_measured(figures, tmp_path / "none", ["built:best"], "d") == {}
 
 
