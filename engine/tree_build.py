@@ -78,11 +78,14 @@ def tree_value(acc: list[list[float]], paths: list[tuple[int, ...]]) -> float:
 
 
 @torch.no_grad()
-def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int = 9,
+def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int = 21,
                       medians_out: dict | None = None) -> dict[str, float]:
     """Wall time of a verification forward over n drafted nodes (n + 1 rows, logits included) after a
-    cached prefix, relative to plain decoding's 1-row forward, on this machine (median of ``repeats``,
-    sizes interleaved). Measure with the layout decoding will use (`draftsmith.engine.cpu_layout`).
+    cached prefix, relative to plain decoding's 1-row forward, on this machine: the median over ``repeats``
+    rounds of each round's ratio (every size timed once a round, back to back, so that the machine's speed,
+    which drifts by 20-30% within minutes on a shared host, cancels out of each ratio; a ratio of medians taken
+    apart did not: docs/results.md §39.4). Measure with the layout decoding will use
+    (`draftsmith.engine.cpu_layout`).
 
     What a node costs depends on the hardware: on a GPU 64 rows cost about what 1 costs, on a 2-core
     CPU each row adds a share. Trees are then ranked by expected tokens per unit of step time.
@@ -128,7 +131,11 @@ def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int 
     med = {n: sorted(v)[len(v) // 2] for n, v in times.items()}
     if medians_out is not None:  # rows -> median seconds, for reports
         medians_out.update(med)
-    return {str(b): med[b + 1] / med[1] for b in sizes}
+
+    def ratio(n: int) -> float:
+        r = sorted(a / b for a, b in zip(times[n], times[1]))
+        return r[len(r) // 2]
+    return {str(b): ratio(b + 1) for b in sizes}
 
 
 @torch.no_grad()
