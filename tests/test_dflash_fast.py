@@ -16,23 +16,11 @@ from draftsmith.eval.exact import exact_distribution, target_distribution, total
 from tests.test_decoder import tiny
 from tests.test_decoder_enumeration import N_NEW, PROMPT as ENUM_PROMPT, TEMP
 from tests.test_dflash import PROMPT, module
+from tests.test_eagle3_fast import recording
 
 STATIC = StaticTree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
 TREES = [None, STATIC, DynamicTree(budget=6, max_depth=3, width=2, expand_batch=2)]
 IDS = ["chain", "static", "dynamic"]
-
-
-def _recording(dr):
-    """Keep every (start, end, logits) the drafter proposes."""
-    seen = []
-    inner = dr.propose
-
-    def propose(dec, state, tree, start, end):
-        out = inner(dec, state, tree, start, end)
-        seen.append((start, end, None if out is None else out.clone()))
-        return out
-    dr.propose = propose
-    return seen
 
 
 def _drafting(m, compile: bool, int8: bool = False):
@@ -52,11 +40,11 @@ def test_fast_drafting_proposes_what_the_eager_drafter_does(compiled, tree):
     m = module(t, std=0.3, vocab_keep=24)
     m.set_draft_vocab(torch.arange(2, 26))
     ref_dr = m.decoder_drafter(t)
-    ref_seen = _recording(ref_dr)
+    ref_seen = recording(ref_dr)
     ref = SpeculativeDecoder(t, ref_dr, policy=FixedLength(3), tree=tree).generate(PROMPT, 30)
     use_fast_forward(t, "compile", autotune=False)
     dr = _drafting(m, compiled).decoder_drafter(t)
-    seen = _recording(dr)
+    seen = recording(dr)
     got = SpeculativeDecoder(t, dr, policy=FixedLength(3), tree=tree).generate(PROMPT, 30)
     assert dr._fast is not None and (dr.compile_s > 0) == compiled
     assert got.tokens == ref.tokens
@@ -130,11 +118,11 @@ def test_int8_drafting_stays_close_and_is_lossless(monkeypatch):
     use_fast_forward(t, "compile", autotune=False)
     m = module(t, std=0.3)
     ref_dr = _drafting(m, compile=False, int8=False).decoder_drafter(t)
-    ref_seen = _recording(ref_dr)
+    ref_seen = recording(ref_dr)
     SpeculativeDecoder(t, ref_dr, tree=STATIC).generate(PROMPT, 24)
     m = module(t, std=0.3)
     dr = m.decoder_drafter(t)
-    seen = _recording(dr)
+    seen = recording(dr)
     res = SpeculativeDecoder(t, dr, tree=STATIC).generate(PROMPT, 24)
     assert dr._fast.int8
     keep = torch.arange(t.vocab_size) != m.config.mask_token_id

@@ -17,7 +17,7 @@ from draftsmith.eval.exact import exact_distribution, target_distribution, total
 from tests.test_decoder import tiny
 from tests.test_decoder_enumeration import N_NEW, PROMPT as ENUM_PROMPT, TEMP
 from tests.test_eagle3 import PROMPT, assert_decoding_is_the_training_time_test, feats_of, module
-from tests.test_eagle3_fast import _drafting, _recording
+from tests.test_eagle3_fast import _drafting, recording
 from tests.tiny import make_tiny_target
 
 OPTIONS = [{"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}, {"norm_output": True},
@@ -60,11 +60,11 @@ def test_compiled_drafting_proposes_what_the_eager_drafter_does(compiled):
     m.set_draft_vocab(torch.arange(2, 26))
     tree = StaticTree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
     ref_dr = m.decoder_drafter(t)
-    ref_seen = _recording(ref_dr)
+    ref_seen = recording(ref_dr)
     ref = SpeculativeDecoder(t, ref_dr, policy=FixedLength(3), tree=tree).generate(PROMPT, 24)
     use_fast_forward(t, "compile", autotune=False)
     dr = _drafting(m, compiled).decoder_drafter(t)
-    seen = _recording(dr)
+    seen = recording(dr)
     got = SpeculativeDecoder(t, dr, policy=FixedLength(3), tree=tree).generate(PROMPT, 24)
     assert dr._fast is not None and got.tokens == ref.tokens
     assert [s.accepted for s in got.steps] == [s.accepted for s in ref.steps]

@@ -22,7 +22,7 @@ TREES = [None, STATIC, DynamicTree(budget=6, max_depth=3, width=2, expand_batch=
 IDS = ["chain", "static", "dynamic"]
 
 
-def _recording(dr):
+def recording(dr):
     """Keep every (start, end, logits) the drafter proposes."""
     seen = []
     inner = dr.propose
@@ -51,11 +51,11 @@ def test_fast_drafting_proposes_what_the_eager_drafter_does(compiled, tree):
     m = module(t, std=0.3, vocab_keep=24)
     m.set_draft_vocab(torch.arange(2, 26))
     ref_dr = m.decoder_drafter(t)
-    ref_seen = _recording(ref_dr)
+    ref_seen = recording(ref_dr)
     ref = SpeculativeDecoder(t, ref_dr, policy=FixedLength(3), tree=tree).generate(PROMPT, 30)
     use_fast_forward(t, "compile", autotune=False)
     dr = _drafting(m, compiled, node_slots=2 if compiled else 64).decoder_drafter(t)  # 2: the buffer must grow
-    seen = _recording(dr)
+    seen = recording(dr)
     got = SpeculativeDecoder(t, dr, policy=FixedLength(3), tree=tree).generate(PROMPT, 30)
     assert dr._fast is not None and (dr.compile_s > 0) == compiled
     assert got.tokens == ref.tokens
@@ -105,12 +105,12 @@ def test_int8_drafting_stays_close_and_is_lossless(monkeypatch):
     m.set_draft_vocab(torch.arange(2, 26))
     use_fast_forward(t, "compile", autotune=False)
     ref_dr = _drafting(m, compile=False, int8=False).decoder_drafter(t)
-    ref_seen = _recording(ref_dr)
+    ref_seen = recording(ref_dr)
     SpeculativeDecoder(t, ref_dr, tree=STATIC).generate(PROMPT, 24)
     m = module(t, std=0.3, vocab_keep=24)
     m.set_draft_vocab(torch.arange(2, 26))
     dr = m.decoder_drafter(t)
-    seen = _recording(dr)
+    seen = recording(dr)
     res = SpeculativeDecoder(t, dr, tree=STATIC).generate(PROMPT, 24)
     assert dr._fast.int8
     kept = m.draft_head.kept_ids
