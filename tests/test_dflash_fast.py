@@ -16,7 +16,7 @@ from draftsmith.eval.exact import exact_distribution, target_distribution, total
 from tests.test_decoder import tiny
 from tests.test_decoder_enumeration import N_NEW, PROMPT as ENUM_PROMPT, TEMP
 from tests.test_dflash import PROMPT, module
-from tests.test_eagle3_fast import recording
+from tests.test_eagle3_fast import recording, same_greedy_proposals
 
 STATIC = StaticTree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
 TREES = [None, STATIC, DynamicTree(budget=6, max_depth=3, width=2, expand_batch=2)]
@@ -39,20 +39,10 @@ def test_fast_drafting_proposes_what_the_eager_drafter_does(compiled, tree):
     t = tiny(vocab=40, layers=4, dtype=torch.float64)
     m = module(t, std=0.3, vocab_keep=24)
     m.set_draft_vocab(torch.arange(2, 26))
-    ref_dr = m.decoder_drafter(t)
-    ref_seen = recording(ref_dr)
-    ref = SpeculativeDecoder(t, ref_dr, policy=FixedLength(3), tree=tree).generate(PROMPT, 30)
-    use_fast_forward(t, "compile", autotune=False)
-    dr = _drafting(m, compiled).decoder_drafter(t)
-    seen = recording(dr)
-    got = SpeculativeDecoder(t, dr, policy=FixedLength(3), tree=tree).generate(PROMPT, 30)
-    assert dr._fast is not None and (dr.compile_s > 0) == compiled
-    assert got.tokens == ref.tokens
-    assert [s.accepted for s in got.steps] == [s.accepted for s in ref.steps]
-    assert [(a, b) for a, b, _ in seen] == [(a, b) for a, b, _ in ref_seen]
-    for (_, _, x), (_, _, y) in zip(seen, ref_seen):
-        assert torch.allclose(x, y, atol=1e-5), (x - y).abs().max()
-        assert (x[:, m.config.mask_token_id] == torch.finfo(x.dtype).min).all()
+    dr, _, seen = same_greedy_proposals(t, m.decoder_drafter(t), lambda: _drafting(m, compiled).decoder_drafter(t),
+                                        tree, 30, 1e-5, prompt=PROMPT)
+    assert (dr.compile_s > 0) == compiled
+    assert all((x[:, m.config.mask_token_id] == torch.finfo(x.dtype).min).all() for _, _, x in seen)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-fn", "compiled"])

@@ -10,14 +10,13 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.engine.decoder import SpeculativeDecoder
-from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.trees import StaticTree
 from draftsmith.eval.exact import exact_distribution, target_distribution, total_variation
 from tests.test_decoder import tiny
 from tests.test_decoder_enumeration import N_NEW, PROMPT as ENUM_PROMPT, TEMP
 from tests.test_eagle3 import PROMPT, assert_decoding_is_the_training_time_test, feats_of, module
-from tests.test_eagle3_fast import _drafting, recording
+from tests.test_eagle3_fast import _drafting, same_greedy_proposals
 from tests.tiny import make_tiny_target
 
 OPTIONS = [{"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}, {"norm_output": True},
@@ -59,18 +58,9 @@ def test_compiled_drafting_proposes_what_the_eager_drafter_does(compiled):
     m = eagle31(t, OPTIONS[-1], std=0.3, vocab_keep=24)
     m.set_draft_vocab(torch.arange(2, 26))
     tree = StaticTree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
-    ref_dr = m.decoder_drafter(t)
-    ref_seen = recording(ref_dr)
-    ref = SpeculativeDecoder(t, ref_dr, policy=FixedLength(3), tree=tree).generate(PROMPT, 24)
-    use_fast_forward(t, "compile", autotune=False)
-    dr = _drafting(m, compiled).decoder_drafter(t)
-    seen = recording(dr)
-    got = SpeculativeDecoder(t, dr, policy=FixedLength(3), tree=tree).generate(PROMPT, 24)
-    assert dr._fast is not None and got.tokens == ref.tokens
-    assert [s.accepted for s in got.steps] == [s.accepted for s in ref.steps]
+    _, got, _ = same_greedy_proposals(t, m.decoder_drafter(t), lambda: _drafting(m, compiled).decoder_drafter(t), tree,
+                                   24, 1e-5)
     assert any(s.accepted for s in got.steps)  # the comparison reaches nodes below accepted ones
-    for (_, _, x), (_, _, y) in zip(seen, ref_seen):
-        assert torch.allclose(x, y, atol=1e-5)
 
 
 @pytest.mark.parametrize("tree", [None, StaticTree([(0,), (1,), (0, 0), (1, 0)])], ids=["chain", "static"])

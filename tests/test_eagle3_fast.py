@@ -35,6 +35,25 @@ def recording(dr):
     return seen
 
 
+def same_greedy_proposals(t, ref_dr, make_dr, tree, n: int, atol: float, prompt=PROMPT):
+    """Greedy generations of ``n`` tokens after ``prompt`` with the eager drafter ``ref_dr`` on the model's own
+    forward, then, with the target's forward compiled, with the drafter ``make_dr()`` gives: the same tokens,
+    acceptances and proposals (every proposal's logits within ``atol``). Returns (that drafter, its result, its
+    proposals as (start, end, logits))."""
+    ref_seen = recording(ref_dr)
+    ref = SpeculativeDecoder(t, ref_dr, policy=FixedLength(3), tree=tree).generate(prompt, n)
+    use_fast_forward(t, "compile", autotune=False)
+    dr = make_dr()
+    seen = recording(dr)
+    got = SpeculativeDecoder(t, dr, policy=FixedLength(3), tree=tree).generate(prompt, n)
+    assert dr._fast is not None and got.tokens == ref.tokens
+    assert [s.accepted for s in got.steps] == [s.accepted for s in ref.steps]
+    assert [(a, b) for a, b, _ in seen] == [(a, b) for a, b, _ in ref_seen]
+    for (_, _, x), (_, _, y) in zip(seen, ref_seen):
+        assert torch.allclose(x, y, atol=atol), (x - y).abs().max()
+    return dr, got, seen
+
+
 def _drafting(m, compile: bool, int8: bool = False, node_slots: int = 64):
     """Make ``m``'s decoder drafters draft through FastEagle3 with these settings."""
     m.fast_drafting = lambda: FastEagle3(m, compile=compile, int8=int8, node_slots=node_slots)
@@ -50,19 +69,10 @@ def test_fast_drafting_proposes_what_the_eager_drafter_does(compiled, tree):
     t = tiny(vocab=40, layers=4, dtype=torch.float64)
     m = module(t, std=0.3, vocab_keep=24)
     m.set_draft_vocab(torch.arange(2, 26))
-    ref_dr = m.decoder_drafter(t)
-    ref_seen = recording(ref_dr)
-    ref = SpeculativeDecoder(t, ref_dr, policy=FixedLength(3), tree=tree).generate(PROMPT, 30)
-    use_fast_forward(t, "compile", autotune=False)
-    dr = _drafting(m, compiled, node_slots=2 if compiled else 64).decoder_drafter(t)  # 2: the buffer must grow
-    seen = recording(dr)
-    got = SpeculativeDecoder(t, dr, policy=FixedLength(3), tree=tree).generate(PROMPT, 30)
-    assert dr._fast is not None and (dr.compile_s > 0) == compiled
-    assert got.tokens == ref.tokens
-    assert [s.accepted for s in got.steps] == [s.accepted for s in ref.steps]
-    assert [(a, b) for a, b, _ in seen] == [(a, b) for a, b, _ in ref_seen]
-    for (_, _, x), (_, _, y) in zip(seen, ref_seen):
-        assert torch.allclose(x, y, atol=1e-5)
+    # node_slots 2: the buffer must grow
+    dr, _, _ = same_greedy_proposals(t, m.decoder_drafter(t), lambda: _drafting(
+        m, compiled, node_slots=2 if compiled else 64).decoder_drafter(t), tree, 30, 1e-5)
+    assert (dr.compile_s > 0) == compiled
 
 
 def test_a_copied_decode_state_gets_its_own_key_buffer():
