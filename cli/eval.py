@@ -32,15 +32,14 @@ from draftsmith import registry
 from draftsmith.checkpoint import command_line, environment, read_manifest, resolve_drafter
 from draftsmith.cli.shared import add_dtype_arg, add_suffix_args, load_target_as, suffix_config
 from draftsmith.engine.capabilities import capabilities
-from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
 from draftsmith.engine.drafters import SelfDrafter
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.tree_build import TREES, parse_tree
 from draftsmith.export.llamacpp_server import add_llamacpp_plain
-from draftsmith.eval.bench import (BASELINE, compile_seconds, default_methods, mark_fastest_plain, ours, run_bench,
-                                   table)
+from draftsmith.eval.bench import (compile_seconds, default_methods, mark_fastest_plain, plain_in_dtype,
+                                   prepare_plain_target, run_bench, table)
 from draftsmith.eval.compare import self_drafter_methods, tree_specs_for
 from draftsmith.eval.mtbench import mtbench_prompts, user_prompts
 from draftsmith.eval.report import write_report
@@ -169,7 +168,8 @@ def load_for_eval(a: argparse.Namespace) -> Loaded:
         if target_name is None:
             target_name = t["path"] if Path(t["path"]).exists() else t["name"]
         dtype = dtype or (manifest.get("recipe") or {}).get("dtype")
-    target = load_target_as(target_name or "smollm2-135m-instruct", dtype, default_device(a.device))
+    target_name = target_name or "smollm2-135m-instruct"
+    target = load_target_as(target_name, dtype, default_device(a.device))
     drafters = []
     for c in ckpts:
         d = resolve_drafter(c, target)
@@ -208,11 +208,8 @@ def load_for_eval(a: argparse.Namespace) -> Loaded:
     want = getattr(a, "plain_float32", "off")
     if want == "on" or (want == "auto" and target.model.device.type == "cpu"):
         if target.dtype != torch.float32:
-            other = load_target_as(target_name or "smollm2-135m-instruct", "float32", target.model.device)
-            if a.cpu_layout:
-                apply_cpu_layout(other)
-            # plain decoding compiles only the 1-row graph, whose products are the native kernels: no GEMM to autotune
-            use_fast_forward(other, a.forward, autotune=False)
+            other = load_target_as(target_name, "float32", target.model.device)
+            prepare_plain_target(other, a.forward, a.cpu_layout)
             others.append(other)
     return Loaded(target, drafters, dtype, layout, forward, tuple(others))
 
@@ -271,8 +268,7 @@ def evaluate(a: argparse.Namespace, loaded: Loaded, prompts: list, out: str | Pa
         methods = default_methods(target, sampling, drafter_layers=a.drafter_layers, draft_len=a.draft_len,
                                   hf=a.plain, hf_assisted_too=a.hf_assisted, cpu_layout=a.cpu_layout)
         for other in loaded.plain_targets:
-            methods.insert(1, ours(f"{BASELINE[:-1]}, {dtype_name(other.dtype)})",
-                                   SpeculativeDecoder(other, sampling=sampling)))
+            methods.insert(1, plain_in_dtype(other, sampling))
         for d, trees in drafters:
             methods += default_methods(target, sampling, drafter_layers=None, hf=False, heads=d, trees=trees)[1:]
             methods += self_drafter_methods(target, d, sampling, a, trees)

@@ -27,10 +27,12 @@ import torch
 
 from draftsmith.engine.cpu_layout import apply_cpu_layout
 from draftsmith.engine.decoder import SpeculativeDecoder
+from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.drafters.standalone.decode import first_layers_drafter
 from draftsmith.engine.metrics import DecodeResult, speedup, summarize, tau
 from draftsmith.engine.policies import FixedLength
 from draftsmith.engine.sampling import SamplingParams
+from draftsmith.target import dtype_name
 
 BASELINE = "plain (ours)"
 PLAIN = ("plain (ours", "HF generate", "llama.cpp plain", "vLLM plain")  # how every plain decoding's method name starts
@@ -82,6 +84,20 @@ class Method:
 def ours(name: str, dec) -> Method:
     """A `SpeculativeDecoder` (plain when it has no drafter) as a benchmark method."""
     return Method(name, lambda ids, n, seed: dec.generate(ids, n, seed=seed), "ours")
+
+
+def prepare_plain_target(other, forward: str, cpu_layout: bool = True) -> None:
+    """Set up the target loaded in another dtype for `plain_in_dtype`: the CPU decoding layout and the forward
+    decoding uses. Plain decoding compiles only the 1-row graph, whose products are the native kernels: no GEMM to
+    autotune."""
+    if cpu_layout:
+        apply_cpu_layout(other)
+    use_fast_forward(other, forward, autotune=False)
+
+
+def plain_in_dtype(other, sampling: SamplingParams) -> Method:
+    """Our plain decoding of the target loaded in another dtype, as method ``plain (ours, DTYPE)``."""
+    return ours(f"{BASELINE[:-1]}, {dtype_name(other.dtype)})", SpeculativeDecoder(other, sampling=sampling))
 
 
 class _ForwardCounter:

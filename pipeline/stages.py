@@ -25,7 +25,8 @@ from draftsmith import paths, registry
 from draftsmith.checkpoint import command_line, environment, load_checkpoint, update_metrics
 from draftsmith.train.training import predictors as classifier_stage
 from draftsmith.export.llamacpp_server import add_llamacpp_plain
-from draftsmith.eval.bench import BASELINE, compile_seconds, default_methods, mark_fastest_plain, ours, run_bench, table
+from draftsmith.eval.bench import (BASELINE, compile_seconds, default_methods, mark_fastest_plain, plain_in_dtype,
+                                   prepare_plain_target, run_bench, table)
 from draftsmith.eval.suffix import suffix_methods, suffix_stats
 from draftsmith.drafters.suffix import SuffixConfig
 from draftsmith.train.data.suffix_seed import save_index_from_data
@@ -34,7 +35,6 @@ from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.eval.head_accuracy import head_accuracy
 from draftsmith.eval.mtbench import mtbench_prompts
-from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.tree_build import build_trees, measure_draft_cost, measure_step_cost, parse_tree, save_trees
 from draftsmith.common.chunks import calibration_split
@@ -504,11 +504,8 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path, plain_targets: tuple
         if other.fingerprint != target.fingerprint:
             raise ValueError(f"plain_targets must be the bench's target in another dtype: {other.name} "
                              f"({other.fingerprint}) is not {target.name} ({target.fingerprint})")
-        apply_cpu_layout(other)
-        # plain decoding compiles only the 1-row graph, whose products are the native kernels: no GEMM to autotune
-        use_fast_forward(other, e.forward, autotune=False)
-        methods.insert(1, ours(f"{BASELINE[:-1]}, {dtype_name(other.dtype)})", SpeculativeDecoder(other,
-                                                                                                  sampling=greedy)))
+        prepare_plain_target(other, e.forward)
+        methods.insert(1, plain_in_dtype(other, greedy))
     seeded = members = None
     if e.suffix_from_data:
         seeded = stage_suffix_index(recipe, target)

@@ -17,7 +17,7 @@ committed ones, which no block reads before a real position overwrites it. A pro
 run the same function eagerly. On CPU the drafter's linear layers and head default to weight-only int8 where that
 product is the faster one (`draftsmith.common.int8`), as the other kinds' compiled drafting does; the drafter's
 numbers only shape q, so that changes which tokens are drafted, never the output's distribution
-(tests/test_dflash.py compares the two paths and runs the exactness checks through this one).
+(tests/test_dflash_fast.py compares the two paths and runs the exactness checks through this one).
 """
 
 from __future__ import annotations
@@ -97,14 +97,12 @@ class FastDFlash:
         L = start + n
         if L > C:
             raise ValueError(f"DFlash drafter: positions up to {L} do not fit its {C}-slot buffer")
-        b = bucket(max(n, 1))
+        b = bucket(n) if n else None  # nothing new to feed (not a step's case): eagerly, over no rows
         eager = self._compiled is None or b is None or start + b > C
         if eager:
             b = n
         pad = b - n
-        x = torch.cat([feats, feats[-1:].expand(pad, -1)]) if pad and n else feats
-        if pad and not n:  # nothing new: padded rows of zeros, written past the context and never read
-            x = feats.new_zeros(pad, feats.shape[1])
+        x = torch.cat([feats, feats[-1:].expand(pad, -1)]) if pad else feats
         cslots = torch.arange(start, start + b, device=dev)
         cpos = cslots.clone()
         ids = torch.full((S,), self.module.config.mask_token_id, dtype=torch.long, device=dev)
