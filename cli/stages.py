@@ -125,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"trees from {tr['source']['sequences']} {kind} training sequences: " + ", ".join(
                     f"{b} nodes -> expected tau {t['expected_tau']:.2f}" for b, t in tr["trees"].items()) +
                     f" (chain K={len(tr['rank_acc'])}: {tr['chain_expected_tau'][str(len(tr['rank_acc']))]:.2f})")
+                if "heldout" in tr:
+                    print("the same trees on the held-out MT-Bench answers (the bench's prompts; a forecast, not "
+                          "a choice): " + ", ".join(f"{b} nodes -> expected tau {t['heldout_expected_tau']:.2f}"
+                                                    for b, t in tr["trees"].items()))
                 warn = pipeline.forecast_warning(tr["source"])
                 if warn:
                     print(warn)
@@ -159,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
                       + (f", speed {f['speedup_ratio']:.2f}" if "speedup_ratio" in f else "")
                       + (f": a step cost {f['measured_step_cost']:.2f} plain steps, forecast "
                          f"{f['forecast_step_cost']:.2f}; the prefill and the rest x{f['rest_ratio']:.2f}"
-                         if "rest_ratio" in f else "") + ")")
+                         if "rest_ratio" in f else "") + ")"
+                      + (f"; on the held-out MT-Bench answers it forecast tau {f['heldout_forecast_tau']:.2f} "
+                         f"({f['heldout_tau_ratio']:.2f} of it measured)" if "heldout_tau_ratio" in f else ""))
             ms = b["methods"]
             plain = ms.get(BASELINE)
             drafted = {n: m for n, m in ms.items() if not is_plain(n)}

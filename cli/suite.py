@@ -83,7 +83,16 @@ def _forecasts(a: argparse.Namespace, loaded, set_name: str, report: dict) -> li
         probes = ((read_manifest(c).get("metrics") or {}).get("training_timing") or {}).get("probes") or []
         for label, figs in report["runs"].items():
             for method, fc in forecast_vs_measured(figs, Path(c), a.tree, d.name).items():
-                rows.append({"set": set_name, "sampling": label, "method": method, "source": "trees stage", **fc})
+                rows.append({"set": set_name, "sampling": label, "method": method, "source": "trees stage",
+                             **{k: v for k, v in fc.items() if not k.startswith("heldout_")}})
+                if "heldout_forecast_tau" in fc:  # the same tree forecast on the held-out MT-Bench answers
+                    rows.append({"set": set_name, "sampling": label, "method": method,
+                                 "source": "trees stage, held-out MT-Bench answers",
+                                 "forecast_tau": fc["heldout_forecast_tau"], "measured_tau": fc["measured_tau"],
+                                 "tau_ratio": fc["heldout_tau_ratio"],
+                                 "forecast_speedup": fc.get("heldout_forecast_speedup"),
+                                 "measured_speedup": fc.get("measured_speedup"),
+                                 "speedup_ratio": fc.get("heldout_speedup_ratio")})
             chain = figs["methods"].get(f"ours {d.name} chain")
             if probes and chain and probes[-1].get("tau_sim"):
                 p = probes[-1]

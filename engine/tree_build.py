@@ -201,6 +201,23 @@ def build_trees(rank_acc: list[list[float]], budgets: list[int], source: dict,
     return out
 
 
+def add_heldout_forecast(trees: dict, rank_acc: list[list[float]], source: dict) -> dict:
+    """The built trees' expected tau again, from acceptance measured on another held-out set (the bench's own
+    distribution: MT-Bench first turns and the target's answers), beside the forecast from the calibration split
+    (the training data's distribution). The trees stay those the calibration split built: this set only
+    forecasts, it never chooses. Adds ``heldout`` (its acceptance and where it came from), per tree
+    ``heldout_expected_tau`` and, where the step cost was measured, ``heldout_relative_speed``, and
+    ``chain_heldout_expected_tau``."""
+    trees["heldout"] = {"rank_acc": rank_acc, **source}
+    for t in trees["trees"].values():
+        tau = tree_value(rank_acc, [tuple(p) for p in t["paths"]])
+        t["heldout_expected_tau"] = tau
+        if "step_cost" in t:
+            t["heldout_relative_speed"] = tau / t["step_cost"]
+    trees["chain_heldout_expected_tau"] = {str(k): chain_value(rank_acc, k) for k in range(1, len(rank_acc) + 1)}
+    return trees
+
+
 def save_trees(ckpt: str | Path, trees: dict) -> Path:
     p = Path(ckpt) / TREES
     p.write_text(json.dumps(trees, indent=1))

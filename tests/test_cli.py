@@ -45,6 +45,9 @@ def test_run_end_to_end_reports_and_counts_skips(tmp_path, tiny_dir, capsys, dra
     assert "ours cli built:5" in out and "tokens/s" in out  # decoded with the built tree, timed
     trees = json.loads((tmp_path / "run" / "final" / "trees.json").read_text())
     assert len(trees["trees"]["5"]["paths"]) == 5 and trees["source"]["sequences"] > 0
+    # ... and forecast again on the held-out MT-Bench answers the report reads
+    assert trees["heldout"]["positions"][0] > 0 and trees["trees"]["5"]["heldout_expected_tau"] >= 1.0
+    assert "the same trees on the held-out MT-Bench answers" in out
     bench = json.loads((tmp_path / "run" / "bench.json").read_text())
     assert bench["methods"]["ours cli built:5"]["tau"] >= 1.0
     assert ("ours cli+suffix built:5" in bench["methods"]) == seeded == ("ours suffix" in bench["methods"])

@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from draftsmith.engine.trees import StaticTree
-from draftsmith.engine.tree_build import build_trees, chain_value, grow_tree, tree_value
+from draftsmith.engine.tree_build import add_heldout_forecast, build_trees, chain_value, grow_tree, tree_value
 
 ACC = [[0.6, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1, 0.05]]
 
@@ -149,6 +149,39 @@ def test_bench_puts_the_trees_forecast_beside_its_measurement(tmp_path):
     assert b["rest_ratio"] == pytest.approx(1.1 / (1.44 / 1.32), abs=1e-3)
     assert b["speedup_ratio"] == pytest.approx(b["tau_ratio"] / b["step_cost_ratio"] * b["rest_ratio"], abs=2e-3)
     assert forecast_vs_measured(figures, tmp_path / "none", ["built:best"], "d") == {}
+
+
+def test_a_held_out_forecast_prices_the_same_trees_and_chooses_nothing():
+    """`add_heldout_forecast`: each built tree's tau under the other set's acceptance, its speed at the tree's own
+    measured step cost; the trees, their calibration forecast and the best tree stay as the calibration built them."""
+    import copy
+    built = build_trees(ACC, [2, 4], {}, step_cost={"2": 1.1, "4": 1.2})
+    before = copy.deepcopy(built)
+    held = [[0.4, 0.1, 0.05], [0.3, 0.1, 0.0], [0.2, 0.05, 0.0]]  # a harder set, as the bench's prompts are
+    add_heldout_forecast(built, held, {"split": "MT-Bench", "positions": [10, 8, 6]})
+    for b, t in built["trees"].items():
+        assert t["paths"] == before["trees"][b]["paths"] and t["expected_tau"] == before["trees"][b]["expected_tau"]
+        assert t["heldout_expected_tau"] == pytest.approx(tree_value(held, [tuple(p) for p in t["paths"]]))
+        assert t["heldout_expected_tau"] < t["expected_tau"]
+        assert t["heldout_relative_speed"] == pytest.approx(t["heldout_expected_tau"] / t["step_cost"])
+    assert built["best"] == before["best"] and built["heldout"]["rank_acc"] == held
+    assert built["chain_heldout_expected_tau"]["2"] == pytest.approx(1 + 0.4 + 0.4 * 0.3)
+
+
+def test_the_bench_sets_the_held_out_forecast_beside_its_measurement(tmp_path):
+    import json
+
+    from draftsmith.eval.bench import BASELINE
+    from draftsmith.pipeline.stages import forecast_vs_measured
+    (tmp_path / "trees.json").write_text(json.dumps({"best": "7", "trees": {"7": {
+        "expected_tau": 1.6, "relative_speed": 1.6 / 1.1, "step_cost": 1.1,
+        "heldout_expected_tau": 1.5, "heldout_relative_speed": 1.5 / 1.1}}}))
+    figures = {"methods": {BASELINE: {"tokens_per_s": 10.0, "tau": 1.0},
+                           "ours d built:best": {"tokens_per_s": 12.0, "tau": 1.44}}}
+    b = forecast_vs_measured(figures, tmp_path, ["built:best"], "d")["ours d built:best"]
+    assert b["tau_ratio"] == 0.9 and b["heldout_forecast_tau"] == 1.5 and b["heldout_tau_ratio"] == 0.96
+    assert b["heldout_forecast_speedup"] == pytest.approx(1.364, abs=1e-3)
+    assert b["heldout_speedup_ratio"] == pytest.approx(1.2 / (1.5 / 1.1), abs=1e-3)
 
 
 def test_a_forecast_from_too_few_held_out_sequences_is_called_noise():
