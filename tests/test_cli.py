@@ -165,6 +165,7 @@ def test_eagle3_run_builds_trees_from_its_steps_rank_acceptance(tmp_path, capsys
     from draftsmith.common.hidden_cache import HiddenCache
     from draftsmith.drafters.eagle3.objective import heldout_metrics
     from draftsmith.common.chunks import calibration_split
+    from draftsmith.engine.tree_build import tree_value
 
     tiny4 = tmp_path / "tiny4"
     t = make_tiny_target(save_to=tiny4, layers=4)
@@ -184,5 +185,10 @@ def test_eagle3_run_builds_trees_from_its_steps_rank_acceptance(tmp_path, capsys
     assert sum(flat(acc["rank_acc"])) > 0
     assert all(sum(r) <= 1 + 1e-9 for r in acc["rank_acc"])
     held = HiddenCache(tmp_path / "run" / "cache" / "heldout", t)
-    rank0 = [r[0] for r in model.rank_acceptance(held, t)["rank_acc"]]
+    held_acc = model.rank_acceptance(held, t)["rank_acc"]
+    rank0 = [r[0] for r in held_acc]
     assert rank0 == pytest.approx(heldout_metrics(model, held, t)["step_top1_conditional"], abs=1e-9)
+    # the same trees forecast on the held-out set, from the steps' acceptance there
+    assert flat(trees["heldout"]["rank_acc"]) == pytest.approx(flat(held_acc), abs=1e-9)
+    assert trees["trees"]["5"]["heldout_expected_tau"] == pytest.approx(
+        tree_value(held_acc, [tuple(q) for q in trees["trees"]["5"]["paths"]]))
