@@ -480,7 +480,7 @@ def stage_trees(recipe: Recipe, target: Target, ckpt: Path, cost_target: Target 
     trees["plain_step_ms"] = round(med[1] * 1e3, 2)
     trees["draft_cost_ms"] = {k: round(v * 1e3, 2) for k, v in dc.items()}
     # The calibration split is the training data's distribution, which the drafter predicts better than the
-    # bench's prompts (§40 of docs/results.md: forecast tau 0.87-0.91 of the bench's). The same trees are
+    # bench's prompts (docs/results.md §40.3: forecast tau 0.87-0.93 of the bench's). The same trees are
     # forecast again on the held-out MT-Bench answers the report reads: a forecast only, never a choice.
     held_dir = recipe.out / "cache" / "heldout"
     if (held_dir / "index.json").exists():

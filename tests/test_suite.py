@@ -49,6 +49,10 @@ def test_bench_suite_end_to_end(tmp_path, capsys):
     probe = {"step": 4, "tau_sim": 1.5, "tau_real": 1.4}  # what a training-time probe leaves in the manifest
     save_checkpoint(tmp_path / "ck", MedusaHeads.for_target(target, num_heads=2), target,
                     metrics={"training_timing": {"probes": [probe]}})
+    # what the trees stage leaves: a built tree, its forecast on the calibration split and on the held-out answers
+    (tmp_path / "ck" / "trees.json").write_text(json.dumps({"best": "2", "trees": {"2": {
+        "paths": [[0], [0, 0]], "expected_tau": 1.5, "step_cost": 1.25, "relative_speed": 1.2,
+        "heldout_expected_tau": 1.4, "heldout_relative_speed": 1.12}}}))
     out = tmp_path / "suite"
     args = ["bench", "suite", str(tmp_path / "ck"), "--quick", "--prompts", "2", "--max-new-tokens", "4",
             "--first-answer-tokens", "3", "--no-hf", "--no-vllm", "--llamacpp", "", "--device", "cpu",
@@ -73,10 +77,17 @@ def test_bench_suite_end_to_end(tmp_path, capsys):
             assert heads["tau"] == pytest.approx(heads["tokens"] / steps)
             assert heads["speedup"]["plain (ours)"] == pytest.approx(heads["tokens_per_s"] / plain["tokens_per_s"])
     # the training probe's prediction beside the chain's tau, per set and sampling
-    fc = {(f["set"], f["sampling"]): f for f in suite["forecasts"]}
-    assert len(fc) == 6 and fc[("humaneval", "greedy")]["source"] == "training probe (step 4)"
+    fc = {(f["set"], f["sampling"], f["source"]): f for f in suite["forecasts"]}
+    assert len(fc) == 18 and fc[("humaneval", "greedy", "training probe (step 4)")]["forecast_tau"] == 1.5
     got = rows[("humaneval", "greedy", "ours medusa chain")]["tau"]
-    assert fc[("humaneval", "greedy")]["tau_ratio"] == pytest.approx(got / 1.5, abs=1e-3)
+    assert fc[("humaneval", "greedy", "training probe (step 4)")]["tau_ratio"] == pytest.approx(got / 1.5, abs=1e-3)
+    # ... and the built tree's forecasts beside its measurement: the calibration split's, and the held-out answers'
+    tree = rows[("humaneval", "greedy", "ours medusa built:best")]["tau"]
+    calib = fc[("humaneval", "greedy", "trees stage")]
+    held = fc[("humaneval", "greedy", "trees stage, held-out MT-Bench answers")]
+    assert calib["forecast_tau"] == 1.5 and calib["tau_ratio"] == pytest.approx(tree / 1.5, abs=1e-3)
+    assert held["forecast_tau"] == 1.4 and held["tau_ratio"] == pytest.approx(tree / 1.4, abs=1e-3)
+    assert held["forecast_speedup"] == 1.12 and not any(k.startswith("heldout_") for k in calib)
     # second turns: the target's own first answer sits between the two user turns, kept for a rerun
     answers = [json.loads(x) for x in (out / "mt_bench_first_answers.jsonl").read_text().splitlines()]
     assert len(answers) == 2 and answers[0]["key"]["max_new_tokens"] == 3
