@@ -65,12 +65,19 @@ def add_plain(figures: dict, name: str, stats: dict) -> None:
     ``figures``, and the fastest is marked (`mark_fastest_plain`)."""
     if not is_plain(name):
         raise ValueError(f"{name!r} is not named as a plain decoding (names start with one of {PLAIN})")
+    figures["methods"][name] = {"tau": 1.0, "mean_draft_len": 0.0, "acceptance_by_position": [], "time_shares": None,
+                                **stats}
+    set_speedups(figures)
+    mark_fastest_plain(figures)
+
+
+def set_speedups(figures: dict) -> None:
+    """Every method's ``speedup``: against every plain decoding in ``figures`` (ours first, then the others in
+    method order), whichever is fastest, so a table lists the same baselines on every machine."""
     ms = figures["methods"]
-    ms[name] = {"tau": 1.0, "mean_draft_len": 0.0, "acceptance_by_position": [], "time_shares": None, **stats}
-    plains = [n for n in ms if is_plain(n)]
+    plains = sorted((n for n in ms if is_plain(n)), key=lambda n: n != BASELINE)
     for s in ms.values():
         s["speedup"] = [speedup(s["tokens_per_s"], ms[b]["tokens_per_s"], b) for b in plains]
-    mark_fastest_plain(figures)
 
 
 @dataclass
@@ -233,13 +240,7 @@ def bench_figures(methods: list[Method], prompts: list, per: dict[str, list[Deco
             s["acceptance_by_position"] = []
             s["time_shares"] = None
         figures["methods"][m.name] = s
-    base = figures["methods"].get(BASELINE)
-    hf = figures["methods"].get("HF generate")
-    for s in figures["methods"].values():
-        s["speedup"] = []
-        for b_name, b in ((BASELINE, base), ("HF generate", hf)):
-            if b is not None:
-                s["speedup"].append(speedup(s["tokens_per_s"], b["tokens_per_s"], b_name))
+    set_speedups(figures)
     figures["per_prompt"] = [
         {"question_id": p.question_id, "category": p.category,
          **{m.name: {"tokens": len(per[m.name][i].tokens), "wall_s": per[m.name][i].wall_s,

@@ -157,4 +157,5 @@ def test_eval_times_float32_plain_decoding_beside_another_dtype(tmp_path):
     on = methods["auto"]
     assert set(on) == {"plain (ours)", "plain (ours, float32)"} and set(methods["off"]) == {"plain (ours)"}
     assert on["plain (ours, float32)"]["tokens"] > 0
-    assert {s["baseline"] for s in on["plain (ours)"]["speedup"]} >= {"plain (ours, float32)"}
+    # every method names both plain decodings, whichever was faster this run (no timing decides what is listed)
+    assert all([x["baseline"] for x in m["speedup"]] == ["plain (ours)", "plain (ours, float32)"] for m in on.values())
