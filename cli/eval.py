@@ -291,7 +291,7 @@ def evaluate(a: argparse.Namespace, loaded: Loaded, prompts: list, out: str | Pa
             print(f"llama.cpp: left out ({runs[label]['llamacpp'].splitlines()[0]})")
         if more_plain is not None:
             more_plain(runs[label], prompts, sampling, label)
-        mark_fastest_plain(runs[label])  # every speedup also against the fastest plain decoding measured
+        mark_fastest_plain(runs[label])  # names the fastest plain decoding measured
         print(table(runs[label]), flush=True)
     config = {k: v for k, v in vars(a).items()}
     config["cpu_layout"] = loaded.layout

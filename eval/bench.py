@@ -44,18 +44,14 @@ def is_plain(name: str) -> bool:
 
 
 def mark_fastest_plain(figures: dict) -> str | None:
-    """Name the fastest plain decoding among ``figures``' methods (`is_plain`) as ``figures["fastest_plain"]``
-    and give every method its speedup against it (once). Returns its name; None when no plain method ran."""
+    """Name the fastest plain decoding among ``figures``' methods (`is_plain`) as ``figures["fastest_plain"]`` (every
+    method's speedup against it is already there: `set_speedups`). Returns its name; None when no plain method ran."""
     ms = figures["methods"]
     plains = [n for n in ms if is_plain(n)]
     if not plains:
         return None
     fastest = max(plains, key=lambda n: ms[n]["tokens_per_s"])
     figures["fastest_plain"] = fastest
-    for s in ms.values():
-        s.setdefault("speedup", [])
-        if not any(x["baseline"] == fastest for x in s["speedup"]):
-            s["speedup"].append(speedup(s["tokens_per_s"], ms[fastest]["tokens_per_s"], fastest))
     return fastest
 
 
