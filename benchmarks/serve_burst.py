@@ -49,6 +49,7 @@ import torch
 
 from benchmarks.common import add_common_args, free_port, parser, write_json
 from benchmarks.serve_load import percentile
+from draftsmith.chat import shared_prompt_prefix
 from draftsmith.engine.batched import NewRow, plain_batched_decoder
 from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.engine.sampling import TorchRandom
@@ -228,9 +229,12 @@ def data_engine(a, prompts: list[str]) -> dict:
                          forward="compile")
     for n in gen.fast.graph_rows(a.max_batch) if gen.fast is not None else [2]:  # compiles each of its graphs
         gen.run([Job(i, ids[i % len(ids)], 4) for i in range(n)], lambda j, t, f: None)
+    dec = None
     if a.decoder:
         use_fast_forward(target, "compile")
-        plain_batched_decoder(target).warmup(ids[0], 4, a.max_batch, 2048)  # compiles its graphs, as serve does
+        dec = plain_batched_decoder(target)  # one decoder for every round, as the server holds one
+        dec.set_prefix(shared_prompt_prefix(target.tokenizer))  # the chat template's shared prefix, as serve sets it
+        dec.warmup(ids[0], 4, a.max_batch, 2048)  # compiles its graphs and sets up its cache, as serve does
     rounds = []
     for _ in range(a.rounds if a.decoder else 1):
         done: list[int] = []
@@ -241,18 +245,18 @@ def data_engine(a, prompts: list[str]) -> dict:
         print(f"  data engine ({a.max_batch} rows): {sum(done)} tokens in {wall:.1f} s = "
               f"{rnd['data_engine']['tok_s']} tok/s", flush=True)
         if a.decoder:
-            rnd["decoder"] = d = batched_decoder(a, target, ids)
+            rnd["decoder"] = d = batched_decoder(a, dec, ids)
             print(f"  batched decoder ({a.max_batch} rows): {d['tokens']} tokens in {d['wall_s']} s = {d['tok_s']} "
                   f"tok/s ({d['tok_s'] / rnd['data_engine']['tok_s']:.2f}x the data engine)", flush=True)
         rounds.append(rnd)
     return {**rounds[0]["data_engine"], "rounds": rounds} if a.decoder else rounds[0]["data_engine"]
 
 
-def batched_decoder(a, target, ids: list[list[int]]) -> dict:
-    """The server's batched decoder (plain, ``--max-batch`` rows) on the same prompts, without HTTP: the first
-    rows start together and the rest join from a queue as rows free up, each as it comes (the server's default),
-    greedy, ``--tokens`` each; generated tok/s over the wall time (prefills included)."""
-    dec = plain_batched_decoder(target)
+def batched_decoder(a, dec, ids: list[list[int]]) -> dict:
+    """The server's batched decoder (plain, ``--max-batch`` rows; ``dec``, warmed up as the server warms its own)
+    on the same prompts, without HTTP: the first rows start together and the rest join from a queue as rows free
+    up, each as it comes (the server's default), greedy, ``--tokens`` each; generated tok/s over the wall time
+    (prefills included)."""
     rows = min(a.max_batch, len(ids))
     queue = list(range(rows, len(ids)))
     made = [0]

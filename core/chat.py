@@ -25,3 +25,15 @@ def render(tokenizer, messages: list[dict], generation: bool = False) -> str:
 def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a prompt (`render` with the generation header), special tokens as the rendered text has them."""
     return [int(x) for x in tokenizer(render(tokenizer, messages, True), add_special_tokens=False)["input_ids"]]
+
+
+def shared_prompt_prefix(tokenizer) -> list[int]:
+    """The tokens every one-user-message prompt starts with: the chat template's default system prompt and user
+    header (for a base model, its BOS), found as the common prefix of two prompts that differ in their message
+    only; [] if rendering fails. A server prefills it once and copies its cache entries into each row."""
+    try:
+        a, b = (prompt_token_ids(tokenizer, [{"role": "user", "content": c}]) for c in ("Hello", "Why?"))
+    except Exception:  # noqa: BLE001 (a template that needs more than one user message: no shared prefix)
+        return []
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return a[:n]

@@ -171,6 +171,9 @@ class BatchedSpeculativeDecoder:
         fb = getattr(target, "fast_body", None)
         self.forward = "eager" if fb is None else "compile" if fb.compiled is not None else "fast"
         self.cache: KVCache | None = None
+        self.prefix: list[int] = []  # a prefix many prompts start with (`set_prefix`), its entries once computed
+        self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.prefix_stats = {"rows": 0, "tokens_reused": 0}
         self.adapter = None
         self._drafting = False  # set per generate() call
         self._procs: list[Any] | None = None  # per-row RequestProcessing, set per generate() call
@@ -194,6 +197,27 @@ class BatchedSpeculativeDecoder:
         return 1 + (self.tree.size if self.tree is not None else self.k)
 
     # ------------------------------------------------------------------ setup
+    def set_prefix(self, tokens: Sequence[int]) -> None:
+        """A token prefix that many prompts start with (a chat template's system prompt and user header): its
+        cache entries are computed once, by the fused prefill of the prefix alone at the first prefill that can use
+        them, and copied into each later row whose committed prompt starts with at least 2 of its tokens; that
+        row's prefill then runs the rest of its prompt only (the data engine's shared prefix, kept across calls).
+        Used with the fused step, without a drafter or with a model-free one (a drafter that reads the target's
+        states reads the whole prompt's). The entries are the prefix prefilled alone: equal to those of a prefill
+        of the whole prompt up to the products' summation order, as any two prefills of different lengths are.
+        An empty prefix turns it off; setting the same prefix again keeps its entries."""
+        tokens = [int(t) for t in tokens]
+        if tokens != self.prefix:
+            self.prefix, self._prefix_kv = tokens, None
+
+    def _prefix_offset(self, st: DecodeState) -> int:
+        """Slots of the prefix a row's prefill can take from it: its shared length with the row's committed
+        tokens, leaving at least one token to prefill (0 below 2)."""
+        pre = self.prefix
+        n = min(len(pre), st.length - 1)
+        off = next((t for t in range(n) if st.tokens[t] != pre[t]), n)
+        return off if off >= 2 else 0
+
     def _rows(self, prompts, max_new_tokens) -> tuple[list[list[int]], list[int]]:
         if isinstance(prompts, torch.Tensor):
             prompts = prompts.tolist()
@@ -246,11 +270,18 @@ class BatchedSpeculativeDecoder:
                 prefilled(r, st)
             return
         if fast is not None and todo:
-            h, _, starts = fast.prefill([st.tokens[:st.length] for _, st in todo], [r for r, _ in todo], 0,
-                                        self._kv())
-            for i, (_, st) in enumerate(todo):
-                st.fresh_hidden = h[starts[i]:starts[i + 1]]
-                st.hidden, st.cached = st.fresh_hidden[-1:], st.length
+            by_offset: dict[int, list[tuple[int, DecodeState]]] = {}
+            share = self.prefix and (not self._drafting or self.caps.model_free)
+            for r, st in todo:
+                by_offset.setdefault(self._prefix_offset(st) if share else 0, []).append((r, st))
+            for off, group in sorted(by_offset.items()):
+                if off:
+                    self._put_prefix([r for r, _ in group], off)
+                h, _, starts = fast.prefill([st.tokens[:st.length] for _, st in group], [r for r, _ in group], off,
+                                            self._kv())
+                for i, (_, st) in enumerate(group):
+                    st.fresh_hidden = h[starts[i]:starts[i + 1]]  # the prefilled part's states (after the prefix)
+                    st.hidden, st.cached = st.fresh_hidden[-1:], st.length
             if prefilled is not None:
                 for r, st in zip(rows, states):
                     prefilled(r, st)
@@ -259,6 +290,17 @@ class BatchedSpeculativeDecoder:
             self._prefill(r, st)
             if prefilled is not None:
                 prefilled(r, st)
+
+    @torch.no_grad()
+    def _put_prefix(self, rows: list[int], off: int) -> None:
+        """The prefix's first ``off`` entries into ``rows`` (computed first, in the first of them, if not yet)."""
+        if self._prefix_kv is None:
+            pre = self.prefix[:self.cache.capacity]  # a row's offset stays below its length, so below the capacity
+            self._fast().prefill([pre], [rows[0]], 0, self._kv())
+            self._prefix_kv = self.cache.get_prefix(rows[0], len(pre))
+        self.cache.put_prefix(torch.tensor(rows, device=self.device), self._prefix_kv, off)
+        self.prefix_stats["rows"] += len(rows)
+        self.prefix_stats["tokens_reused"] += off * len(rows)
 
     @torch.no_grad()
     def _prefill(self, row: int, st: DecodeState) -> None:
@@ -488,7 +530,11 @@ class BatchedSpeculativeDecoder:
         capacity = max(capacity or need, 256)
         rows_cap = max(max_rows or len(live), len(live), 1)
         if self.cache is None or self.cache.capacity < capacity or self.cache.n_rows < rows_cap:
-            self.cache = KVCache.for_model(self.model, capacity, rows=rows_cap)
+            # the fused step's native attention reads written slots only (as the data engine's): no need to zero the
+            # buffers, and pages no row reaches are never touched; the model's own masked forward needs them zeroed
+            fast = self._fast()
+            self.cache = KVCache.for_model(self.model, capacity, rows=rows_cap,
+                                           zeroed=fast is None or not fast.native)
         live_states = [states[i] for i in live]
         # Without admission, live rows only leave the batch, so when the length policy picks K = 0 for every
         # batch size up to this one the drafter can never run in this call: no drafter state is kept (plain

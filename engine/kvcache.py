@@ -117,9 +117,9 @@ class KVCache(Cache):
         super().__init__(layers=layers)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, capacity: int, rows: int = 1) -> "KVCache":
+    def for_model(cls, model: torch.nn.Module, capacity: int, rows: int = 1, zeroed: bool = True) -> "KVCache":
         p = next(model.parameters())
-        return cls(model.config, capacity, p.dtype, p.device, rows=rows)
+        return cls(model.config, capacity, p.dtype, p.device, rows=rows, zeroed=zeroed)
 
     @staticmethod
     def bytes_needed(config, rows: int, capacity: int, dtype: torch.dtype) -> int:
@@ -144,9 +144,21 @@ class KVCache(Cache):
         copied into those rows' slots [0, offset) first."""
         self.write_start, self.row0, self.fresh_at_zero, self.slots = int(offset), int(row0), True, None
         if offset:
-            for layer, (pk, pv) in zip(self.layers, prefix):
-                layer.keys[row0:row0 + k, :, :offset] = pk[:, :, :offset]
-                layer.values[row0:row0 + k, :, :offset] = pv[:, :, :offset]
+            self.put_prefix(slice(row0, row0 + k), prefix, offset)
+
+    def put_prefix(self, rows: slice | torch.Tensor, prefix: list[tuple[torch.Tensor, torch.Tensor]],
+                   offset: int) -> None:
+        """Copy the first ``offset`` entries of ``prefix`` (per layer: keys, values [1, kv_heads, >= offset,
+        head_dim]) into slots [0, offset) of ``rows`` (a slice or an index tensor)."""
+        for layer, (pk, pv) in zip(self.layers, prefix):
+            layer.keys[rows, :, :offset] = pk[:, :, :offset]
+            layer.values[rows, :, :offset] = pv[:, :, :offset]
+
+    def get_prefix(self, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of row ``row``'s first ``length`` entries, per layer (keys, values [1, kv_heads, length,
+        head_dim]): what `put_prefix` copies into other rows."""
+        return [(layer.keys[row:row + 1, :, :length].clone(), layer.values[row:row + 1, :, :length].clone())
+                for layer in self.layers]
 
     def set_block(self, slots: torch.Tensor, span: int, rows: int | list[int] = 0) -> None:
         """The next forward writes the entry j of its i-th row at ``slots[i, j]`` of cache row ``rows[i]``

@@ -202,7 +202,7 @@ def create_app(service: DecodingService, *, api_key: str | None = None, max_body
         """A non-streaming request's record, or the error response (429 busy, 400, client gone)."""
         cancel = threading.Event()
         try:
-            gen = service.run(spec, rid, cancel)
+            gen = service.run(spec, rid, cancel, deltas=False)
         except QueueFull as e:
             return _busy(e)
 

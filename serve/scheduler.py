@@ -80,6 +80,7 @@ class Job:
     sent_logprobs: int = 0
     started: float = 0.0
     finished: bool = False
+    deltas: bool = True  # False: the caller reads the record only (a request that does not stream)
 
     @property
     def cancelled(self) -> bool:
@@ -251,6 +252,7 @@ class Scheduler:
         if not rows:
             return
         sampling = dec.sampling = rows[0].spec.sampling
+        dec.set_prefix(svc.prompt_prefix)  # a decoder swapped in since the last call gets it too
         version, kind = svc.version, svc.kind
         self.batch_sizes.append(len(rows))
         # the cache is sized once per call, for the longest row the limits allow (rows that need more wait)
@@ -294,6 +296,8 @@ class Scheduler:
                 return True
             j.ids.extend(new_ids)
             j.steps.append([st.accepted, st.attempted, st.drafted, st.emitted])
+            if not j.deltas and not j.spec.stops and stop is None:
+                return False  # nothing to send and no stop sequence to look for: the text is made once, at the end
             delta = j.stream.push(j.ids, stop is not None)
             lps = []
             if j.proc is not None and j.proc.recording:

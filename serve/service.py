@@ -34,6 +34,7 @@ from typing import Generator, Iterator
 
 import torch
 
+from draftsmith.chat import shared_prompt_prefix
 from draftsmith.checkpoint import drafter_from_checkpoint, read_manifest
 from draftsmith.drafters.suffix import HybridDrafter, SuffixConfig
 from draftsmith.engine.batched import BatchedSpeculativeDecoder, plain_batched_decoder
@@ -104,6 +105,9 @@ class DecodingService:
         self.failed: str | None = None
         self.kind: str | None = None
         self.decoder = SpeculativeDecoder(target, None)
+        # what every chat prompt starts with (the template's system prompt and user header): the batched decoder
+        # prefills it once and copies its entries into each row
+        self.prompt_prefix = shared_prompt_prefix(target.tokenizer)
         # the batched decoder of the current drafter; None while it cannot be batched (one at a time)
         self.batched: BatchedSpeculativeDecoder | None = plain_batched_decoder(target) if max_batch > 1 else None
         self.swaps = 0
@@ -269,11 +273,14 @@ class DecodingService:
         return retry_after_s(waiting, max_batch, self.latency_s)
 
     def run(self, spec: Spec, request_id: str | None = None,
-            cancel: threading.Event | None = None) -> Iterator[dict]:
+            cancel: threading.Event | None = None, deltas: bool = True) -> Iterator[dict]:
         """Admit one request and return its events: a generator that yields ``{"delta": text, "logprobs": [...]}``
         as the response grows and returns the record. Admission is checked here, before any event: `QueueFull`
         when ``max_queue`` requests already wait. The generator raises `Cancelled` once ``cancel`` is set (the
-        request stopped at the next step, not logged); a consumer that closes it early cancels it too."""
+        request stopped at the next step, not logged); a consumer that closes it early cancels it too.
+        ``deltas=False`` (a request that does not stream): with ``max_batch > 1`` the batch's steps make no text
+        and send no event until the record, unless a stop sequence has to be looked for (one detokenisation and
+        one thread wake-up a row a step fewer)."""
         cancel = cancel or threading.Event()
         if self.scheduler is None:
             waiting = self._lock_waiting  # read without the lock: concurrent arrivals may pass it by a few
@@ -281,7 +288,7 @@ class DecodingService:
                 self.refused_lock += 1
                 raise QueueFull(waiting, self.retry_after(waiting, 1))
             return self._run_locked(spec, request_id, cancel)
-        job = Job(spec, request_id, cancel)
+        job = Job(spec, request_id, cancel, deltas=deltas)
         self.scheduler.submit(job)
         return self._relay(job)
 

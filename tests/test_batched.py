@@ -212,6 +212,49 @@ def test_plain_steps_through_the_fused_batched_step_equal_batch_one(mode, tgt, r
 
 
 
+PREFIX = [1, 30, 31, 32, 33, 34]
+
+
+def test_a_shared_prefix_is_prefilled_once_and_changes_no_row(tgt):
+    """`set_prefix` (a server's chat-template prefix): rows whose committed prompt starts with 2 or more of its
+    tokens get its entries copied in and prefill the rest only, and every row still equals batch-1 greedy
+    decoding: rows with the whole prefix, with part of it, with too little of it (prefilled whole), rows that join
+    a running call and a second call (the entries computed once); SuffixDecoding's rows (model-free) use it, a
+    drafter that reads the target's states does not."""
+    prompts = [PREFIX + p[1:] for p in PROMPTS] + [[1, 30, 31, 9, 9], PREFIX[:3]]
+    news = N_NEW + [12, 12]
+    plain = SpeculativeDecoder(tgt)
+    ref = [plain.generate(p, n).tokens for p, n in zip(prompts, news)]
+    t = tiny(dtype=torch.float64)  # ``tgt``'s weights and stop tokens, with our forward on it
+    t.model.generation_config.eos_token_id = list(tgt.model.generation_config.eos_token_id)
+    use_fast_forward(t, "fast")
+    dec = plain_batched_decoder(t)
+    dec.set_prefix(PREFIX)
+    assert [r.tokens for r in dec.generate(prompts, news).rows] == ref
+    # offsets: the committed prompt's shared length with the prefix, one token left to prefill, none below 2
+    assert dec.prefix_stats == {"rows": 6, "tokens_reused": 6 + 5 + 6 + 4 + 6 + 3}
+    kv = dec._prefix_kv
+    queue = [NewRow(prompts[i], news[i], TorchRandom(0)) for i in range(1, len(prompts))]
+    res = dec.generate(prompts[:1], news[:1], admit=lambda free: [queue.pop(0)] if queue else [], max_rows=3,
+                       capacity=256)
+    assert [r.tokens for r in res.rows] == ref
+    assert dec._prefix_kv is kv and dec.prefix_stats["rows"] == 12
+    dec.set_prefix(PREFIX)  # the same prefix again keeps its entries; another one drops them
+    assert dec._prefix_kv is kv
+    dec.set_prefix(PREFIX[:4])
+    assert dec._prefix_kv is None
+    sfx = BatchedSpeculativeDecoder(t, SuffixDrafter(SuffixConfig(), SuffixIndex(SuffixConfig()), learn=True))
+    sfx.set_prefix(PREFIX)
+    sfx.generate(prompts, news)
+    again = sfx.generate(prompts, news)
+    assert [r.tokens for r in again.rows] == ref and sum(s.accepted for s in again.steps) > 0
+    assert sfx.prefix_stats["rows"] == 12
+    heads = BatchedSpeculativeDecoder(t, random_medusa(t), k=3)
+    heads.set_prefix(PREFIX)
+    assert [r.tokens for r in heads.generate(prompts, news).rows] == ref
+    assert heads.prefix_stats["rows"] == 0
+
+
 @pytest.fixture(scope="module")
 def fused_tgt(tgt):
     """``tgt``'s weights and stop tokens with our forward on it (eager): prefills, plain steps and every

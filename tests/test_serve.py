@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from draftsmith.checkpoint import save_checkpoint
 from draftsmith.engine.decoder import plain_decoder
+from draftsmith.engine.fastpath import use_fast_forward
 from draftsmith.publish import PublishStore
 from draftsmith.recipe import parse_recipe
 from draftsmith.serve.app import DecodingService, create_app
@@ -447,3 +448,43 @@ def test_admissions_into_a_running_batch_are_grouped(target, tmp_path, service, 
     for i, body in enumerate(bodies):
         assert results[i][1]["choices"][0]["message"]["content"] == _plain(target, body["messages"],
                                                                            body["max_tokens"])[1]
+
+
+def test_batched_rows_share_the_chat_template_prefix_and_equal_plain_greedy(tmp_path, service):
+    """With our forward on the target, the batched decoder prefills the chat template's shared prefix once and
+    copies it into each row (`BatchedSpeculativeDecoder.set_prefix`); every response still equals plain greedy
+    decoding: streamed, not streamed (whose text is made once, at the end), and not streamed with a stop
+    sequence (looked for at every step)."""
+    target = make_tiny_target(init_std=0.3)
+    use_fast_forward(target, "fast")
+    svc = service(target, log_dir=tmp_path / "logs", max_batch=4, start=False)
+    a, b = (chat_prompt_ids(target.tokenizer, m) for m in MSGS[:2])
+    n = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert n >= 2 and svc.prompt_prefix == a[:n]
+    texts = [_plain(target, m, 20)[1] for m in MSGS]
+    stop = texts[1][4:7]
+    assert stop and texts[1].find(stop) > 0
+    bodies = [{"messages": MSGS[0], "max_tokens": 20, "temperature": 0},
+              {"messages": MSGS[1], "max_tokens": 20, "temperature": 0, "stop": [stop]},
+              {"messages": MSGS[2], "max_tokens": 20, "temperature": 0, "stream": True},
+              {"messages": MSGS[1], "max_tokens": 20, "temperature": 0}]
+    client = TestClient(create_app(svc))
+    results, threads = {}, []
+    for i, body in enumerate(bodies):
+        threads.append(_post_in_thread(client, body, results, i))
+        _wait_queued(svc, i + 1)
+    svc.start()
+    for th in threads:
+        th.join(120)
+    assert all(results[i][0] == 200 for i in range(4)), results
+    assert results[0][1]["choices"][0]["message"]["content"] == texts[0]
+    assert results[1][1]["choices"][0]["message"]["content"] == texts[1][:texts[1].find(stop)]
+    assert results[1][1]["choices"][0]["finish_reason"] == "stop"
+    assert results[2][1][0] == texts[2]
+    assert results[3][1]["choices"][0]["message"]["content"] == texts[1]
+    assert svc.batch_sizes == [4]
+    # the one-message prompts share the whole prefix, the one with its own system prompt the template's first tokens
+    c = chat_prompt_ids(target.tokenizer, MSGS[2])
+    part = next(i for i, (x, y) in enumerate(zip(c, a)) if x != y)
+    assert 2 <= part < n
+    assert svc.batched.prefix_stats == {"rows": 4, "tokens_reused": 3 * n + part}
