@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--max-queue", type=int, default=64)
     ap.add_argument("--admit-group", type=int, default=None, help="ours (not ours@REV): serve's --admit-group")
+    ap.add_argument("--draft-max-rows", type=int, default=None, help="ours (not ours@REV): serve's --draft-max-rows")
     ap.add_argument("--burst", type=int, default=32)
     ap.add_argument("--burst-tokens", type=int, default=256)
     ap.add_argument("--burst-timeout", type=float, default=300)
@@ -355,6 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
             if "@" not in spec:
                 cmd += ["--max-queue", str(a.max_queue)]
                 cmd += ["--admit-group", str(a.admit_group)] if a.admit_group else []
+                cmd += ["--draft-max-rows", str(a.draft_max_rows)] if a.draft_max_rows else []
         print(f"{spec}: {' '.join(cmd)}", flush=True)
         srv = Server(spec, cmd, env, port, out / f"{spec.replace('@', '_')}.log", "/v1/models", cwd)
         rec: dict = {"command": cmd}

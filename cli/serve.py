@@ -4,7 +4,7 @@
                      [--tree chain] [--model-name NAME] [--max-log-mb 64] [--max-batch 8]
                      [--suffix [--suffix-state DIR] [--suffix-save-every 100] [--suffix-min-score 2 ...]]
                      [--api-key KEY] [--max-queue 256] [--max-body-mb 1] [--max-prompt-tokens N]
-                     [--max-tokens-limit N] [--no-log-bodies]
+                     [--max-tokens-limit N] [--no-log-bodies] [--draft-max-rows N]
 
 Serves ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming and not) and ``GET /v1/models``
 on loopback unless ``--host`` says otherwise, decoding with the lossless decoder
@@ -25,7 +25,8 @@ missing or unusable state is rebuilt from the request logs. ``GET /health``
 reports its size and memory.
 
 Exposed beyond loopback, as vLLM's server is: ``--api-key`` (or ``DRAFTSMITH_API_KEY``) is required on every
-route but ``/health`` (401 otherwise); at most ``--max-queue`` requests wait (429 with Retry-After past it);
+route but ``/health`` (401 otherwise); at most ``--max-queue`` requests wait beyond the rows free in the running
+batch (429 with Retry-After past it);
 a body over ``--max-body-mb`` is a 413 before it is parsed; ``--max-prompt-tokens`` and ``--max-tokens-limit``
 bound what one request may ask (400 naming the field); ``--no-log-bodies`` keeps messages, prompts and texts out
 of the request log (token ids stay: the online job trains on them). A request whose client goes away stops at
@@ -80,8 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "setting for long prompts, whose prefills are dear)")
     ap.add_argument("--admit-hold-steps", type=int, default=ADMIT_HOLD_STEPS, metavar="S",
                     help="steps a waiting request may be held for its admission group")
+    ap.add_argument("--draft-max-rows", type=int, default=None, metavar="N",
+                    help="batched decoding drafts only while at most N rows are live; wider steps are plain "
+                         "(as vLLM's disable_by_batch_size; default: draft at every batch size)")
     ap.add_argument("--max-queue", type=int, default=256,
-                    help="requests that may wait; past it a request gets 429 with Retry-After")
+                    help="requests that may wait beyond the running batch's free rows; past it a "
+                         "request gets 429 with Retry-After")
     ap.add_argument("--max-body-mb", type=float, default=1.0, help="largest request body (413 beyond)")
     ap.add_argument("--max-prompt-tokens", type=int, default=None,
                     help="longest prompt a request may send, in tokens (400 beyond; default: the context)")
@@ -139,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                               suffix_state=a.suffix_state, suffix_save_every=a.suffix_save_every,
                               max_queue=a.max_queue, max_prompt_tokens=a.max_prompt_tokens,
                               max_tokens_limit=a.max_tokens_limit, log_bodies=not a.no_log_bodies,
-                              admit_group=a.admit_group, admit_hold_steps=a.admit_hold_steps)
+                              admit_group=a.admit_group, admit_hold_steps=a.admit_hold_steps,
+                              draft_max_rows=a.draft_max_rows)
     plain = "none (SuffixDecoding alone)" if a.suffix else "none (plain)"
     print(f"serving {service.model_name} ({target.fingerprint}) with drafter {service.version or plain} "
           f"on http://{a.host}:{a.port}/v1, up to {a.max_batch} request(s) per batch, {a.max_queue} waiting; "

@@ -138,10 +138,17 @@ class BatchedSpeculativeDecoder:
       k: chain draft length (an int >= 1) or a `BatchAwareLength` (K chosen per step from the live batch
         size; K = 0 is plain decoding). Ignored for trees and without a drafter.
       sampling: temperature / top-k / top-p, applied identically to draft and target, per row.
+      draft_max_rows: draft only while at most this many rows are live; a step with more is plain (vLLM's
+        ``disable_by_batch_size``: where a wide batch already keeps the CPU's multipliers busy, verifying drafts
+        costs more than they bring). None: draft at every batch size. Like the length policy it depends on the
+        number of live rows only, so every row's output stays the target's.
     """
 
     def __init__(self, target: Target, drafter: Any = None, *, tree: Any = None, k: int | BatchAwareLength = 4,
-                 sampling: SamplingParams | None = None):
+                 sampling: SamplingParams | None = None, draft_max_rows: int | None = None):
+        if draft_max_rows is not None and (not isinstance(draft_max_rows, int) or draft_max_rows < 1):
+            raise ValueError(f"draft_max_rows must be a positive integer or None, got {draft_max_rows!r}")
+        self.draft_max_rows = draft_max_rows
         self.target, self.drafter = target, drafter
         self.sampling = sampling or SamplingParams()
         if tree is not None and not isinstance(tree, StaticTree):
@@ -645,7 +652,7 @@ class BatchedSpeculativeDecoder:
         n = len(live)
         trees = [DraftTree(s.tokens[s.length], self.max_block - 1, self.device) for s in sts]
         k = 0
-        if self._drafting:
+        if self._drafting and (self.draft_max_rows is None or n <= self.draft_max_rows):
             k = self.max_block - 1 if self.own_trees else self.tree.size if self.tree is not None else self._k_for(n)
         if k > 0:
             depth = self.tree.depth if self.tree is not None else k

@@ -20,9 +20,12 @@ A drafter the batched decoder refuses (self-drafters such as Kangaroo, dynamic t
 tokenizer, the hybrid, non-fixed draft lengths) is served one request at a time by the same thread with the
 single-sequence decoder.
 
-The queue is bounded (``max_queue`` waiting requests): past it, `submit` raises `QueueFull` with a Retry-After
-estimate, which the routes answer with 429. A request whose client went away (its ``cancel`` event set) is
-dropped from the queue, or ends its row at the next step; it is not logged, and counted in ``aborted``.
+The queue is bounded (``max_queue`` waiting requests, plus as many as the running loop has rows free: they join
+before its next step): past it, `submit` raises `QueueFull` with a Retry-After estimate, which the routes answer
+with 429. So a burst that reaches an idle server with ``max_batch`` rows is answered up to ``max_batch +
+max_queue`` requests, not cut at ``max_queue`` because it arrived before the loop took the first ones in. A
+request whose client went away (its ``cancel`` event set) is dropped from the queue, or ends its row at the next
+step; it is not logged, and counted in ``aborted``.
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._swap_checked = 0.0
         self._current: list[Job | None] = []  # the running call's rows (None once finished)
+        self._looping = False  # the batching loop runs (its thread, or `run_here`)
 
     # ------------------------------------------------------------------ the callers' side
     def submit(self, job: Job) -> None:
@@ -124,11 +128,19 @@ class Scheduler:
         with self._cv:
             if self._closed:
                 raise RuntimeError("the decoding service is closed")
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) >= self._bound():
                 self.refused += 1
                 raise QueueFull(len(self._waiting), self.service.retry_after(len(self._waiting), self.max_batch))
             self._waiting.append(job)
             self._cv.notify_all()
+
+    def _bound(self) -> int:
+        """Requests that may wait: ``max_queue``, plus the rows the running loop has free (none while no loop runs:
+        nothing would take them)."""
+        if not self._looping or self.service.batched is None:  # an unbatchable drafter: one row at a time
+            return self.max_queue
+        live = sum(j is not None for j in self._current)
+        return self.max_queue + max(0, self.max_batch - live)
 
     def queued(self) -> int:
         with self._cv:
@@ -181,6 +193,13 @@ class Scheduler:
             return jobs
 
     def _loop(self) -> None:
+        self._looping = True
+        try:
+            self._serve()
+        finally:
+            self._looping = False
+
+    def _serve(self) -> None:
         svc = self.service
         while True:
             with self._cv:

@@ -79,13 +79,14 @@ class DecodingService:
                  suffix: SuffixConfig | None = None, suffix_state: str | Path | None = None,
                  suffix_save_every: int = 100, max_queue: int = 256, max_prompt_tokens: int | None = None,
                  max_tokens_limit: int | None = None, log_bodies: bool = True, batch_positions: int = 2048,
-                 admit_group: int = 1, admit_hold_steps: int = ADMIT_HOLD_STEPS):
+                 admit_group: int = 1, admit_hold_steps: int = ADMIT_HOLD_STEPS, draft_max_rows: int | None = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         for name, v in (("max_prompt_tokens", max_prompt_tokens), ("max_tokens_limit", max_tokens_limit)):
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
         self.target = target
+        self.draft_max_rows = draft_max_rows  # batched calls draft only while at most this many rows are live
         self.max_batch = max_batch
         self.store = PublishStore(publish_dir) if publish_dir else None
         self.log = TrafficLog(log_dir, max_log_bytes) if log_dir else None
@@ -121,7 +122,8 @@ class DecodingService:
             state = Path(suffix_state) if suffix_state else Path(log_dir) / "suffix-index" if log_dir else None
             self.suffix_state_ = SuffixState(target, suffix, state, suffix_save_every, log_dir)
             self.decoder = SpeculativeDecoder(target, self.suffix)
-            self.batched = BatchedSpeculativeDecoder(target, self.suffix) if max_batch > 1 else None
+            self.batched = (BatchedSpeculativeDecoder(target, self.suffix, draft_max_rows=draft_max_rows)
+                            if max_batch > 1 else None)
             self.kind = "suffix"
         elif suffix_save_every < 0:
             raise ValueError(f"suffix_save_every must be >= 0, got {suffix_save_every}")
@@ -181,7 +183,8 @@ class DecodingService:
         try:
             if dec.tree is None and not isinstance(dec.policy, FixedLength):
                 raise ValueError(f"its draft length policy ({type(dec.policy).__name__}) is per sequence")
-            return BatchedSpeculativeDecoder(self.target, dec.drafter, tree=dec.tree, k=dec.policy.max_len)
+            return BatchedSpeculativeDecoder(self.target, dec.drafter, tree=dec.tree, k=dec.policy.max_len,
+                                             draft_max_rows=self.draft_max_rows)
         except Exception as e:  # noqa: BLE001 (any refusal: serve it one request at a time rather than fail)
             log.warning("drafter %s cannot be batched (%s): serving it one request at a time", version, e)
             return None

@@ -27,6 +27,7 @@ from draftsmith.eval.exact import enumerate_branches, target_distribution, total
 from draftsmith.heads.hydra.model import HydraHeads
 from tests.test_decoder import PathHeads, other_model_drafter, random_medusa, tiny
 from tests.test_hydra import random_hydra
+from tests.tiny import make_tiny_target
 
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1] + list(range(3, 38)) + [4, 5, 6] * 8, [1], [1, 20, 21, 22, 23, 24, 25]]
@@ -212,6 +213,20 @@ def test_plain_steps_through_the_fused_batched_step_equal_batch_one(mode, tgt, r
 
 
 
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_draft_max_rows_drafts_only_in_narrow_steps(tgt, reference, tree):
+    """``draft_max_rows`` (3 here): a step with more live rows than that is plain, a narrower one drafts; every row still
+    equals batch-1 greedy decoding (rows leave at different steps, so both kinds of steps occur)."""
+    dec = BatchedSpeculativeDecoder(tgt, _drafters(tgt)["first-layers"](), tree=tree, k=3, draft_max_rows=3)
+    res = dec.generate(PROMPTS, N_NEW)
+    assert [r.tokens for r in res.rows] == [r.tokens for r in reference]
+    assert all(s.drafted == 0 and s.k == 0 for s in res.steps if s.live > 3)
+    assert any(s.live > 3 for s in res.steps) and sum(s.drafted for s in res.steps if s.live <= 3) > 0
+    assert sum(s.accepted for s in res.steps) > 0
+    with pytest.raises(ValueError, match="draft_max_rows"):
+        BatchedSpeculativeDecoder(tgt, random_medusa(tgt), draft_max_rows=0)
+
+
 PREFIX = [1, 30, 31, 32, 33, 34]
 
 
@@ -253,6 +268,36 @@ def test_a_shared_prefix_is_prefilled_once_and_changes_no_row(tgt):
     heads.set_prefix(PREFIX)
     assert [r.tokens for r in heads.generate(prompts, news).rows] == ref
     assert heads.prefix_stats["rows"] == 0
+
+
+def test_under_the_native_kernel_the_cache_is_left_unzeroed_and_no_unwritten_slot_is_read():
+    """With the native attention kernel (float32, a head size of 16 floats), the batched decoder allocates its cache
+    unzeroed, as the data engine does: no prefill, plain step or verification may read a slot before writing it.
+    Filled with NaN between two calls, the cache gives the same tokens as before, for plain rows, rows that join
+    with the shared prefix, and SuffixDecoding's verified blocks."""
+    t = make_tiny_target(vocab_size=40, init_std=0.3, hidden_size=64, layers=3)
+    use_fast_forward(t, "fast")
+    dec = plain_batched_decoder(t)
+    if not dec._fast().native:
+        pytest.skip("the native kernel does not apply here (its extension or a vector width dividing 16 floats)")
+    sfx = BatchedSpeculativeDecoder(t, SuffixDrafter(SuffixConfig(), SuffixIndex(SuffixConfig()), learn=True))
+    prompts = [PREFIX + p[1:] for p in PROMPTS]
+    runs = []
+    for _ in range(2):
+        outs = []
+        for d in (dec, sfx):
+            d.set_prefix(PREFIX)
+            queue = [NewRow(p, n, TorchRandom(0)) for p, n in zip(prompts[2:], N_NEW[2:])]
+            res = d.generate(prompts[:2], N_NEW[:2], admit=lambda free: [queue.pop(0)] if queue else [], max_rows=3,
+                             capacity=256)
+            outs.append([r.tokens for r in res.rows])
+            for layer in d.cache.layers:
+                layer.keys.fill_(float("nan"))
+                layer.values.fill_(float("nan"))
+        runs.append(outs)
+    assert runs[0] == runs[1]
+    assert all(len(toks) > 0 for toks in runs[0][0])
+    assert dec.prefix_stats["rows"] == 2 * len(prompts) and sum(s.accepted for s in res.steps) > 0
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ clients that go away (queued or decoding, streaming or not), logs without bodies
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -85,6 +86,26 @@ def test_a_full_queue_answers_429_with_retry_after(target, service, max_batch):
         th.join(120)
     assert sorted(results) == [0, 1] and all(code == 200 for code, _ in results.values())
     assert client.get("/health").json()["refused"] == 2
+
+
+def test_the_bound_counts_the_running_loops_free_rows(target, service):
+    """While the batching loop runs, the requests it will take into free rows before its next step do not count
+    against ``max_queue``: a burst that reaches an idle server is refused past ``max_batch + max_queue``, not past
+    ``max_queue``. With no loop running, nothing takes them."""
+    svc = service(target, max_batch=4, max_queue=2, start=False)
+    sch = svc.scheduler
+    assert sch._bound() == 2
+    svc.start()
+    for _ in range(2000):
+        if sch._looping:
+            break
+        time.sleep(0.005)
+    assert sch._bound() == 2 + 4  # idle: every row free
+    sch._current = [object(), None, object()]  # a call with two live rows (one finished)
+    assert sch._bound() == 2 + 2
+    sch._current = []
+    svc.close()
+    assert not sch._looping and sch._bound() == 2
 
 
 def test_retry_after_grows_with_the_queue():
