@@ -190,6 +190,7 @@ class Scheduler:
             n = self.max_batch if self.service.batched is not None else 1
             jobs = [j for j in self._waiting if j.spec.sampling == first.spec.sampling][:n]
             self._waiting = [j for j in self._waiting if all(j is not b for b in jobs)]
+            self._current = list(jobs)  # they hold rows from now on (`_bound`), not from when the call starts
             return jobs
 
     def _loop(self) -> None:
