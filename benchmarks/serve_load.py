@@ -32,6 +32,7 @@ import httpx
 
 from benchmarks.common import add_common_args, free_port, parser, setup, write_json
 from draftsmith.eval.mtbench import mtbench_questions_path
+from draftsmith.target import cpu_name
 
 
 def _questions(n: int) -> list[str]:
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     lat = [r["latency_s"] for r in done]
     report = {
         "clients": a.clients, "duration_s": round(wall, 1), "max_batch": a.max_batch, "tree": a.tree,
-        "publish": a.publish, "threads": a.threads, "cpu": "Intel Xeon (AVX-512, AMX), server pinned by taskset",
+        "publish": a.publish, "threads": a.threads, "cpu": cpu_name(),
         "requests": len(results), "answered": len(answered),
         "failures": [r for r in results if r.get("status") != 200 or "error" in r][:10],
         "failed": sum(1 for r in results if r.get("status") != 200 or "error" in r),
