@@ -17,8 +17,9 @@ admissions from 163 to 38 and left the throughput where it was (185.95 against 1
 whose prefills are dear, are where it may pay.
 
 A drafter the batched decoder refuses (self-drafters such as Kangaroo, dynamic trees, drafters with their own
-tokenizer, the hybrid, non-fixed draft lengths) is served one request at a time by the same thread with the
-single-sequence decoder.
+tokenizer, non-fixed draft lengths) is served one request at a time by the same thread with the single-sequence
+decoder. The hybrid (a drafter beside SuffixDecoding) decodes a request that finds no other waiting with the
+single-sequence decoder, and requests that come together in a batched call with SuffixDecoding alone.
 
 The queue is bounded (``max_queue`` waiting requests, plus as many as the running loop has rows free: they join
 before its next step): past it, `submit` raises `QueueFull` with a Retry-After estimate, which the routes answer
@@ -214,7 +215,7 @@ class Scheduler:
             if not jobs:
                 continue
             try:
-                if svc.batched is None:
+                if svc.batched is None or (svc.lone_single and len(jobs) == 1 and not self.queued()):
                     self._run_single(jobs[0])
                 else:
                     self._run_batch(svc.batched, jobs)
@@ -273,7 +274,7 @@ class Scheduler:
             return
         sampling = dec.sampling = rows[0].spec.sampling
         dec.set_prefix(svc.prompt_prefix)  # a decoder swapped in since the last call gets it too
-        version, kind = svc.version, svc.kind
+        version, kind = svc.version, svc.batched_kind
         self.batch_sizes.append(len(rows))
         # the cache is sized once per call, for the longest row the limits allow (rows that need more wait)
         capacity = max(max(dec.positions(len(j.spec.prompt), j.spec.max_tokens) for j in rows), svc.batch_positions)

@@ -20,7 +20,8 @@ SuffixDecoding (``suffix=SuffixConfig(...)``): one global index per service (`dr
 shared by every request and kept across drafter swaps, drafts alone while nothing is published and beside the
 published drafter (`HybridDrafter`) otherwise. Every logged response is added to it as it finishes, so the
 index is always the suffix index of the log. The hybrid runs in the single-sequence decoder only: with
-``max_batch > 1`` its requests are served one at a time by the batching thread; SuffixDecoding alone is batched.
+``max_batch > 1`` a request that finds no other waiting decodes with it alone, and requests that come together
+are batched with SuffixDecoding alone (logged with kind ``suffix``), so a burst is batched rather than queued.
 """
 
 from __future__ import annotations
@@ -173,10 +174,22 @@ class DecodingService:
         if self.max_batch == 1:
             return dec, None, kind
         if hybrid:
-            log.warning("drafter %s beside SuffixDecoding (the hybrid) runs in the single-sequence decoder only: "
-                        "serving it one request at a time", path.name)
-            return dec, None, kind
+            log.warning("drafter %s beside SuffixDecoding (the hybrid) runs in the single-sequence decoder only: a "
+                        "request alone decodes with it, concurrent ones are batched with SuffixDecoding alone",
+                        path.name)
+            return dec, BatchedSpeculativeDecoder(self.target, self.suffix, draft_max_rows=self.draft_max_rows), kind
         return dec, self._batched_for(dec, path.name), kind
+
+    @property
+    def lone_single(self) -> bool:
+        """A request alone decodes with the single-sequence decoder, whose drafter the batched one lacks (the
+        hybrid; the batched decoder drafts with SuffixDecoding alone)."""
+        return self.batched is not None and isinstance(self.decoder.drafter, HybridDrafter)
+
+    @property
+    def batched_kind(self) -> str | None:
+        """The drafter kind batched calls decode with (logged with their responses)."""
+        return "suffix" if self.lone_single else self.kind
 
     def _batched_for(self, dec: SpeculativeDecoder, version: str) -> BatchedSpeculativeDecoder | None:
         """The batched decoder drafting exactly as ``dec`` does (same drafter, tree, fixed K), or None."""

@@ -158,8 +158,9 @@ def test_republish_keeps_the_index_hybrid(target, tmp_path, service, caplog, max
     client = TestClient(create_app(svc))
     index = svc.suffix.index
     assert svc.version == "v000001" and svc.decoder.drafter.suffix is svc.suffix  # the hybrid
-    if max_batch > 1:  # the hybrid is single-sequence: one request at a time, said at load
-        assert svc.batched is None and "hybrid" in caplog.text and "one request at a time" in caplog.text
+    if max_batch > 1:  # the hybrid is single-sequence: a lone request decodes with it, said at load
+        assert svc.lone_single and svc.batched.drafter is svc.suffix
+        assert "hybrid" in caplog.text and "batched with SuffixDecoding alone" in caplog.text
     ids, text = _plain(target, MSGS[0], N)
     first = _ask(client, MSGS[0])
     assert first["choices"][0]["message"]["content"] == text and len(index) == 1
@@ -198,3 +199,29 @@ def test_a_drafter_that_cannot_be_a_hybrid_member_is_served_alone_and_the_index_
     r = _ask(TestClient(create_app(svc)), MSGS[0], 16)
     assert r["choices"][0]["message"]["content"] == _plain(target, MSGS[0], 16)[1]
     assert len(svc.suffix.index) == 1 and svc.kind == "kangaroo"
+
+
+def test_with_the_hybrid_requests_that_come_together_are_batched_with_suffix_decoding(target, tmp_path, service):
+    """A drafter published beside SuffixDecoding: requests queued together decode in one batched call with
+    SuffixDecoding alone (logged as kind ``suffix``), not one at a time; each equals plain greedy decoding; a
+    request alone afterwards decodes with the hybrid."""
+    store = PublishStore(tmp_path / "pub")
+    store.publish(medusa_checkpoint(target, tmp_path / "c1", seed=1))
+    svc = service(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", suffix=CFG, max_batch=4,
+                  start=False)
+    client = TestClient(create_app(svc))
+    results, threads = {}, []
+    for i, msgs in enumerate(MSGS):
+        threads.append(_post_in_thread(client, {"messages": msgs, "max_tokens": N, "temperature": 0}, results, i))
+        _wait_queued(svc, i + 1)
+    svc.start()
+    for th in threads:
+        th.join(120)
+    for i, msgs in enumerate(MSGS):
+        assert results[i][0] == 200 and results[i][1]["choices"][0]["message"]["content"] == _plain(target, msgs, N)[1]
+    assert svc.batch_sizes == [len(MSGS)] and svc.unbatched == 0
+    alone = _ask(client, MSGS[0])
+    assert alone["choices"][0]["message"]["content"] == _plain(target, MSGS[0], N)[1] and svc.unbatched == 1
+    kinds = [json.loads(x)["drafter"]["kind"] for f in sorted((tmp_path / "logs").glob("*.jsonl"))
+             for x in f.read_bytes().splitlines()]
+    assert sorted(kinds) == ["medusa+suffix"] + ["suffix"] * len(MSGS)
