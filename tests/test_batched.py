@@ -215,8 +215,8 @@ def test_plain_steps_through_the_fused_batched_step_equal_batch_one(mode, tgt, r
 
 @pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
 def test_draft_max_rows_drafts_only_in_narrow_steps(tgt, reference, tree):
-    """``draft_max_rows`` (3 here): a step with more live rows than that is plain, a narrower one drafts; every row still
-    equals batch-1 greedy decoding (rows leave at different steps, so both kinds of steps occur)."""
+    """``draft_max_rows`` (3 here): a step with more live rows than that is plain, a narrower one drafts; every row
+    still equals batch-1 greedy decoding (rows leave at different steps, so both kinds of steps occur)."""
     dec = BatchedSpeculativeDecoder(tgt, _drafters(tgt)["first-layers"](), tree=tree, k=3, draft_max_rows=3)
     res = dec.generate(PROMPTS, N_NEW)
     assert [r.tokens for r in res.rows] == [r.tokens for r in reference]
