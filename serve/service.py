@@ -184,7 +184,7 @@ class DecodingService:
     def lone_single(self) -> bool:
         """A request alone decodes with the single-sequence decoder, whose drafter the batched one lacks (the
         hybrid; the batched decoder drafts with SuffixDecoding alone)."""
-        return self.batched is not None and isinstance(self.decoder.drafter, HybridDrafter)
+        return self.batched is not None and self.batched.drafter is not self.decoder.drafter
 
     @property
     def batched_kind(self) -> str | None:
