@@ -201,6 +201,19 @@ def _post_in_thread(client, body, results, key):
     return th
 
 
+def _queued_then_started(svc, client, bodies) -> dict:
+    """Post ``bodies`` one at a time, each queued before the next (so the queue order is theirs), to a service whose
+    batching thread has not started; start it; return {index: (status, json or streamed text and chunks)}."""
+    results, threads = {}, []
+    for i, body in enumerate(bodies):
+        threads.append(_post_in_thread(client, body, results, i))
+        _wait_queued(svc, i + 1)
+    svc.start()
+    for th in threads:
+        th.join(120)
+    return results
+
+
 def _log_records(target, logs):
     lines = [x for f in sorted(logs.glob("*.jsonl")) for x in f.read_bytes().splitlines()]
     return [parse_record(x, target.fingerprint, vocab_size=target.vocab_size, max_tokens=10_000) for x in lines]
@@ -323,13 +336,7 @@ def test_a_bad_request_fails_alone_in_its_batch(target, tmp_path, service):
     bodies = [{"messages": MSGS[0], "max_tokens": 12, "temperature": 0},
               {"messages": MSGS[1], "max_tokens": fits_alone, "temperature": 0},  # no room for a draft block
               {"messages": MSGS[2], "max_tokens": 12, "temperature": 0, "stream": True}]
-    results, threads = {}, []
-    for i, body in enumerate(bodies):
-        threads.append(_post_in_thread(client, body, results, i))
-        _wait_queued(svc, i + 1)
-    svc.start()
-    for th in threads:
-        th.join(120)
+    results = _queued_then_started(svc, client, bodies)
     assert results[1][0] == 400 and "context" in results[1][1]["error"]["message"]
     assert results[0][1]["choices"][0]["message"]["content"] == _plain(target, MSGS[0], 12)[1]
     assert results[2][1][0] == _plain(target, MSGS[2], 12)[1]
@@ -469,13 +476,7 @@ def test_batched_rows_share_the_chat_template_prefix_and_equal_plain_greedy(tmp_
               {"messages": MSGS[2], "max_tokens": 20, "temperature": 0, "stream": True},
               {"messages": MSGS[1], "max_tokens": 20, "temperature": 0}]
     client = TestClient(create_app(svc))
-    results, threads = {}, []
-    for i, body in enumerate(bodies):
-        threads.append(_post_in_thread(client, body, results, i))
-        _wait_queued(svc, i + 1)
-    svc.start()
-    for th in threads:
-        th.join(120)
+    results = _queued_then_started(svc, client, bodies)
     assert all(results[i][0] == 200 for i in range(4)), results
     assert results[0][1]["choices"][0]["message"]["content"] == texts[0]
     assert results[1][1]["choices"][0]["message"]["content"] == texts[1][:texts[1].find(stop)]

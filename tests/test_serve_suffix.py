@@ -20,7 +20,7 @@ from draftsmith.publish import PublishStore
 from draftsmith.serve.app import create_app
 from tests.online_helpers import medusa_checkpoint
 from tests import test_serve
-from tests.test_serve import MSGS, _log_records, _plain, _post_in_thread, _wait_queued
+from tests.test_serve import MSGS, _log_records, _plain, _queued_then_started
 
 target, service = test_serve.target, test_serve.service  # the server tests' fixtures: tiny target, closed services
 
@@ -129,13 +129,7 @@ def test_restart_loads_the_saved_index_else_rebuilds_from_the_logs(target, tmp_p
 def test_batched_requests_feed_the_index(target, tmp_path, service):
     svc = service(target, log_dir=tmp_path / "logs", suffix=CFG, max_batch=4, start=False)
     client = TestClient(create_app(svc))
-    results, threads = {}, []
-    for i, msgs in enumerate(MSGS):
-        threads.append(_post_in_thread(client, {"messages": msgs, "max_tokens": N, "temperature": 0}, results, i))
-        _wait_queued(svc, i + 1)
-    svc.start()
-    for th in threads:
-        th.join(120)
+    results = _queued_then_started(svc, client, [{"messages": m, "max_tokens": N, "temperature": 0} for m in MSGS])
     assert svc.batch_sizes == [3] and svc.unbatched == 0  # SuffixDecoding alone is batched
     for i, msgs in enumerate(MSGS):
         assert results[i][0] == 200 and results[i][1]["choices"][0]["message"]["content"] == _plain(target, msgs, N)[1]
@@ -210,13 +204,7 @@ def test_with_the_hybrid_requests_that_come_together_are_batched_with_suffix_dec
     svc = service(target, publish_dir=tmp_path / "pub", log_dir=tmp_path / "logs", suffix=CFG, max_batch=4,
                   start=False)
     client = TestClient(create_app(svc))
-    results, threads = {}, []
-    for i, msgs in enumerate(MSGS):
-        threads.append(_post_in_thread(client, {"messages": msgs, "max_tokens": N, "temperature": 0}, results, i))
-        _wait_queued(svc, i + 1)
-    svc.start()
-    for th in threads:
-        th.join(120)
+    results = _queued_then_started(svc, client, [{"messages": m, "max_tokens": N, "temperature": 0} for m in MSGS])
     for i, msgs in enumerate(MSGS):
         assert results[i][0] == 200 and results[i][1]["choices"][0]["message"]["content"] == _plain(target, msgs, N)[1]
     assert svc.batch_sizes == [len(MSGS)] and svc.unbatched == 0
