@@ -27,6 +27,12 @@ def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
     return [int(x) for x in tokenizer(render(tokenizer, messages, True), add_special_tokens=False)["input_ids"]]
 
 
+def shared_len(a, b, limit: int | None = None) -> int:
+    """Length of the common prefix of the token sequences ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b)) if limit is None else min(limit, len(a), len(b))
+    return next((t for t in range(n) if a[t] != b[t]), n)
+
+
 def shared_prompt_prefix(tokenizer) -> list[int]:
     """The tokens every one-user-message prompt starts with: the chat template's default system prompt and user
     header (for a base model, its BOS), found as the common prefix of two prompts that differ in their message
@@ -35,5 +41,4 @@ def shared_prompt_prefix(tokenizer) -> list[int]:
         a, b = (prompt_token_ids(tokenizer, [{"role": "user", "content": c}]) for c in ("Hello", "Why?"))
     except Exception:  # noqa: BLE001 (a template that needs more than one user message: no shared prefix)
         return []
-    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return a[:n]
+    return a[:shared_len(a, b)]

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+from draftsmith.chat import shared_len
 from draftsmith.engine.batch_policy import BatchAwareLength, GoodputTable, calibrate, expected_tokens
 from draftsmith.engine.capabilities import batch_adapter, capabilities, check_drafter
 from draftsmith.engine.decoder import DecodeState
@@ -220,9 +221,7 @@ class BatchedSpeculativeDecoder:
     def _prefix_offset(self, st: DecodeState) -> int:
         """Slots of the prefix a row's prefill can take from it: its shared length with the row's committed
         tokens, leaving at least one token to prefill (0 below 2)."""
-        pre = self.prefix
-        n = min(len(pre), st.length - 1)
-        off = next((t for t in range(n) if st.tokens[t] != pre[t]), n)
+        off = shared_len(st.tokens, self.prefix, st.length - 1)
         return off if off >= 2 else 0
 
     def _rows(self, prompts, max_new_tokens) -> tuple[list[list[int]], list[int]]:

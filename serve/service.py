@@ -123,8 +123,7 @@ class DecodingService:
             state = Path(suffix_state) if suffix_state else Path(log_dir) / "suffix-index" if log_dir else None
             self.suffix_state_ = SuffixState(target, suffix, state, suffix_save_every, log_dir)
             self.decoder = SpeculativeDecoder(target, self.suffix)
-            self.batched = (BatchedSpeculativeDecoder(target, self.suffix, draft_max_rows=draft_max_rows)
-                            if max_batch > 1 else None)
+            self.batched = self._suffix_batched() if max_batch > 1 else None
             self.kind = "suffix"
         elif suffix_save_every < 0:
             raise ValueError(f"suffix_save_every must be >= 0, got {suffix_save_every}")
@@ -177,8 +176,12 @@ class DecodingService:
             log.warning("drafter %s beside SuffixDecoding (the hybrid) runs in the single-sequence decoder only: a "
                         "request alone decodes with it, concurrent ones are batched with SuffixDecoding alone",
                         path.name)
-            return dec, BatchedSpeculativeDecoder(self.target, self.suffix, draft_max_rows=self.draft_max_rows), kind
+            return dec, self._suffix_batched(), kind
         return dec, self._batched_for(dec, path.name), kind
+
+    def _suffix_batched(self) -> BatchedSpeculativeDecoder:
+        """The batched decoder drafting with SuffixDecoding alone (nothing published, or beside the hybrid)."""
+        return BatchedSpeculativeDecoder(self.target, self.suffix, draft_max_rows=self.draft_max_rows)
 
     @property
     def lone_single(self) -> bool:

@@ -47,6 +47,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from draftsmith.chat import shared_len
 from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.fast_batch import batch_body
 from draftsmith.engine.sampling import pick_tokens
@@ -54,12 +55,6 @@ from draftsmith.engine.kvcache import KVCache, sliding_windows
 from draftsmith.train.data.row_attention import row_attention
 
 ATTENTION_MODES = ("auto", "rows", "masked")
-
-
-def _shared_len(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
-    n = min(limit, len(a), len(b))
-    return next((t for t in range(n) if a[t] != b[t]), n)
 
 
 @dataclass
@@ -188,7 +183,7 @@ class BatchGenerator:
             return
         common = list(prompts[0])
         for p in prompts[1:]:
-            common = common[:_shared_len(common, p, len(common))]
+            common = common[:shared_len(common, p, len(common))]
             if not common:
                 return
         common = common[:min(map(len, prompts)) - 1]  # every row prefills at least its last prompt token
@@ -209,7 +204,7 @@ class BatchGenerator:
             return 0
         off = min(len(pre), min(len(r.job.prompt) for r in rows) - 1)
         for r in rows:
-            off = _shared_len(r.job.prompt, pre, off)
+            off = shared_len(r.job.prompt, pre, off)
         return off if off >= 2 else 0
 
     @torch.no_grad()
@@ -350,8 +345,7 @@ class BatchGenerator:
             wanted = want(r.job, r.out, finished) if states and want is not None else None
             if wanted is not None:
                 have = r.job.prompt + r.out[:-1]  # the tokens whose states the row holds (r.length of them)
-                n = min(len(have), len(wanted))
-                common = next((t for t in range(n) if have[t] != wanted[t]), n)
+                common = shared_len(have, wanted)
                 rest = len(wanted) - common
                 if len(wanted) > self.capacity:
                     r.captured = Captured(None, "over_capacity")
