@@ -38,6 +38,7 @@ import torch._dynamo
 
 from draftsmith.engine.fastpath import (MODES, _Core, call_layer_hooks, frozen_weights, hooked_layers, shared_core,
                                        unsupported)
+from draftsmith.engine.kvcache import sliding_windows
 from draftsmith.engine.native import ROWS_LINEAR_MAX, native_for
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class FastBatchBody:
     """
 
     def __init__(self, model, compile: bool = True, core: _Core | None = None, pack: bool = True):
-        why = unsupported(model)
+        why = unsupported_rows(model)
         if why is not None:
             raise ValueError(f"the fast batched decode step does not support this model: {why}")
         self.core = core if core is not None else _Core(model)
@@ -180,6 +181,16 @@ class FastBatchBody:
         return pad(h), lg
 
 
+def unsupported_rows(model) -> str | None:
+    """Why `FastBatchBody` cannot run ``model`` (None when it can): what `fastpath.unsupported` names, and sliding
+    windows (Gemma 3's sliding layers): its ragged kernels attend over every live slot of a row, and the batched
+    decoder and the data engine then keep the model's own forward, which applies the windows."""
+    why = unsupported(model)
+    if why is None and sliding_windows(model.config):
+        why = "sliding-window attention (the batched step's kernels attend over every live slot)"
+    return why
+
+
 def _frames_compiled() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
@@ -195,7 +206,7 @@ def batch_body(model, mode: str = "compile") -> FastBatchBody | None:
         raise ValueError(f"decoding forward must be one of {MODES}, got {mode!r}")
     if mode == "eager":
         return None
-    why = unsupported(model)
+    why = unsupported_rows(model)
     if why is not None:
         log.warning("the fast batched decode step does not support this model (%s): using its own forward", why)
         return None

@@ -99,20 +99,34 @@ class CompiledDrafting:
 
 BUCKETS = (1, 4, 8, 16, 32)  # 2 rows run in the 4-row graph: one graph less to compile, and no slower
 MODES = ("eager", "fast", "compile")  # HF forward | our forward, eager | our forward, compiled where it fits
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")  # the model types our forward computes
 
 
 def unsupported(model) -> str | None:
     """Why `FastBody` cannot run ``model`` (None when it can)."""
     cfg = model.config
     mt = getattr(cfg, "model_type", None)
-    if mt not in ("llama", "mistral", "qwen2", "qwen3"):
-        return f"model_type {mt!r} (supported: llama, mistral, qwen2, qwen3)"
-    if getattr(cfg, "sliding_window", None) and mt not in ("qwen2", "qwen3"):
-        return "sliding-window attention"
-    if mt in ("qwen2", "qwen3") and getattr(cfg, "use_sliding_window", False):
-        return "sliding-window attention"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"hidden_act {cfg.hidden_act!r}"
+    if mt not in FAMILIES:
+        return f"model_type {mt!r} (supported: {', '.join(FAMILIES)})"
+    if mt == "gemma3_text":
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(cfg, cap, None):
+                return f"logit soft-capping ({cap})"
+        if getattr(cfg, "use_bidirectional_attention", False):
+            return "bidirectional attention"
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+        if act != "gelu_pytorch_tanh":
+            return f"hidden_activation {act!r}"
+        types = set(getattr(cfg, "layer_types", None) or ())
+        if not types <= {"sliding_attention", "full_attention"}:
+            return f"layer types {sorted(types)}"
+    else:
+        if getattr(cfg, "sliding_window", None) and mt not in ("qwen2", "qwen3"):
+            return "sliding-window attention"
+        if mt in ("qwen2", "qwen3") and getattr(cfg, "use_sliding_window", False):
+            return "sliding-window attention"
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            return f"hidden_act {cfg.hidden_act!r}"
     if getattr(cfg, "mlp_bias", False):
         return "MLP biases"
     body = model.get_decoder()
@@ -147,12 +161,27 @@ class _Core(torch.nn.Module):
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
         self.eps = float(cfg.rms_norm_eps)
-        self.embed = body.embed_tokens
+        self.embed = body.embed_tokens  # Gemma's scales its rows by sqrt(hidden) itself
         self.rotary = body.rotary_emb
         self.norm_w = body.norm.weight
         self.head_w = model.get_output_embeddings().weight
+        # Gemma 3: norms that scale by 1 + weight (computed in float32, cast after), norms on the attention's and
+        # the MLP's outputs too, the tanh GELU, scores scaled by query_pre_attn_scalar ** -0.5, a RoPE per layer
+        # type and a sliding window on the sliding layers
+        gemma = getattr(cfg, "model_type", None) == "gemma3_text"
+        self.norm_offset = self.sandwich = gemma
+        self.act = (lambda x: F.gelu(x, approximate="tanh")) if gemma else F.silu
+        self.scale = float(cfg.query_pre_attn_scalar) ** -0.5 if gemma else self.head_dim ** -0.5
+        types = list(getattr(cfg, "layer_types", None) or []) if gemma else []
+        # the RoPE of each layer (an index into `rope`'s stacked cos and sin; None: one RoPE for every layer)
+        self.rope_types = sorted(set(types)) if types else None
+        self.rope_of = [self.rope_types.index(t) for t in types] if types else None
+        self.sliding = [t == "sliding_attention" for t in types] or [False] * int(cfg.num_hidden_layers)
+        self.window = int(cfg.sliding_window) if any(self.sliding) else None
         P = torch.nn.ParameterList
         self.qkv, self.o, self.ln1, self.ln2, self.gate_up, self.down = P(), P(), P(), P(), P(), P()
+        self.post_attn: P | None = P() if gemma else None  # the sandwich norms, by layer
+        self.post_mlp: P | None = P() if gemma else None
         self.qkv_b: P | None = None
         self.q_norm: P | None = None  # per-head RMS norms on queries and keys before RoPE (Qwen3), by layer
         self.k_norm: P | None = None
@@ -174,7 +203,12 @@ class _Core(torch.nn.Module):
                     raise ValueError("the fast decoding forward does not support an output-projection bias")
                 self.o.append(a.o_proj.weight)
                 self.ln1.append(layer.input_layernorm.weight)
-                self.ln2.append(layer.post_attention_layernorm.weight)
+                if self.sandwich:
+                    self.post_attn.append(layer.post_attention_layernorm.weight)
+                    self.ln2.append(layer.pre_feedforward_layernorm.weight)
+                    self.post_mlp.append(layer.post_feedforward_layernorm.weight)
+                else:
+                    self.ln2.append(layer.post_attention_layernorm.weight)
                 self.gate_up.append(cat(m.gate_proj.weight, m.up_proj.weight))
                 self.down.append(m.down_proj.weight)
         self.inter = int(self.gate_up[0].shape[0] // 2)
@@ -244,14 +278,21 @@ class _Core(torch.nn.Module):
 
     # the computation -------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The model's RMS norm: Llama's scales after casting back, Gemma's scales by 1 + weight before it."""
         dt = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.norm_offset:
+            return (x * (1.0 + w.float())).to(dt)
         return w * x.to(dt)
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim] for the positions ``pos`` [T], by the model's own rotary module, computed
-        eagerly (outside the compiled graph, whose vectorised cos/sin round differently)."""
+        """cos, sin [T, 1, head_dim] for the positions ``pos`` [T] (or [types, T, 1, head_dim], one per layer type,
+        for a model with a RoPE per type: Gemma 3's), by the model's own rotary module, computed eagerly (outside
+        the compiled graph, whose vectorised cos/sin round differently)."""
+        if self.rope_types is not None:
+            cs = [self.rotary(self.norm_w, pos[None], t) for t in self.rope_types]
+            return torch.stack([c[0][:, None] for c, _ in cs]), torch.stack([s_[0][:, None] for _, s_ in cs])
         cos, sin = self.rotary(self.norm_w, pos[None])
         return cos[0][:, None], sin[0][:, None]
 
@@ -270,10 +311,12 @@ class _Core(torch.nn.Module):
 
     def layer_out(self, i: int, h: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """Layer i's residual stream after its attention output ``att`` (flat per token) and its MLP."""
-        h = h + self.lin(att, self.o[i], None, "o", i)
+        o = self.lin(att, self.o[i], None, "o", i)
+        h = h + (self._rms(o, self.post_attn[i]) if self.sandwich else o)
         x = self._rms(h, self.ln2[i])
         gu = self.lin(x, self.gate_up[i], None, "gate_up", i)
-        return h + self.lin(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], self.down[i], None, "down", i)
+        m = self.lin(self.act(gu[..., :self.inter]) * gu[..., self.inter:], self.down[i], None, "down", i)
+        return h + (self._rms(m, self.post_mlp[i]) if self.sandwich else m)
 
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor | None,
                 slots: torch.Tensor, kv: list[torch.Tensor], attn: str, a: tuple = (),
@@ -284,7 +327,8 @@ class _Core(torch.nn.Module):
         and value written at slot ``slots[t]`` of cache row ``rows[t]`` (``rows`` None: a one-row cache), then
         attention by ``attn``, with its tensors ``a``:
 
-          * ``"mask"`` (mask [1, 1, T, e]): a one-row cache, SDPA over its first e slots with that additive mask;
+          * ``"mask"`` (mask [1, 1, T, e], and optionally the sliding layers' own): a one-row cache, SDPA over its
+            first e slots with that additive mask;
           * ``"one"`` (last [1]): one query over slots [0, last] of a one-row cache (`attend_one`);
           * ``"block"`` (last [T], allow [T, T] bool): a block in a one-row cache, query j at slot last[j] seeing
             every slot before last[0] and block slot last[0] + i where allow[j, i] (`attend_block`);
@@ -301,15 +345,16 @@ class _Core(torch.nn.Module):
         t = ids.shape[0]
         h = self.embed(ids)
         nh, nk, d = self.n_heads, self.n_kv, self.head_dim
-        scale = d ** -0.5
+        scale = self.scale
         tapped = {}
         for i in range(len(self.qkv)):
             qs, ks, vs = self.qkv_in(i, h)
             qs, ks = qs.view(t, nh, d), ks.view(t, nk, d)
-            if self.q_norm is not None:  # Qwen3: each head's queries and keys RMS-normed before RoPE
+            if self.q_norm is not None:  # Qwen3, Gemma 3: each head's queries and keys RMS-normed before RoPE
                 qs, ks = self._rms(qs, self.q_norm[i]), self._rms(ks, self.k_norm[i])
-            qs = self.rotate(qs, cos, sin)
-            ks = self.rotate(ks, cos, sin)
+            c, s_ = (cos, sin) if self.rope_of is None else (cos[self.rope_of[i]], sin[self.rope_of[i]])
+            qs = self.rotate(qs, c, s_)
+            ks = self.rotate(ks, c, s_)
             vs = vs.view(t, nk, d)
             kc, vc = kv[2 * i], kv[2 * i + 1]
             if rows is None:
@@ -328,10 +373,12 @@ class _Core(torch.nn.Module):
                 att = ragged_block_attention(qs, kc, vc, a[0], a[1], a[2], a[3], scale)
             elif attn == "prefill":
                 att = ragged_prefill_attention(qs, kc, vc, a[0], a[1], a[2], scale)
-            elif attn == "mask":
-                e = a[0].shape[-1]
+            elif attn == "mask":  # a[1], where given: the sliding layers' mask (their window applied)
+                mk = a[1] if len(a) > 1 and self.sliding[i] else a[0]
+                e = mk.shape[-1]
                 att = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], kc[:, :, :e], vc[:, :, :e],
-                                                     attn_mask=a[0], enable_gqa=nk != nh)[0].transpose(0, 1)
+                                                     attn_mask=mk, scale=scale,
+                                                     enable_gqa=nk != nh)[0].transpose(0, 1)
             else:
                 raise ValueError(f"unknown attention {attn!r}")
             h = self.layer_out(i, h, att.reshape(t, nh * d))
@@ -442,11 +489,26 @@ class FastBody(torch.nn.Module):
         e = s + q
         if position_ids is None:
             position_ids = torch.arange(s, e, device=dev)[None]
+        slid = None  # the sliding layers' mask, where their window reaches into this call's slots
+        if isinstance(attention_mask, dict):  # per layer type (`kvcache.window_masks`)
+            attention_mask, slid = attention_mask["full_attention"], attention_mask["sliding_attention"]
         sees_all = attention_mask is None  # a row that sees every slot so far (`_one_query`)
         if attention_mask is None:
             allowed = torch.ones(q, e, dtype=torch.bool, device=dev).tril(diagonal=s)
             attention_mask = torch.zeros(1, 1, q, e, dtype=self.dtype, device=dev)
             attention_mask.masked_fill_(~allowed, torch.finfo(attention_mask.dtype).min)
+        win = self.core.window
+        # within the window a sliding layer attends as a full one does: positions are below the live end e (a
+        # slot's position is at most its index), so no query is win or more past a key before e passes win
+        windowed = win is not None and e > win
+        if not windowed:
+            slid = None
+        elif slid is None:
+            if not sees_all:
+                raise ValueError(f"the target's sliding layers attend over the last {win} positions: past them "
+                                 "FastBody needs their own mask ({'full_attention': ..., 'sliding_attention': ...})")
+            far = (position_ids[0][:, None] - torch.arange(e, device=dev)[None]) >= win  # slot j holds position j
+            slid = attention_mask.masked_fill(far[None, None], torch.finfo(attention_mask.dtype).min)
         kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
         taps = hooked_layers(self._layers)
         b = min((h for h in self.hot if h >= q), default=None) if self.compiled is not None else None
@@ -456,16 +518,17 @@ class FastBody(torch.nn.Module):
             # eager: a block of up to the largest bucket's rows attends by the native block kernel where it
             # applies (as the compiled graphs do), anything longer (a prompt) by SDPA
             allow = (self._block_mask(kv, attention_mask, s, q, q)
-                     if self.block_native and q <= BUCKETS[-1] else None)
+                     if self.block_native and q <= BUCKETS[-1] and not windowed else None)
             slots_e = torch.arange(s, e, device=dev)
-            attn, a = ("block", (slots_e, allow)) if allow is not None else ("mask", (attention_mask,))
+            masks = (attention_mask,) if slid is None else (attention_mask, slid)
+            attn, a = ("block", (slots_e, allow)) if allow is not None else ("mask", masks)
             lg_at = (torch.arange(logits_from, q, device=dev) if logits_from else True) if want_logits else False
             h, lg, outs = self.core(ids, *self.core.rope(pos), None, slots_e, kv, attn, a, logits=lg_at, taps=taps)
             outs = tuple(o[None] for o in outs)
             self._call_hooks(taps, outs)
             return FastOutput(h[None], None if lg is None else lg[None])
         slots = torch.arange(s, s + b, device=dev)
-        if q == 1 and b == 1 and self._one_query(kv, None if sees_all else attention_mask):
+        if q == 1 and b == 1 and not windowed and self._one_query(kv, None if sees_all else attention_mask):
             # one query that sees every slot so far (plain decoding, drafting a chain): the native decode kernel
             # over slots [0, s], its length a tensor, so the shape stays static without masking the capacity
             return self._run_compiled((1, C, str(dev), taps, "one"), taps, ids, pos, slots, kv, q, "one",
@@ -474,7 +537,7 @@ class FastBody(torch.nn.Module):
         if pad:
             ids = torch.cat([ids, ids[-1:].expand(pad)])
             pos = torch.cat([pos, pos[-1:].expand(pad)])
-        allow = self._block_mask(kv, attention_mask, s, q, b) if self.block_native else None
+        allow = self._block_mask(kv, attention_mask, s, q, b) if self.block_native and not windowed else None
         if allow is not None:
             # a chain or tree block that sees every slot before it: the native kernel with the block's mask reads
             # the live slots only (masked SDPA below reads the whole capacity for every row)
@@ -482,11 +545,19 @@ class FastBody(torch.nn.Module):
                                       (slots, allow), logits_from)
         # every shape static: b rows over the whole capacity, the slots past the live length masked out
         # (gpt-fast's way; dynamic live lengths got specialised by the trace and recompiled on every step)
-        m = torch.full((1, 1, b, C), torch.finfo(attention_mask.dtype).min, dtype=attention_mask.dtype, device=dev)
-        m[:, :, :q, :e] = attention_mask
-        if pad:
-            m[0, 0, torch.arange(q, b), torch.arange(e, e + pad)] = 0  # a padded row sees only itself
-        return self._run_compiled((b, C, str(dev), taps), taps, ids, pos, slots, kv, q, "mask", (m,), logits_from)
+        masks = tuple(self._capacity_mask(mk, q, b, e, C) for mk in
+                      ((attention_mask,) if slid is None else (attention_mask, slid)))
+        return self._run_compiled((b, C, str(dev), taps, len(masks)), taps, ids, pos, slots, kv, q, "mask", masks,
+                                  logits_from)
+
+    @staticmethod
+    def _capacity_mask(mask: torch.Tensor, q: int, b: int, e: int, C: int) -> torch.Tensor:
+        """``mask`` [1, 1, q, e] as [1, 1, b, C]: the slots past e masked out, a padded row seeing only itself."""
+        m = torch.full((1, 1, b, C), torch.finfo(mask.dtype).min, dtype=mask.dtype, device=mask.device)
+        m[:, :, :q, :e] = mask
+        if b > q:
+            m[0, 0, torch.arange(q, b), torch.arange(e, e + b - q)] = 0
+        return m
 
     def _block_mask(self, kv: list[torch.Tensor], attention_mask: torch.Tensor, s: int, q: int, b: int
                     ) -> torch.Tensor | None:

@@ -295,3 +295,77 @@ def test_fast_forward_equals_the_models_for_other_families(family):
         assert (a - b).abs().max() < 1e-10
         for l1, l2 in zip(c1.layers, c2.layers):
             assert (l1.keys[:, :, :n] - l2.keys[:, :, :n]).abs().max() < 1e-10
+
+
+def _gemma_steps(tgt, fast, prompt_len: int, tree: bool) -> float:
+    """Gemma 3's tiny target (window 8): a prefill, four 1-token steps, then a 3-row chain or tree block with the
+    decoder's per-layer-type masks, through the model's forward and ``fast``; the largest logit difference."""
+    from draftsmith.engine.kvcache import sliding_windows, window_masks
+    m, body = tgt.model, tgt.model.get_decoder()
+    c1, c2 = KVCache.for_model(m, 64), KVCache.for_model(m, 64)
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    with torch.no_grad():
+        s = 0
+        for x in [torch.randint(3, 48, (1, prompt_len), generator=g)] + [torch.randint(3, 48, (1, 1), generator=g)
+                                                                        for _ in range(4)]:
+            pos = torch.arange(s, s + x.shape[1])[None]
+            c1.set_write(s), c2.set_write(s)
+            h = body(input_ids=x, position_ids=pos, use_cache=True, **cache_arg(body, c1)).last_hidden_state
+            worst = max(worst, (m.lm_head(h) - fast(input_ids=x, position_ids=pos, cache=c2).logits).abs().max())
+            s += x.shape[1]
+        blk = torch.ones(3, 3, dtype=torch.bool).tril()
+        pos = torch.arange(s, s + 3)[None]
+        if tree:  # rows 1 and 2 are siblings
+            blk[2, 1] = False
+            pos[0, 2] = pos[0, 1]
+        mask = window_masks(sliding_windows(m.config), prefix_block_mask(s, blk, torch.float64), pos,
+                            torch.cat([torch.arange(s)[None], pos], 1))
+        x = torch.randint(3, 48, (1, 3), generator=g)
+        c1.set_write(s), c2.set_write(s)
+        h = body(input_ids=x, position_ids=pos, attention_mask=mask, use_cache=True,
+                 **cache_arg(body, c1)).last_hidden_state
+        out = fast(input_ids=x, position_ids=pos, attention_mask=mask, cache=c2)
+    return float(max(worst, (m.lm_head(h) - out.logits).abs().max()))
+
+
+@pytest.mark.parametrize("prompt_len", [4, 13], ids=["crosses-window", "past-window"])
+def test_gemma3_forward_equals_the_models_within_and_past_its_window(prompt_len):
+    """Gemma 3 through our forward, float64: norms that scale by 1 + weight, the sandwich norms, the tanh GELU, its
+    score scale, a RoPE per layer type and the sliding layers' window (8 here: a prefill of 4 then 1-token steps
+    crosses it, one of 13 starts past it), chains and trees. Without the window, or with Llama's norms, the logits
+    differ: the test can fail."""
+    from tests.families import family_target
+    tgt = family_target("gemma3")
+    tgt.model.to(torch.float64)
+    assert unsupported(tgt.model) is None
+    for tree in (False, True):
+        assert _gemma_steps(tgt, FastBody(tgt.model, compile=False), prompt_len, tree) < 1e-10
+    # no window; Llama's norms; one RoPE (the first type's) for every layer; SiLU
+    for attr, value in (("window", None), ("norm_offset", False), ("rope_of", [0] * 4),
+                        ("act", torch.nn.functional.silu)):
+        fast = FastBody(tgt.model, compile=False)
+        setattr(fast.core, attr, value)
+        assert _gemma_steps(tgt, fast, prompt_len, True) > 1e-3, attr
+
+
+def test_compiled_gemma3_decoding_keeps_the_models_tokens():
+    """The compiled forward on Gemma 3's tiny target: native kernels while the live slots fit the window, then the
+    masked graphs with the sliding layers' own mask; plain decoding, a chain and a tree give the model's own
+    greedy tokens across and past the window. The batched decoder keeps the model's forward (its kernels attend
+    over every live slot) and gives them too."""
+    from draftsmith.engine.batched import BatchedSpeculativeDecoder
+    from draftsmith.engine.fast_batch import batch_body
+    from tests.families import family_target
+    from tests.tiny import greedy_reference
+    tgt = family_target("gemma3")
+    prompts = [[1, 5, 6, 7], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
+    refs = [greedy_reference(tgt.model, p, 20, set(tgt.eos_token_ids))[0] for p in prompts]
+    assert use_fast_forward(tgt, "compile", autotune=False) == {"forward": "compile"}
+    medusa = random_medusa(tgt, num_heads=2, std=0.3)
+    for name, dec in {"plain": SpeculativeDecoder(tgt), "chain": SpeculativeDecoder(tgt, medusa),
+                      "tree": SpeculativeDecoder(tgt, medusa, tree=[(0,), (1,), (0, 0)])}.items():
+        assert dec.fast is tgt.fast_body
+        assert [dec.generate(p, 20).tokens for p in prompts] == refs, name
+    assert batch_body(tgt.model, "compile") is None
+    assert [r.tokens for r in BatchedSpeculativeDecoder(tgt, None).generate(prompts, [20, 20]).rows] == refs
