@@ -56,10 +56,14 @@ class FastBatchBody:
         the weights for both); None: copied from ``model``.
       pack: steps of up to 16 rows multiply from exact 4/8-bit copies of the weights where they exist, with
         the same bits (`fastpath._Core.pack_weights`).
+      within_window: the caller keeps every row within the target's sliding windows (the data engine refuses a
+        job past them), where a sliding layer attends as a full one does; without it a target with sliding
+        windows is refused (`unsupported_rows`).
     """
 
-    def __init__(self, model, compile: bool = True, core: _Core | None = None, pack: bool = True):
-        why = unsupported_rows(model)
+    def __init__(self, model, compile: bool = True, core: _Core | None = None, pack: bool = True,
+                 within_window: bool = False):
+        why = unsupported_rows(model, within_window)
         if why is not None:
             raise ValueError(f"the fast batched decode step does not support this model: {why}")
         self.core = core if core is not None else _Core(model)
@@ -181,12 +185,13 @@ class FastBatchBody:
         return pad(h), lg
 
 
-def unsupported_rows(model) -> str | None:
+def unsupported_rows(model, within_window: bool = False) -> str | None:
     """Why `FastBatchBody` cannot run ``model`` (None when it can): what `fastpath.unsupported` names, and sliding
-    windows (Gemma 3's sliding layers): its ragged kernels attend over every live slot of a row, and the batched
-    decoder and the data engine then keep the model's own forward, which applies the windows."""
+    windows (Gemma 3's sliding layers) unless the caller keeps every row within them (``within_window``): its
+    ragged kernels attend over every live slot of a row, so the batched decoder keeps the model's own forward,
+    which applies the windows."""
     why = unsupported(model)
-    if why is None and sliding_windows(model.config):
+    if why is None and not within_window and sliding_windows(model.config):
         why = "sliding-window attention (the batched step's kernels attend over every live slot)"
     return why
 
@@ -198,19 +203,21 @@ def _frames_compiled() -> int:
 _bodies: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, FastBatchBody]]" = weakref.WeakKeyDictionary()
 
 
-def batch_body(model, mode: str = "compile") -> FastBatchBody | None:
+def batch_body(model, mode: str = "compile", within_window: bool = False) -> FastBatchBody | None:
     """The `FastBatchBody` every `BatchGenerator` on ``model`` shares for ``mode`` ("compile" or "fast"), built on
     first use (its compiled graph then serves every later generator: Magpie prompts, answers, held-out
-    answers); None for "eager" or a model it does not support (logged: the model's own forward is used)."""
+    answers); None for "eager" or a model it does not support (logged: the model's own forward is used).
+    ``within_window``: the caller keeps every row within the target's sliding windows (`unsupported_rows`)."""
     if mode not in MODES:
         raise ValueError(f"decoding forward must be one of {MODES}, got {mode!r}")
     if mode == "eager":
         return None
-    why = unsupported_rows(model)
+    why = unsupported_rows(model, within_window)
     if why is not None:
         log.warning("the fast batched decode step does not support this model (%s): using its own forward", why)
         return None
     per = _bodies.setdefault(model, {})
     if mode not in per:
-        per[mode] = FastBatchBody(model, compile=mode == "compile", core=shared_core(model))
+        per[mode] = FastBatchBody(model, compile=mode == "compile", core=shared_core(model),
+                                  within_window=within_window)
     return per[mode]

@@ -108,6 +108,22 @@ def test_batched_decoder_applies_the_windows_and_the_data_engine_refuses_past_th
         gen.run([Job(0, PROMPT, NEW)], lambda *a, **k: None)
 
 
+def test_the_data_engine_runs_gemma3_on_the_fused_step_within_its_window():
+    """Rows never pass the window in the data engine (it refuses them), so its fused batched step (whose kernels
+    attend over every live slot) is exact there: greedy rows equal the model's own tokens. The batched decoder,
+    whose rows may pass the window, keeps the model's forward."""
+    from draftsmith.engine.fast_batch import batch_body
+    tgt = family_target("gemma3")
+    eos = set(tgt.eos_token_ids)
+    prompts = [[1, 5, 6], [1, 9], [1, 7, 8, 9]]  # each with its 4 new tokens within the window of 8
+    got = {}
+    gen = BatchGenerator(tgt.model, eos, max_rows=2, capacity=64, forward="fast")
+    assert gen.forward == "fast" and gen.fast is not None
+    gen.run([Job(i, p, 4) for i, p in enumerate(prompts)], lambda j, toks, fin: got.__setitem__(j.key, toks))
+    assert [got[i] for i in range(3)] == [greedy_reference(tgt.model, p, 4, eos)[0] for p in prompts]
+    assert batch_body(tgt.model, "fast") is None
+
+
 def test_eagle3_takes_and_exports_the_targets_full_attention_rope():
     """The drafter layer's RoPE is the target's full layers' (Gemma 3: the global base, not the sliding layers'
     local one; Llama 3: its scaled frequencies), and the exported config says so: an engine that read another base

@@ -135,7 +135,8 @@ class BatchGenerator:
             raise ValueError(f"unknown decode attention {attention!r}; choose one of {ATTENTION_MODES}")
         self.attention, self.row_attention_gap = attention, int(row_attention_gap)
         self.model, self.body, self.head = model, model.get_decoder(), model.get_output_embeddings()
-        self.fast = batch_body(model, forward)
+        # rows past a sliding window are refused (`run`), so within it the fused step's kernels are exact
+        self.fast = batch_body(model, forward, within_window=True)
         self.forward = forward if self.fast is not None else "eager"
         self.eos = frozenset(int(e) for e in eos_ids)
         self.max_rows, self.capacity = int(max_rows), int(capacity)
