@@ -18,8 +18,11 @@ How the grid is found (ggml's quantisers): for 4 bits, the smallest weight of a 
 block's minimum, and the largest has q = 15, so d is near (max - min) / 15, an fp16 number; the fp16 neighbours
 of that quotient are tried and the first that reproduces the block is kept. For 8 bits, m = 0 and d is near
 max |w| / 127 (Q8_0), max |w| / 16 (Q5_0: q - 16 in -16..15) or max |w| / 8 (Q4_0: q - 8 in -8..7), each tried
-per block: files quantised "Q4_K_M" hold most of their matrices as Q5_0 and Q8_0, which all pack at 8 bits
-(their K-quant tensors, with sub-block scales, do not). A constant block (d = 0) reproduces with q = 0.
+per block: files quantised "Q4_K_M" hold most of their matrices as Q5_0 and Q8_0, which all pack at 8 bits. Their
+K-quant tensors have sub-block scales that are not fp16 numbers (an fp16 number times 6 bits), which this search
+does not find: `from_q4_k` reads Q4_K tensors from the GGUF file instead (`draftsmith.engine.fastpath` does, for
+the target's shipped file), and Q6_K's 16-weight sub-blocks stay float32. A constant block (d = 0) reproduces with
+q = 0.
 
 A zero weight may be stored as -0.0 (ggml's symmetric formats multiply q - 16 = 0 by a negative scale); packed,
 it is +0.0. The two give the same sums: a product with either zero adds nothing to a non-zero accumulator, and an
@@ -30,6 +33,8 @@ outputs stay the float32 kernel's, bit for bit, and the search compares the weig
 from __future__ import annotations
 
 import logging
+
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -46,7 +51,8 @@ _CHUNK = 1 << 20  # blocks derived at a time (float32 temporaries of 128 MB at m
 class Packed(torch.nn.Module):
     """A weight [n, k] as blocks of 32: ``q`` uint8 [n, k/2] (4 bits: byte j of a block holds weight j in its
     low nibble, weight j + 16 in its high one, the GGUF Q4 order) or int8 [n, k] (8 bits); ``d``, ``m`` float32
-    [n, k/32]. A module whose buffers a compiled forward freezes with the other weights."""
+    [n, k/32]. ``bits`` 6 (a Q6_K tensor, `from_q6_k`): int8 [n, k] with ``d``, ``m`` [n, k/16], a scale per 16
+    weights. A module whose buffers a compiled forward freezes with the other weights."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int):
         super().__init__()
@@ -136,6 +142,8 @@ def unpack(p: Packed) -> torch.Tensor:
     if p.bits == 4:
         b = p.q.view(n, -1, 16).long()
         q = torch.cat([b & 0x0F, b >> 4], dim=-1)
+    elif p.bits == 6:  # a scale per 16 weights
+        q = p.q.view(n, -1, 16).long()
     else:
         q = p.q.view(n, -1, BLOCK).long()
     return (p.d.double()[..., None] * q + p.m.double()[..., None]).float().reshape(n, -1)
@@ -221,3 +229,75 @@ def pack_groups(groups: dict[str, list[torch.Tensor]], cache_dir=None) -> dict[s
         path.with_suffix(".json").write_text(json.dumps({"bits": {n: ps[0].bits for n, ps in out.items()}}))
         tmp.rename(path)
     return out
+
+
+# ------------------------------------------------------------------ K-quant blocks, read from the GGUF file
+Q4_K_BYTES = 144  # ggml's block_q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+
+
+def _scale_min_k4(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 sub-blocks' 6-bit scales and mins of Q4_K super-blocks, from their 12 packed bytes [N, 12] (ggml's
+    ``get_scale_min_k4``)."""
+    sc = sc.astype(np.uint8)
+    s, m = np.empty((sc.shape[0], 8), np.uint8), np.empty((sc.shape[0], 8), np.uint8)
+    s[:, :4], m[:, :4] = sc[:, :4] & 63, sc[:, 4:8] & 63
+    s[:, 4:] = (sc[:, 8:12] & 0x0F) | ((sc[:, 0:4] >> 6) << 4)
+    m[:, 4:] = (sc[:, 8:12] >> 4) | ((sc[:, 4:8] >> 6) << 4)
+    return s, m
+
+
+def from_q4_k(raw, n: int, k: int) -> Packed:
+    """A GGUF Q4_K tensor's bytes ([n, k / 256 * 144] uint8, a row of n) as 4-bit blocks of 32: sub-block j of a
+    super-block has scale D = d * sc_j and offset M = -(dmin * m_j), both exact in float32 (an fp16 number times
+    a 6-bit integer), and ggml dequantises each weight as D * q - dmin * m_j, rounded once: ``fma(D, q, M)``, which
+    is what the packed kernel computes. The caller checks the result against the float32 weight it replaces."""
+    if k % 256 or raw.shape != (n, k // 256 * Q4_K_BYTES):
+        raise ValueError(f"from_q4_k: {tuple(raw.shape)} bytes for a [{n}, {k}] Q4_K tensor")
+    b = np.ascontiguousarray(raw).reshape(-1, Q4_K_BYTES)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [S, 1]
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = _scale_min_k4(b[:, 4:16])
+    D = d * sc.astype(np.float32)  # [S, 8], exact
+    M = -(dmin * mn.astype(np.float32))
+    qs = b[:, 16:].reshape(-1, 4, 32)  # four runs of 32 bytes: low nibbles = sub-block 2t, high = 2t + 1
+    q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)  # [S, 8 sub-blocks, 32 weights]
+    packed = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)  # our order: byte j = weight j, weight j + 16
+    return Packed(torch.from_numpy(packed.reshape(n, k // 2).copy()),
+                  torch.from_numpy(np.ascontiguousarray(D.reshape(n, k // 32))),
+                  torch.from_numpy(np.ascontiguousarray(M.reshape(n, k // 32))), 4)
+
+
+def exact_for(p: Packed, w: torch.Tensor) -> bool:
+    """Whether ``p`` holds ``w`` exactly (zeros of either sign alike: the module docstring)."""
+    return p.q.shape[0] == w.shape[0] and torch.equal((unpack(p) + 0.0).view(torch.int32),
+                                                      (w.detach().float() + 0.0).view(torch.int32))
+
+
+Q6_K_BYTES = 210  # ggml's block_q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d
+
+
+def from_q6_k(raw, n: int, k: int) -> Packed:
+    """A GGUF Q6_K tensor's bytes ([n, k / 256 * 210] uint8) as "6-bit" blocks: q = the 6-bit value - 32 (int8),
+    one scale per 16 weights D = d * sc (an fp16 number times an 8-bit integer: exact in float32) and no offset.
+    ggml dequantises each weight as D * q, rounded once: ``fma(D, q, 0)``, what the packed kernel computes (a zero
+    product's sign aside: the module docstring). Weight j of a super-block half h (128 weights) and its group g
+    = j // 32: the low nibble of byte j % 32 (+ 32 for odd g) of the half's 64 (the high nibble for g >= 2), and
+    bits 2g, 2g + 1 of byte j % 32 of its 32 high bytes. The caller checks the result against the float32 weight."""
+    if k % 256 or raw.shape != (n, k // 256 * Q6_K_BYTES):
+        raise ValueError(f"from_q6_k: {tuple(raw.shape)} bytes for a [{n}, {k}] Q6_K tensor")
+    b = np.ascontiguousarray(raw).reshape(-1, Q6_K_BYTES)
+    s = b.shape[0]
+    ql = b[:, :128].reshape(s, 2, 64)
+    qh = b[:, 128:192].reshape(s, 2, 32)
+    sc = b[:, 192:208].copy().view(np.int8).astype(np.float32)  # [S, 16]
+    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)  # [S, 1]
+    lo = np.concatenate([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=2)
+    hi = np.concatenate([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, (qh >> 6) & 3], axis=2)
+    q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+    D = (d * sc).reshape(n, k // 16)
+    return Packed(torch.from_numpy(q.copy()), torch.from_numpy(np.ascontiguousarray(D)),
+                  torch.zeros(n, k // 16, dtype=torch.float32), 6)
+
+
+#: the GGUF K-quant types read from the file, by ggml's name
+K_QUANT_READERS = {"Q4_K": from_q4_k, "Q6_K": from_q6_k}

@@ -46,6 +46,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
@@ -56,6 +57,7 @@ from draftsmith.engine.kvcache import KVCache
 from draftsmith.engine.native import (block_for, contiguous_slots, decode_linear, native_for, ragged_block_attention,
                                      ragged_decode_attention, ragged_prefill_attention, rows_linear_dtypes)
 from draftsmith.recipe import default_forward
+from draftsmith.targets import shipped_gguf
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +215,7 @@ class _Core(torch.nn.Module):
                 self.down.append(m.down_proj.weight)
         self.inter = int(self.gate_up[0].shape[0] // 2)
         self.packed = torch.nn.ModuleDict()  # exact low-bit copies of the weights (`pack_weights`), by group
+        self.source = str(getattr(cfg, "_name_or_path", "") or "")  # the model's directory: its shipped GGUF
         # one query over a contiguous cache row: the native decode attention kernel (None where it does not apply)
         self.attend_one = native_for(self.norm_w.dtype, self.norm_w.device, self.head_dim)
         # a block of queries (a chain or tree to verify): the same kernel with the block's mask (None: SDPA)
@@ -238,6 +241,8 @@ class _Core(torch.nn.Module):
         """``x @ w.T (+ b)``; ``group``, ``i``: which weight it is (``"qkv"``, ``"o"``, ``"gate_up"``, ``"down"``
         with the layer, or ``"head"``), for its exact 4-bit or 8-bit copy where `pack_weights` made one."""
         pk = self.packed[group][i] if group is not None and group in self.packed else None
+        if pk is not None and not pk.bits:  # a weight of a partly packed group that stays float32
+            pk = None
         return decode_linear(x, w, b, native=self.rows_native, packed=pk)
 
     def weight_groups(self) -> dict[str, list[torch.Tensor]]:
@@ -249,8 +254,10 @@ class _Core(torch.nn.Module):
         """Find the weights that are exactly 4-bit or 8-bit blocks (a target dequantised from a GGUF file's Q4_1
         and Q8_0 tensors: `draftsmith.engine.blockquant`) and keep packed copies, which decoding steps of up to
         `ROWS_LINEAR_MAX` float32 rows multiply by instead, with the same bits. A group (every layer's qkv, say)
-        is packed only if all of its weights are exact; the rest stay float32. ``DRAFTSMITH_PACKED=0`` turns it
-        off. Returns what was packed, for reports."""
+        is packed from its float32 values only if all of its weights are exact; the down and output projections
+        that the target's shipped GGUF file stores as Q4_K or Q6_K are then read from it, weight by weight
+        (`_k_quant_packs`). The rest stay float32. ``DRAFTSMITH_PACKED=0`` turns it off. Returns what was packed,
+        for reports."""
         if (not self.rows_native or self.norm_w.dtype != torch.float32
                 or os.environ.get("DRAFTSMITH_PACKED", "1") == "0"):
             return {}
@@ -260,21 +267,66 @@ class _Core(torch.nn.Module):
         groups = self.weight_groups()
         packs = blockquant.pack_groups({k: [w.detach() for w in ws] for k, ws in groups.items()},
                                        cache_dir=paths.home() / "packed")
-        got: dict = {}
+        packs.update(self._k_quant_packs(groups, packs))
         for name, ps in packs.items():
             self.packed[name] = torch.nn.ModuleList(ps)
-            got[name] = ps[0].bits
+        got = self.packed_bits()
         if got:
             fp32 = sum(w.numel() * 4 for name in got for w in groups[name])
-            now = sum(p.nbytes for name in got for p in self.packed[name])
+            now = sum(p.nbytes if p.bits else w.numel() * 4 for name in got
+                      for p, w in zip(self.packed[name], groups[name]))
             log.info("packed the target's exact low-bit weights (%s) for decoding: %.0f MB read a step instead of "
                      "%.0f MB, in %.1f s", ", ".join(f"{k} {v}-bit" for k, v in got.items()), now / 1e6, fp32 / 1e6,
                      time.perf_counter() - t0)
         return got
 
+    def _k_quant_packs(self, groups: dict[str, list[torch.Tensor]], done: dict) -> dict[str, list]:
+        """Per weight, from the GGUF file the target ships as: the down and output projections stored as Q4_K or
+        Q6_K (`blockquant.K_QUANT_READERS`), whose sub-block scales (an fp16 number times a 6-bit or 8-bit
+        integer) the search from float32 values does not find. Each is checked against the float32 weight it
+        replaces (`blockquant.exact_for`); a group's other weights stay float32 (a placeholder of 0 bits). Empty
+        when the target ships no GGUF file or none of those tensors is a K-quant. ``DRAFTSMITH_PACKED_K=0`` turns
+        it off (for a side-by-side measurement)."""
+        if os.environ.get("DRAFTSMITH_PACKED_K", "1") == "0":
+            return {}
+        todo = {"down": "blk.{}.ffn_down.weight", "o": "blk.{}.attn_output.weight"}
+        todo = {g: f for g, f in todo.items() if g in groups and g not in done}
+        found = shipped_gguf("", self.source) if todo and self.source else None
+        if found is None:
+            return {}
+        try:
+            from gguf import GGUFReader
+            tensors = {t.name: t for t in GGUFReader(str(found[0])).tensors}
+        except Exception as e:  # noqa: BLE001 (an unreadable file packs nothing; decoding stays float32)
+            log.warning("not reading %s for its K-quant tensors: %s", found[0], e)
+            return {}
+        out = {}
+        for group, fmt in todo.items():
+            ps = []
+            for i, w in enumerate(groups[group]):
+                t = tensors.get(fmt.format(i))
+                read = blockquant.K_QUANT_READERS.get(t.tensor_type.name) if t is not None else None
+                p = None
+                if read is not None:
+                    try:
+                        p = read(np.asarray(t.data), w.shape[0], w.shape[1])
+                    except ValueError:
+                        p = None
+                    if p is not None and not blockquant.exact_for(p, w):
+                        log.warning("%s in %s does not give the target's float32 weight: left float32",
+                                    t.name, found[0])
+                        p = None
+                ps.append(p if p is not None else blockquant.Packed(
+                    torch.zeros(0, dtype=torch.uint8), torch.zeros(0), torch.zeros(0), 0))
+            if any(p.bits for p in ps):
+                out[group] = ps
+        return out
+
     def packed_bits(self) -> dict[str, int]:
-        """The weight groups `pack_weights` packed, with their bit widths (empty: none)."""
-        return {name: ps[0].bits for name, ps in self.packed.items()}
+        """The weight groups `pack_weights` packed, with their bit widths (empty: none); a group of which only some
+        weights are packed (the rest float32), or packed at several widths (Q4_K and Q6_K down projections),
+        counts as packed at the widest."""
+        return {name: max(p.bits for p in ps) for name, ps in self.packed.items()}
 
     # the computation -------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -456,7 +508,7 @@ class FastBody(torch.nn.Module):
         total = sum(p.numel() * p.element_size() for p in [*c.ln1, *c.ln2, c.norm_w])
         for name, ws in c.weight_groups().items():
             if name in c.packed:
-                total += sum(p.nbytes for p in c.packed[name])
+                total += sum(p.nbytes if p.bits else w.numel() * w.element_size() for p, w in zip(c.packed[name], ws))
             else:
                 total += sum(w.numel() * w.element_size() for w in ws)
         return total

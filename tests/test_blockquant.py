@@ -5,6 +5,7 @@ bit) and nothing else is; the packed kernel gives the float32 kernel's bits for 
 forward over packed weights gives the float32 forward's logits bit for bit, and the decoder over it stays
 lossless (exact enumeration) and equal to plain decoding (greedy)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,7 +104,7 @@ def test_the_packed_kernel_names_bad_shapes():
     p = blockquant.pack(w, 4)
     with pytest.raises(RuntimeError, match="64 inputs|inputs against packed"):
         torch.ops.draftsmith_native.rows_linear_q(torch.randn(1, 96), p.q, p.d, p.m, 4, None)
-    with pytest.raises(RuntimeError, match="4 or 8 bits"):
+    with pytest.raises(RuntimeError, match="4, 6 or 8 bits"):
         torch.ops.draftsmith_native.rows_linear_q(torch.randn(1, 64), p.q, p.d, p.m, 5, None)
     with pytest.raises(RuntimeError, match="float32 inputs"):
         torch.ops.draftsmith_native.rows_linear_q(torch.randn(1, 64).double(), p.q, p.d, p.m, 4, None)
@@ -187,3 +188,106 @@ def test_decoding_over_packed_weights_is_lossless():
     plain = SpeculativeDecoder(big).generate(prompt, 40).tokens
     spec = SpeculativeDecoder(big, random_medusa(big)).generate(prompt, 40).tokens
     assert list(spec) == list(plain) and len(plain) > 20
+
+
+def _q4_k_bytes(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_K super-blocks ([n, k / 256 * 144] uint8): fp16 d and dmin, 12 bytes of 6-bit scales and mins,
+    128 bytes of nibbles (ggml's block_q4_K)."""
+    rng = np.random.default_rng(seed)
+    s = n * k // 256
+    b = np.zeros((s, blockquant.Q4_K_BYTES), np.uint8)
+    b[:, 0:2] = (rng.uniform(1e-4, 2e-3, s).astype(np.float16).view(np.uint8).reshape(s, 2))
+    b[:, 2:4] = (rng.uniform(1e-4, 2e-3, s).astype(np.float16).view(np.uint8).reshape(s, 2))
+    b[:, 4:] = rng.integers(0, 256, (s, 140), dtype=np.uint8)
+    return b.reshape(n, -1)
+
+
+def test_q4_k_tensors_read_from_their_bytes_are_ggufs_own_dequantisation():
+    """`from_q4_k` turns a GGUF Q4_K tensor's bytes into 4-bit blocks of 32 whose fma(D, q, M) is, bit for bit, what
+    the gguf package's own dequantiser gives (the float32 weights a target converted from the file holds), and the
+    packed kernel multiplies by them with the float32 kernel's bits."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    n, k = 24, 512
+    raw = _q4_k_bytes(n, k)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float32)).reshape(n, k)
+    p = blockquant.from_q4_k(raw, n, k)
+    assert p.bits == 4 and p.q.shape == (n, k // 2) and p.d.shape == (n, k // 32)
+    assert blockquant.exact_for(p, want)
+    assert not blockquant.exact_for(p, want * 1.0001)
+    with pytest.raises(ValueError, match="Q4_K"):
+        blockquant.from_q4_k(raw[:, :-1], n, k)
+    if rows_linear_on():
+        x = torch.randn(3, k)
+        assert torch.equal(_bits(torch.ops.draftsmith_native.rows_linear_q(x, p.q, p.d, p.m, 4, None)),
+                           _bits(torch.ops.draftsmith_native.rows_linear(x, want.contiguous(), None)))
+
+
+def _q6_k_bytes(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random Q6_K super-blocks ([n, k / 256 * 210] uint8): 192 bytes of 6-bit values, 16 int8 scales, fp16 d of
+    either sign (ggml's block_q6_K)."""
+    rng = np.random.default_rng(seed)
+    s = n * k // 256
+    b = rng.integers(0, 256, (s, blockquant.Q6_K_BYTES), dtype=np.uint8)
+    d = rng.uniform(1e-4, 2e-3, s) * rng.choice([-1.0, 1.0], s)
+    b[:, 208:210] = d.astype(np.float16).view(np.uint8).reshape(s, 2)
+    return b.reshape(n, -1)
+
+
+def test_q6_k_tensors_read_from_their_bytes_are_ggufs_own_dequantisation():
+    """`from_q6_k` turns a GGUF Q6_K tensor's bytes into int8 weights with a scale per 16 whose products are, bit for
+    bit (zeros of either sign alike), the gguf package's own dequantisation, and the packed kernel's 6-bit mode
+    multiplies by them with the float32 kernel's bits, for 1 to 16 rows."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    n, k = 40, 768
+    raw = _q6_k_bytes(n, k)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q6_K).astype(np.float32)).reshape(n, k)
+    p = blockquant.from_q6_k(raw, n, k)
+    assert p.bits == 6 and p.q.shape == (n, k) and p.d.shape == (n, k // 16)
+    assert int(p.q.min()) == -32 and int(p.q.max()) == 31
+    assert blockquant.exact_for(p, want)
+    assert not blockquant.exact_for(p, want.roll(1, dims=1))  # the weights' order matters
+    with pytest.raises(ValueError, match="Q6_K"):
+        blockquant.from_q6_k(raw[:, :-1], n, k)
+    if rows_linear_on():
+        for rows in (1, 3, 8, 16):
+            x = torch.randn(rows, k)
+            assert torch.equal(_bits(torch.ops.draftsmith_native.rows_linear_q(x, p.q, p.d, p.m, 6, None)),
+                               _bits(torch.ops.draftsmith_native.rows_linear(x, want.contiguous(), None))), rows
+
+
+@native
+def test_a_group_packed_in_part_keeps_its_other_weights_in_float32(monkeypatch):
+    """A group whose weights are packed only in part (Q4_K down projections beside Q6_K ones, in the named
+    targets' files): the packed ones are multiplied from their blocks, the others from float32, and the forward is
+    still the float32 forward's, bit for bit."""
+    from draftsmith.engine import fastpath
+    from draftsmith.engine.fastpath import FastBody
+    from draftsmith.engine.kvcache import KVCache
+    tgt = _packed_tiny()
+    with torch.no_grad():  # layer 1's down projection off the grid: the group does not pack from float32 values
+        w = tgt.model.model.layers[1].mlp.down_proj.weight
+        w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) * 1e-3)
+
+    def from_file(self, groups, done):  # as if the file held layer 0's down projection as Q4_K
+        assert "down" in groups and "down" not in done
+        keep = blockquant.pack(groups["down"][0], 4)
+        return {"down": [keep, blockquant.Packed(torch.zeros(0, dtype=torch.uint8), torch.zeros(0), torch.zeros(0),
+                                                 0)]}
+
+    monkeypatch.setattr(fastpath._Core, "_k_quant_packs", from_file)
+    packed = FastBody(tgt.model, compile=False)
+    plain = FastBody(tgt.model, compile=False, pack=False)
+    assert packed.packed["down"] == 4 and packed.packed["qkv"] == 4
+    assert plain.step_bytes() > packed.step_bytes() > plain.step_bytes() - sum(
+        p.numel() * 4 for p in tgt.model.parameters() if p.dim() == 2)
+    outs = []
+    for fast in (packed, plain):
+        c = KVCache.for_model(tgt.model, 64)
+        c.set_write(0)
+        with torch.no_grad():
+            fast(input_ids=torch.arange(3, 23)[None], cache=c)
+            c.set_write(20)
+            outs.append(fast(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[20]]), cache=c).logits)
+    assert torch.equal(_bits(outs[0]), _bits(outs[1]))

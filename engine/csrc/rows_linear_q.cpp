@@ -13,7 +13,9 @@
 //
 // Layout, per row of k weights (k a multiple of 32), per block of 32: 4-bit: 16 bytes, byte j holding weight j
 // in its low nibble and weight j + 16 in its high nibble (the GGUF Q4 order); 8-bit: 32 bytes, one a weight.
-// d and m: [n, k / 32] float32.
+// d and m: [n, k / 32] float32. "6-bit" (a GGUF file's Q6_K: q in -32..31 with a scale per 16 weights, an fp16
+// number times an 8-bit integer, no offset): 8-bit storage, d and m [n, k / 16], m zero (fma(d, q, +0) rounds
+// d * q once, as ggml's dequantisation does).
 //
 // Registered as draftsmith_native::rows_linear_q, built with the other kernels by draftsmith.engine.native.
 
@@ -46,10 +48,35 @@ const __m512 kIota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13
 constexpr int RMAX = 4;
 #endif
 
-// The block's 32 weights as NV float32 vectors, in element order: w[v] holds weights v * VL .. v * VL + VL - 1.
+// stored bits a weight, and scales (and offsets) a block of 32
 template <int BITS>
-inline void widen_block(const uint8_t* p, float d, float m, fVec* w) {
-  const fVec D(d), M(m);
+constexpr int stored_bits() { return BITS == 6 ? 8 : BITS; }
+template <int BITS>
+constexpr int64_t scales_per_block() { return BITS == 6 ? 2 : 1; }
+
+// The block's 32 weights as NV float32 vectors, in element order: w[v] holds weights v * VL .. v * VL + VL - 1.
+// d, m: the block's scales and offsets (one each; two for BITS 6, one per 16 weights).
+template <int BITS>
+inline void widen_block(const uint8_t* p, const float* d, const float* m, fVec* w) {
+  if constexpr (BITS == 6) {
+    const int8_t* s = reinterpret_cast<const int8_t*>(p);
+    for (int v = 0; v < NV; ++v) {  // vector v holds weights v * VL .. v * VL + VL - 1: sub-block v * VL / 16
+      const int sub = static_cast<int>(v * VL / 16);
+#if defined(CPU_CAPABILITY_AVX512)
+      const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + VL * v)));
+      w[v] = at::vec::fmadd(fVec(d[sub]), fVec(_mm512_cvtepi32_ps(b)), fVec(m[sub]));
+#elif defined(CPU_CAPABILITY_AVX2)
+      const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + VL * v)));
+      w[v] = at::vec::fmadd(fVec(d[sub]), fVec(_mm256_cvtepi32_ps(b)), fVec(m[sub]));
+#else
+      float q[VL];
+      for (int j = 0; j < VL; ++j) q[j] = static_cast<float>(s[v * VL + j]);
+      w[v] = at::vec::fmadd(fVec(d[sub]), fVec::loadu(q), fVec(m[sub]));
+#endif
+    }
+    return;
+  } else {
+  const fVec D(*d), M(*m);
 #if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
   if constexpr (BITS == 4) {
     // bytes 0..7 hold weights 0..7 (low nibbles) and 16..23 (high); bytes 8..15: 8..15 and 24..31
@@ -71,7 +98,7 @@ inline void widen_block(const uint8_t* p, float d, float m, fVec* w) {
   if constexpr (BITS == 4) {
     // the block's 16 possible weights fma(d, q, m), q = 0..15, are one vector; each weight is looked up in it by
     // its nibble (the same numbers the widening below gives: one fused multiply-add each, exact products)
-    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(d), kIota, _mm512_set1_ps(m));
+    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(*d), kIota, _mm512_set1_ps(*m));
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     w[0] = fVec(_mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)), table));
     w[1] = fVec(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table));
@@ -91,6 +118,7 @@ inline void widen_block(const uint8_t* p, float d, float m, fVec* w) {
   for (int j = 0; j < QB && BITS == 8; ++j) q[j] = static_cast<float>(reinterpret_cast<const int8_t*>(p)[j]);
   for (int v = 0; v < NV; ++v) w[v] = at::vec::fmadd(D, fVec::loadu(q + v * VL), M);
 #endif
+  }
 }
 
 // Output column j for R input rows (R <= RMAX), the chain of rows_linear.cpp's `dots` for k a multiple of 32: two
@@ -99,10 +127,10 @@ template <int BITS, int R>
 inline void qdots(const uint8_t* q, const float* d, const float* m, const float* const* x, int64_t k, float* out) {
   fVec a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = fVec(0.f);
-  constexpr int64_t bytes = QB * BITS / 8;
+  constexpr int64_t bytes = QB * stored_bits<BITS>() / 8, S = scales_per_block<BITS>();
   fVec w[NV];
   for (int64_t b = 0, i = 0; i < k; ++b, i += QB) {
-    widen_block<BITS>(q + b * bytes, d[b], m[b], w);
+    widen_block<BITS>(q + b * bytes, d + b * S, m + b * S, w);
     for (int v = 0; v < NV; v += 2) {
       for (int r = 0; r < R; ++r) {
         a0[r] = at::vec::fmadd(w[v], fVec::loadu(x[r] + i + v * VL), a0[r]);
@@ -117,7 +145,7 @@ inline void qdots(const uint8_t* q, const float* d, const float* m, const float*
 template <int BITS>
 void qrows_kernel(const float* X, const uint8_t* Q, const float* Dm, const float* Mm, const float* B, float* O,
                   int64_t m, int64_t k, int64_t n) {
-  const int64_t nb = k / QB, row_bytes = k * BITS / 8;
+  const int64_t nb = k / QB * scales_per_block<BITS>(), row_bytes = k * stored_bits<BITS>() / 8;
   // threads split the weight rows, each walking its own in blocks of about 64 KB (rows_linear.cpp's order)
   const int64_t block = std::max<int64_t>(1, 65536 / (row_bytes + 8 * nb));
   at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
@@ -153,16 +181,16 @@ void qrows_kernel(const float* X, const uint8_t* Q, const float* Dm, const float
 
 at::Tensor rows_linear_q(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
                          int64_t bits, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(bits == 4 || bits == 8, "rows_linear_q: 4 or 8 bits, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "rows_linear_q: 4, 6 or 8 bits, got ", bits);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "rows_linear_q: float32 inputs, got ", x.scalar_type());
   TORCH_CHECK(q.scalar_type() == (bits == 4 ? at::kByte : at::kChar) && q.dim() == 2,
               "rows_linear_q: ", bits, "-bit weights as a 2-d ", bits == 4 ? "uint8" : "int8", " tensor");
-  const int64_t k = x.size(-1), n = q.size(0);
-  TORCH_CHECK(k % QB == 0 && q.size(1) * 8 == k * bits, "rows_linear_q: ", k, " inputs against packed weights ",
+  const int64_t k = x.size(-1), n = q.size(0), stored = bits == 6 ? 8 : bits, per = bits == 6 ? 16 : QB;
+  TORCH_CHECK(k % QB == 0 && q.size(1) * 8 == k * stored, "rows_linear_q: ", k, " inputs against packed weights ",
               q.sizes(), " of ", bits, " bits (k a multiple of ", QB, ")");
-  TORCH_CHECK(d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat && d.numel() == n * (k / QB) &&
+  TORCH_CHECK(d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat && d.numel() == n * (k / per) &&
                   m.numel() == d.numel(),
-              "rows_linear_q: float32 scales and offsets, ", n, " x ", k / QB);
+              "rows_linear_q: float32 scales and offsets, ", n, " x ", k / per);
   auto xc = x.reshape({-1, k}).contiguous();
   auto qc = q.contiguous(), dc = d.contiguous(), mc = m.contiguous();
   at::Tensor bc;
@@ -178,6 +206,9 @@ at::Tensor rows_linear_q(const at::Tensor& x, const at::Tensor& q, const at::Ten
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   if (bits == 4)
     qrows_kernel<4>(xc.data_ptr<float>(), qp, dc.data_ptr<float>(), mc.data_ptr<float>(), bp, out.data_ptr<float>(),
+                    rows, k, n);
+  else if (bits == 6)
+    qrows_kernel<6>(xc.data_ptr<float>(), qp, dc.data_ptr<float>(), mc.data_ptr<float>(), bp, out.data_ptr<float>(),
                     rows, k, n);
   else
     qrows_kernel<8>(xc.data_ptr<float>(), qp, dc.data_ptr<float>(), mc.data_ptr<float>(), bp, out.data_ptr<float>(),
