@@ -33,9 +33,15 @@ eagerly. Only the order of floating-point accumulation differs from the Hugging 
 between a 1-row and an 8-row forward of the same model); tests/test_fastpath.py compares the two, and
 every losslessness test of the decoder runs through this path too.
 
-Supported: ``model_type`` llama, mistral (no sliding window) and qwen2 with SiLU MLPs and the default,
-linear, dynamic or llama3 RoPE (computed by the model's own rotary module). `unsupported` names the reason
-for any other model, and the decoder then keeps the Hugging Face forward.
+Supported: ``model_type`` llama, mistral (no sliding window), qwen2 and qwen3 (no sliding window) with SiLU MLPs
+and the default, linear, dynamic or llama3 RoPE (computed by the model's own rotary module), and gemma3_text (Gemma
+3: norms scaling by 1 + weight, sandwich norms, the tanh GELU, its score scale, a RoPE per layer type, no logit
+soft-capping). Gemma 3's sliding layers attend as full ones do while the live slots fit the window (every query is
+then less than a window past every key); past it, a call attends by masked SDPA with the sliding layers' own mask
+(the decoder's per-layer-type masks, or the window applied to a causal step), compiled like any masked call, and the
+native attention kernels sit out. The batched step (`fast_batch`) takes a windowed target only for a caller that
+keeps every row within the window (the data engine). `unsupported` names the reason for any other model, and the
+decoder then keeps the Hugging Face forward.
 """
 
 from __future__ import annotations
