@@ -19,10 +19,10 @@ block's minimum, and the largest has q = 15, so d is near (max - min) / 15, an f
 of that quotient are tried and the first that reproduces the block is kept. For 8 bits, m = 0 and d is near
 max |w| / 127 (Q8_0), max |w| / 16 (Q5_0: q - 16 in -16..15) or max |w| / 8 (Q4_0: q - 8 in -8..7), each tried
 per block: files quantised "Q4_K_M" hold most of their matrices as Q5_0 and Q8_0, which all pack at 8 bits. Their
-K-quant tensors have sub-block scales that are not fp16 numbers (an fp16 number times 6 bits), which this search
-does not find: `from_q4_k` reads Q4_K tensors from the GGUF file instead (`draftsmith.engine.fastpath` does, for
-the target's shipped file), and Q6_K's 16-weight sub-blocks stay float32. A constant block (d = 0) reproduces with
-q = 0.
+K-quant tensors have sub-block scales that are not fp16 numbers (an fp16 number times a 6- or 8-bit integer), which
+this search does not find: `from_q4_k` and `from_q6_k` read Q4_K and Q6_K tensors from the GGUF file instead
+(`draftsmith.engine.fastpath` does, for the target's shipped file): Q4_K as 4-bit blocks of 32, Q6_K as int8
+weights with a scale per 16 (the kernel's "6-bit" mode). A constant block (d = 0) reproduces with q = 0.
 
 A zero weight may be stored as -0.0 (ggml's symmetric formats multiply q - 16 = 0 by a negative scale); packed,
 it is +0.0. The two give the same sums: a product with either zero adds nothing to a non-zero accumulator, and an
