@@ -5,7 +5,8 @@ PYTHONPATH, so the reader and writer know every architecture and tensor type tha
     python gguf_tool.py add-meta IN OUT KV   -> OUT: IN with the string keys of the JSON file KV added
 
 ``info`` gives the architecture, the scalar keys (arrays by length, except short integer arrays), the token
-list's length and SHA-256, and each tensor's name, type and shape. ``export/llamacpp.py`` runs it.
+list's length and SHA-256 (as written, and with SentencePiece's space marker read as a space), and each
+tensor's name, type and shape. ``export/llamacpp.py`` runs it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def info(path: str) -> dict:
 
     r = gguf.GGUFReader(path)
     kv: dict = {}
-    tokens_sha, n_tokens = None, None
+    tokens_sha, norm_sha, n_tokens = None, None, None
     for f in r.fields.values():
         if f.name.startswith("GGUF."):
             continue
@@ -30,6 +31,9 @@ def info(path: str) -> dict:
                 toks = f.contents()
                 n_tokens = len(toks)
                 tokens_sha = hashlib.sha256("\n".join(toks).encode()).hexdigest()
+                # the same ids spelled alike: SentencePiece's space marker as a space (a file converted from a
+                # tokenizer.json spells the whitespace tokens an SPM file holds as spaces with it)
+                norm_sha = hashlib.sha256("\n".join(t.replace("\u2581", " ") for t in toks).encode()).hexdigest()
                 continue
             n = len(f.data)
             if n <= 64 and f.types[-1] != gguf.GGUFValueType.STRING:
@@ -42,7 +46,8 @@ def info(path: str) -> dict:
     tensors = [{"name": t.name, "type": t.tensor_type.name, "shape": [int(x) for x in t.shape],
                 "bytes": int(t.n_bytes)} for t in r.tensors]
     return {"path": path, "architecture": kv.get("general.architecture"), "kv": kv, "n_tokens": n_tokens,
-            "tokens_sha256": tokens_sha, "tensors": tensors, "tensor_bytes": sum(t["bytes"] for t in tensors)}
+            "tokens_sha256": tokens_sha, "tokens_spelled_sha256": norm_sha, "tensors": tensors,
+            "tensor_bytes": sum(t["bytes"] for t in tensors)}
 
 
 def add_meta(src: str, dst: str, kv_file: str) -> None:

@@ -90,6 +90,18 @@ def test_a_drafter_for_another_target_is_refused_naming_the_mismatch(draft, targ
         check_pair(draft, target)
 
 
+def test_the_same_ids_spelled_with_the_space_marker_are_one_vocabulary():
+    """A drafter file llama.cpp's converter wrote from our converted directory spells SentencePiece's whitespace
+    tokens with its space marker; the file the target ships as has spaces. Same ids, same count: it drafts for it.
+    Spelled otherwise too, or another count, it does not."""
+    d = {**info(tokens="b" * 64), "tokens_spelled_sha256": "s" * 64}
+    check_pair(d, {**info(), "tokens_spelled_sha256": "s" * 64})
+    with pytest.raises(LlamaCppError, match="vocabulary"):
+        check_pair(d, {**info(), "tokens_spelled_sha256": "t" * 64})
+    with pytest.raises(LlamaCppError, match="vocabulary"):
+        check_pair(d, {**info(n_tokens=99), "tokens_spelled_sha256": "s" * 64})
+
+
 def test_a_matching_pair_passes_and_the_expected_fingerprint_counts():
     d = info("eagle3", kv={"eagle3.target_hidden_size": 96, "eagle3.extract_layers": [1, 2, 3],
                            "draftsmith.target_fingerprint": "sha256:aaa"})
