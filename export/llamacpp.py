@@ -363,15 +363,45 @@ def shipped_fingerprint() -> str:
     return load_target(DEFAULT_TARGET).fingerprint
 
 
+#: llama.cpp's speculative types whose drafter reads the target's layer states
+STATE_READING = ("draft-eagle3", "draft-dflash")
+
+
+def state_reading_archs(ll: LlamaCpp) -> set[str] | None:
+    """The target architectures whose graph in this llama.cpp records its layers' inputs (``t_layer_inp``), which
+    EAGLE-3 and DFlash drafters read: its ``src/models/ARCH.cpp`` files that set them. None if the source is not
+    there to read."""
+    models = ll.src / "src" / "models"
+    if not models.is_dir():
+        return None
+    return {f.stem for f in models.glob("*.cpp") if "t_layer_inp" in f.read_text(errors="replace")}
+
+
+def check_state_reading(ll: LlamaCpp, target: dict, spec_type: str) -> None:
+    """Refuse, before llama.cpp aborts on it, a drafter that reads the target's states against a target whose
+    architecture's graph in this build does not record them (llama-cpp-python 0.3.36: gemma3 and qwen2, among
+    others; llama and qwen3 do)."""
+    archs = state_reading_archs(ll)
+    arch = target.get("architecture")
+    if spec_type not in STATE_READING or archs is None or not arch:
+        return
+    if (ll.src / "src" / "models" / f"{arch}.cpp").exists() and arch not in archs:
+        raise LlamaCppError(
+            f"llama.cpp {ll.version} cannot run {spec_type} for a {arch} target: its {arch} graph does not record "
+            f"the layer inputs a drafter reading the target's states needs (those that do here: "
+            f"{', '.join(sorted(archs))})")
+
+
 def reload_check(ll: LlamaCpp, draft: Path, target_file: Path, spec_type: str, threads: int = 2,
                  n: int = 32) -> dict:
     """llama.cpp loads the drafter with the target file and drafts with it: counters of one short greedy run.
-    The pair is checked first (`check_pair`); a target file we wrote carries its fingerprint, the shipped one
-    holds the default target."""
+    The pair is checked first (`check_pair`, `check_state_reading`); a target file we wrote carries its
+    fingerprint, the shipped one holds the default target."""
     di, ti = gguf_info(draft, ll), gguf_info(target_file, ll)
     shipped = shipped_gguf()
     fp = shipped_fingerprint() if shipped.exists() and Path(target_file).resolve() == shipped.resolve() else None
     check_pair(di, ti, fp)
+    check_state_reading(ll, ti, spec_type)
     text = _run([ll.bin("llama-speculative-simple"), "-m", target_file, "-md", draft, "--spec-type", spec_type,
                  "--spec-draft-n-max", 3, "-p", "Write a short poem about the sea.", "-n", n, "--temp", 0,
                  "-t", threads, "-c", 512], f"llama.cpp reloading {draft.name}", timeout=600)
@@ -381,5 +411,5 @@ def reload_check(ll: LlamaCpp, draft: Path, target_file: Path, spec_type: str, t
     return got
 
 
-__all__ = ["GGUF_TYPES", "LlamaCpp", "LlamaCppError", "check_pair", "export_gguf", "find_llamacpp", "gguf_info",
-           "have_llamacpp", "shipped_gguf", "target_gguf"]
+__all__ = ["GGUF_TYPES", "LlamaCpp", "LlamaCppError", "check_pair", "check_state_reading", "export_gguf",
+           "find_llamacpp", "gguf_info", "have_llamacpp", "shipped_gguf", "target_gguf"]

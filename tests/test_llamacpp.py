@@ -249,3 +249,21 @@ def test_llamacpp_plain_joins_a_bench_report_and_its_plots(tiny_gguf_target, tmp
     assert "llama.cpp plain (f32)" in table(figs)
     write_report(tmp_path, {"greedy": figs}, {"prompts": 3, "max_new_tokens": 12}, "cmd", {})
     assert (tmp_path / "report.json").exists()
+
+
+def test_a_state_reading_drafter_for_an_architecture_whose_graph_keeps_no_layer_inputs_is_refused(tmp_path):
+    """llama.cpp aborts (GGML_ASSERT "layer input tensor is null") when an EAGLE-3 or DFlash drafter drafts for a
+    target whose graph does not record its layers' inputs (llama-cpp-python 0.3.36: gemma3, qwen2): refused first,
+    naming the architecture; a draft model that reads no states, or an architecture whose source is not there,
+    is let through."""
+    models = tmp_path / "src" / "src" / "models"
+    models.mkdir(parents=True)
+    (models / "llama.cpp").write_text("res->t_layer_inp[il] = inpL;")
+    (models / "gemma3.cpp").write_text("cur = build_norm(cur);")
+    ll = lc.LlamaCpp(home=tmp_path, stamp={"sdist": "test"})
+    assert lc.state_reading_archs(ll) == {"llama"}
+    lc.check_state_reading(ll, info(), "draft-eagle3")
+    with pytest.raises(LlamaCppError, match="cannot run draft-dflash for a gemma3 target.*those that do here: llama"):
+        lc.check_state_reading(ll, info("gemma3"), "draft-dflash")
+    lc.check_state_reading(ll, info("gemma3"), "draft-simple")
+    lc.check_state_reading(ll, info("mamba"), "draft-eagle3")
