@@ -245,7 +245,7 @@ class _Core(torch.nn.Module):
     def lin(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, group: str | None = None,
             i: int = 0) -> torch.Tensor:
         """``x @ w.T (+ b)``; ``group``, ``i``: which weight it is (``"qkv"``, ``"o"``, ``"gate_up"``, ``"down"``
-        with the layer, or ``"head"``), for its exact 4-bit or 8-bit copy where `pack_weights` made one."""
+        with the layer, or ``"head"``), for its exact packed copy (4, 6 or 8 bits) where `pack_weights` made one."""
         pk = self.packed[group][i] if group is not None and group in self.packed else None
         if pk is not None and not pk.bits:  # a weight of a partly packed group that stays float32
             pk = None
