@@ -253,6 +253,14 @@ def check_pair(draft: dict, target: dict, expected_fingerprint: str | None = Non
             and not same_spelled):
         problems.append(f"vocabulary: {draft['n_tokens']} tokens (hash {draft['tokens_sha256'][:12]}) against "
                         f"{target['n_tokens']} (hash {target['tokens_sha256'][:12]})")
+    # llama.cpp drafts only between files of one vocabulary type ("draft model vocab type must match target
+    # model"): our converted directory's tokenizer.json becomes a BPE vocabulary in its converter, where a file a
+    # target ships as may hold SentencePiece's (Gemma 3's)
+    v_d, v_t = draft["kv"].get("tokenizer.ggml.model"), target["kv"].get("tokenizer.ggml.model")
+    if v_d and v_t and v_d != v_t:
+        problems.append(f"vocabulary type: the drafter's file holds a {v_d!r} vocabulary, the target's a {v_t!r} one, "
+                        "and llama.cpp drafts only between files of one type; reload it against the target converted "
+                        "from the same directory (leave --target-gguf out)")
     ta = target["architecture"]
     t_embd = target["kv"].get(f"{ta}.embedding_length")
     t_layers = target["kv"].get(f"{ta}.block_count")

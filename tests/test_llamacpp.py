@@ -84,6 +84,8 @@ def test_unknown_gguf_type_is_refused():
      r"layer count: the drafter reads target layers \[1, 2, 5\], the target has 4"),
     (info(kv={"draftsmith.target_fingerprint": "sha256:aaa"}), info(kv={"draftsmith.target_fingerprint": "sha256:bbb"}),
      "fingerprint: the drafter was trained for sha256:aaa"),
+    (info(kv={"tokenizer.ggml.model": "gpt2"}), info(kv={"tokenizer.ggml.model": "llama"}),
+     "vocabulary type: the drafter's file holds a 'gpt2' vocabulary, the target's a 'llama' one"),
 ])
 def test_a_drafter_for_another_target_is_refused_naming_the_mismatch(draft, target, match):
     with pytest.raises(LlamaCppError, match=match):
