@@ -567,6 +567,7 @@ class FastBody(torch.nn.Module):
                                  "FastBody needs their own mask ({'full_attention': ..., 'sliding_attention': ...})")
             far = (position_ids[0][:, None] - torch.arange(e, device=dev)[None]) >= win  # slot j holds position j
             slid = attention_mask.masked_fill(far[None, None], torch.finfo(attention_mask.dtype).min)
+        masks = (attention_mask,) if slid is None else (attention_mask, slid)  # for the masked paths
         kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
         taps = hooked_layers(self._layers)
         b = min((h for h in self.hot if h >= q), default=None) if self.compiled is not None else None
@@ -578,7 +579,6 @@ class FastBody(torch.nn.Module):
             allow = (self._block_mask(kv, attention_mask, s, q, q)
                      if self.block_native and q <= BUCKETS[-1] and not windowed else None)
             slots_e = torch.arange(s, e, device=dev)
-            masks = (attention_mask,) if slid is None else (attention_mask, slid)
             attn, a = ("block", (slots_e, allow)) if allow is not None else ("mask", masks)
             lg_at = (torch.arange(logits_from, q, device=dev) if logits_from else True) if want_logits else False
             h, lg, outs = self.core(ids, *self.core.rope(pos), None, slots_e, kv, attn, a, logits=lg_at, taps=taps)
@@ -603,9 +603,8 @@ class FastBody(torch.nn.Module):
                                       (slots, allow), logits_from)
         # every shape static: b rows over the whole capacity, the slots past the live length masked out
         # (gpt-fast's way; dynamic live lengths got specialised by the trace and recompiled on every step)
-        masks = tuple(self._capacity_mask(mk, q, b, e, C) for mk in
-                      ((attention_mask,) if slid is None else (attention_mask, slid)))
-        return self._run_compiled((b, C, str(dev), taps, len(masks)), taps, ids, pos, slots, kv, q, "mask", masks,
+        padded = tuple(self._capacity_mask(mk, q, b, e, C) for mk in masks)
+        return self._run_compiled((b, C, str(dev), taps, len(masks)), taps, ids, pos, slots, kv, q, "mask", padded,
                                   logits_from)
 
     @staticmethod

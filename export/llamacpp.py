@@ -389,9 +389,11 @@ def check_state_reading(ll: LlamaCpp, target: dict, spec_type: str) -> None:
     """Refuse, before llama.cpp aborts on it, a drafter that reads the target's states against a target whose
     architecture's graph in this build does not record them (llama-cpp-python 0.3.36: gemma3 and qwen2, among
     others; llama and qwen3 do)."""
-    archs = state_reading_archs(ll)
     arch = target.get("architecture")
-    if spec_type not in STATE_READING or archs is None or not arch:
+    if spec_type not in STATE_READING or not arch:
+        return
+    archs = state_reading_archs(ll)
+    if archs is None:
         return
     if (ll.src / "src" / "models" / f"{arch}.cpp").exists() and arch not in archs:
         raise LlamaCppError(
