@@ -44,6 +44,7 @@ from draftsmith.target import Target, dtype_name
 from draftsmith.train.data import generate, remote, sources
 from draftsmith.common.hidden_cache import HiddenCache
 from draftsmith.train.data.cache import build_cache, merge_caches
+from draftsmith.train.data.batchgen import warm_up
 from draftsmith.drafters.own_tokenizer.training import heldout_figures
 from draftsmith.train.training.trainer import train, train_on_text
 
@@ -141,9 +142,16 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     d = recipe.data
-    # data.time_budget_s bounds the training data's generation from here (the target is loaded): Magpie
-    # prompts by `magpie_budget_share` of it, answers by the whole; the held-out answers are not counted.
+    # data.time_budget_s bounds the training data's generation from here (the target is loaded, the batched
+    # engine's step compiled): Magpie prompts by `magpie_budget_share` of it, answers by the whole; the held-out
+    # answers are not counted.
     budget = d.time_budget_s
+    warm = {"seconds": 0.0, "graphs": []}
+    if budget and d.regenerate and d.server is None and d.engine == "batched":
+        warm = warm_up(target.model, d.forward, d.max_rows)
+        if warm["graphs"]:
+            print(f"data: compiled the batched engine's step for {warm['graphs']} rows in {warm['seconds']:.0f} s, "
+                  "before data.time_budget_s starts")
     t_budget = generate.clock()
     deadline = generate.Deadline(t_budget + budget) if budget else None
     skips, stats = sources.SkipLog(), Counter()
@@ -197,15 +205,23 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
         shared = paths.home() / "heldout" / (f"{target.fingerprint.split(':')[1]}-mtbench-"
                                              f"{d.heldout_max_new_tokens}.jsonl")
         shared.parent.mkdir(parents=True, exist_ok=True)
-        hstats = generate.regenerate(target, qs, shared,
-                                     **{**kw, "max_new_tokens": d.heldout_max_new_tokens, "temperature": 0.0,
-                                        "max_turns": 1, "on_long_prompt": "skip"})
+        hkw = {**kw, "max_new_tokens": d.heldout_max_new_tokens, "temperature": 0.0, "max_turns": 1,
+               "on_long_prompt": "skip"}
+        if d.regenerate and fused_cache_plan(recipe, "heldout")[0]:
+            # the held-out cache from these answers' own states, as the training cache (answers already in the
+            # shared file, from an earlier run, are written without states: the cache stage computes those)
+            c = recipe.cache
+            hkw["fused"] = generate.FusedCacheWriter(recipe.out / "cache" / "heldout", dtype=c.dtype,
+                                                     shard_tokens=c.shard_tokens)
+        hstats = generate.regenerate(target, qs, shared, **hkw)
         shutil.copyfile(shared, out / "heldout.jsonl")
     meta = {"skipped": skips.as_dict(), "sources": dict(stats), "generation": dict(gstats),
             "heldout_generation": dict(hstats), "seconds": round(time.time() - t0, 1),
             "target_fingerprint": target.fingerprint}
     if budget_meta is not None:
         meta["time_budget"] = budget_meta
+    if warm["graphs"]:
+        meta["engine_compile"] = warm
     meta_path.write_text(json.dumps(meta, indent=2))
     return out
 
@@ -305,8 +321,9 @@ def load_sequences(path: Path, tokenizer, max_seq_len: int, stats: Counter | Non
     return [s for s in seqs if s is not None]
 
 
-def fused_cache_plan(recipe: Recipe) -> tuple[bool, str]:
-    """Whether the data stage writes the training cache from its generator's states, and why not."""
+def fused_cache_plan(recipe: Recipe, split: str = "train") -> tuple[bool, str]:
+    """Whether the data stage writes ``split``'s cache (train or heldout) from its generator's states, and why
+    not."""
     d = recipe.data
     if not d.fused_cache:
         return False, "data.fused_cache is off"
@@ -323,8 +340,8 @@ def fused_cache_plan(recipe: Recipe) -> tuple[bool, str]:
         return False, (f"the cache needs {needs} ({recipe.drafter.kind}"
                        f"{' + cache.extra_states' if recipe.cache.extra_states else ''}); the generator keeps "
                        "only the final hidden state")
-    if (recipe.out / "cache" / "train" / "index.json").exists():
-        return False, "cache/train is already complete"
+    if (recipe.out / "cache" / split / "index.json").exists():
+        return False, f"cache/{split} is already complete"
     return True, "the batched engine keeps the final hidden states it computes"
 
 

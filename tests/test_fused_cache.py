@@ -304,3 +304,28 @@ def test_fused_cache_on_the_real_target(real_target, tmp_path):
         assert ca.tokens(i).tolist() == cb.tokens(i).tolist() and ca.mask(i).tolist() == cb.mask(i).tolist()
         x, y = ca.states(i, "final"), cb.states(i, "final")
         assert bool(((x - y).abs() <= 2e-3 * y.abs() + 1e-2).all()), float((x - y).abs().max())
+
+
+def test_heldout_answers_write_the_heldout_cache(peaky, tmp_path, monkeypatch):
+    """The held-out MT-Bench answers' states come from their generation, as the training cache's do: the cache
+    stage runs no forward for them, and the cache equals the separate pass's. A second run, whose held-out answers
+    are read back from the shared file (generated once per target), gets them from the forward (counted)."""
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    held = {"heldout_mtbench": True, "heldout_max_new_tokens": 6}
+    r = _recipe(tmp_path, "held", n=6, data=held)
+    _run(r, peaky)
+    idx = json.loads((r.out / "cache" / "heldout" / "index.json").read_text())
+    n = len((r.out / "data" / "heldout.jsonl").read_text().splitlines())  # the prompts that fit the tiny context
+    assert n > 40 and idx["sequences"] == n and idx["provenance"]["states"] == {"from_generation": n, "forward": {}}
+    other = parse_recipe({**r.model_dump(mode="json"), "name": "held-sep", "output_dir": str(tmp_path / "held-sep"),
+                          "data": {**r.data.model_dump(mode="json"), "fused_cache": False}})
+    other.out.mkdir(parents=True)
+    shutil.copytree(r.out / "data", other.out / "data")
+    pipeline.stage_cache(other, peaky)
+    _assert_same_cache(r.out / "cache" / "heldout", other.out / "cache" / "heldout", 2e-3)
+    again = _recipe(tmp_path, "held2", n=6, data=held, source=tmp_path / "held-prompts.jsonl")
+    _run(again, peaky)
+    idx2 = json.loads((again.out / "cache" / "heldout" / "index.json").read_text())
+    st = idx2["provenance"]["states"]
+    assert st["from_generation"] == 0 and sum(st["forward"].values()) == n
+    _assert_same_cache(again.out / "cache" / "heldout", other.out / "cache" / "heldout", 2e-3)

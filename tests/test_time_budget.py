@@ -288,3 +288,31 @@ def test_time_left_after_the_answers_goes_to_more_rounds_of_prompts_and_answers(
     pipeline.stage_data(one, peaky)
     assert _meta(one)["generation"]["data_rounds"] == 1
     assert _meta(one)["time_budget"]["written"] < tb["written"]
+
+
+def test_the_engine_compiles_before_the_budget_starts(peaky, tmp_path, clock, monkeypatch):
+    """The fused step's graphs (`FastBatchBody.graph_rows`: up to 16 rows, and past 16) are compiled before the
+    budget's clock starts, so the budget buys generation: here a stand-in for the compiled step records the rows of
+    each call, and the warm-up's decode steps (one a graph, 1 s each on the fake clock) are not in the seconds the
+    budget counts."""
+    from draftsmith.engine.fast_batch import FastBatchBody
+    from draftsmith.train.data import batchgen
+
+    fb = FastBatchBody(peaky.model, compile=False)
+    rows = []
+
+    def compiled(ids, *a, **kw):
+        rows.append(int(ids.shape[0]))
+        return fb.core(ids, *a, **kw)
+
+    fb.compiled = compiled
+    monkeypatch.setattr(batchgen, "batch_body",
+                        lambda model, mode, within_window=False: fb if mode == "compile" else None)
+    r = _recipe(tmp_path, "warm", budget=1e9, max_rows=32, forward="compile")
+    pipeline.stage_data(r, peaky)
+    meta = _meta(r)
+    assert meta["engine_compile"]["graphs"] == fb.graph_rows(32) == [2, 17]
+    assert rows[:2] == [2, 17]  # the warm-up's steps come first, one of each size
+    assert meta["time_budget"]["seconds_used"] == clock["now"] - 2
+    # an engine that compiles nothing (the eager fused step) warms nothing up
+    assert batchgen.warm_up(peaky.model, "fast", 32) == {"seconds": 0.0, "graphs": []}
