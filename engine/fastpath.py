@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch._dynamo
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
@@ -484,6 +485,9 @@ class FastBody(torch.nn.Module):
         # blocks (chains, trees) attend by the native block kernel where it applies; DRAFTSMITH_BLOCK_ATTENTION=0:
         # masked SDPA over the whole capacity, as before
         self.block_native = os.environ.get("DRAFTSMITH_BLOCK_ATTENTION", "1") != "0"
+        # block graphs with their rows dynamic: one compile serves the 4-, 8- and 16-row buckets;
+        # DRAFTSMITH_DYNAMIC_BLOCKS=0 compiles each bucket on its own (static shapes, as before)
+        self.dynamic_blocks = os.environ.get("DRAFTSMITH_DYNAMIC_BLOCKS", "1") != "0"
         self._seen: set = set()
         if compile:
             # freezing (`frozen_weights`, set around the calls: passed in torch.compile's options it is silently not
@@ -645,9 +649,22 @@ class FastBody(torch.nn.Module):
             self._seen.add(key)
             t0 = time.perf_counter()
         fn = self.compiled_one if attn == "one" else self.compiled
+        cos, sin = self.core.rope(pos)
+        if attn == "block" and self.dynamic_blocks:
+            # one graph for every block bucket (4, 8, 16 rows): their products are the native kernels' (no GEMM to
+            # specialise on the rows) and their attention the block kernel's. On a 2-core AVX2 EPYC (Zen 1) this
+            # saved a ~55-s compile a bucket, the step costs the same (benchmarks.step_cost, docs/results.md §43)
+            for t in (ids, pos, slots, cos, sin, a[0]):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(a[1], 0)
+            torch._dynamo.maybe_mark_dynamic(a[1], 1)
+        graphs = _unique_graphs()
         with frozen_weights():
-            h, lg, outs = fn(ids, *self.core.rope(pos), None, slots, kv, attn, a, taps=taps)
-        if first:
+            h, lg, outs = fn(ids, cos, sin, None, slots, kv, attn, a, taps=taps)
+        if first and _unique_graphs() == graphs:  # a new bucket that an earlier graph serves: nothing compiled
+            log.info("the decoding forward for %d rows over a %d-slot cache runs the graph compiled for another "
+                     "block size", key[0], key[1])
+        elif first:
             self.compile_s += time.perf_counter() - t0
             log.info("compiled the decoding forward for %d rows over a %d-slot cache%s%s in %.1f s", key[0], key[1],
                      f" (outputs of layers {list(taps)} kept for hooks)" if taps else "",
@@ -661,6 +678,11 @@ class FastBody(torch.nn.Module):
 
     def _call_hooks(self, taps: tuple[int, ...], outs: tuple[torch.Tensor, ...]) -> None:
         call_layer_hooks(self._layers, taps, outs)
+
+
+def _unique_graphs() -> int:
+    """Graphs dynamo has compiled in this process (a call that compiled nothing leaves it unchanged)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def call_layer_hooks(layers, taps: tuple[int, ...], outs: tuple[torch.Tensor, ...]) -> None:

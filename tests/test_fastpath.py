@@ -116,6 +116,24 @@ def test_compiled_forward_does_not_recompile_for_a_longer_context(compiled_targe
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_block_buckets_share_one_graph_with_the_models_logits(compiled_target):
+    """The 4-, 8- and 16-row buckets of chain and tree blocks run one graph (their rows dynamic): a second and a
+    third bucket compile nothing, and every block's logits and cache entries are the model's."""
+    from torch._dynamo.utils import counters
+    fast = compiled_target.fast_body
+    _hf_and_fast(compiled_target, fast, q=3, tree=True)
+    graphs = counters["stats"]["unique_graphs"]
+    for q in (7, 13, 4):
+        fast.reserve(q)
+        # a 20-token prompt: its prefill runs eagerly (past the 16-row bucket), not in a masked graph
+        a, b, c1, c2, n = _hf_and_fast(compiled_target, fast, prompt_len=20, q=q, tree=q > 3)
+        assert (a - b).abs().max() < 1e-4
+        for l1, l2 in zip(c1.layers, c2.layers):
+            assert (l1.values[:, :, :n] - l2.values[:, :, :n]).abs().max() < 1e-4
+    assert {k[0] for k in fast._seen if k[-1] == "block"} >= {4, 8, 16}
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_a_block_that_fills_the_cache_exactly_still_decodes(compiled_target):
     # 12 + 4 rows = capacity 16 and 17: the block fills the cache (or all but one slot); both equal the model's.
     for cap in (16, 17):
@@ -147,7 +165,7 @@ def test_one_query_attends_by_the_native_kernel_and_a_masked_one_does_not(compil
             got = fast(input_ids=ids[:, plen:], attention_mask=mask, cache=c2).logits
         assert (m.lm_head(h) - got).abs().max() < 1e-4
     assert (1, 64, "cpu", (), "one") in fast._seen
-    assert (1, 64, "cpu", ()) in fast._seen  # the masked step: the graph with a mask
+    assert (1, 64, "cpu", (), 1) in fast._seen  # the masked step: the graph with one mask (no sliding layers)
 
 
 def test_the_cpp_wrapper_changes_nothing_but_who_calls_the_kernels():
