@@ -98,11 +98,16 @@ class FastBatchBody:
         return sizes
 
     @torch.no_grad()
-    def step(self, ids: torch.Tensor, slots: torch.Tensor, kv: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, ids: torch.Tensor, slots: torch.Tensor, kv: list[torch.Tensor], eager_rows: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step: row r (of ids' b) is fed ids[r] at position slots[r] (written there in cache row r,
         attending to [0, slots[r]]). Returns the final states [b, hidden] (after the final norm) and logits.
-        Cache rows past b must be free (a 1-row step may use row 1 as padding)."""
+        Cache rows past b must be free (a 1-row step may use row 1 as padding). ``eager_rows``: a step of at most
+        this many rows runs the same function eagerly (the data engine's drain, `BatchGenerator.eager_rows`)."""
         b = ids.shape[0]
+        if b <= eager_rows:
+            cos, sin = self.core.rope(slots)
+            return self.core(ids, cos, sin, torch.arange(b, device=ids.device), slots, kv, "rows", (slots,))[:2]
         if b == 1 and self.compiled is not None and kv[0].shape[0] > 1:
             # a graph traced at 1 row would be a second compile (1 is specialised): run 2 rows, the second a
             # free cache row (rows are live at [0, n)) written at slot 0, which its next prefill overwrites

@@ -291,10 +291,10 @@ def test_time_left_after_the_answers_goes_to_more_rounds_of_prompts_and_answers(
 
 
 def test_the_engine_compiles_before_the_budget_starts(peaky, tmp_path, clock, monkeypatch):
-    """The fused step's graphs (`FastBatchBody.graph_rows`: up to 16 rows, and past 16) are compiled before the
-    budget's clock starts, so the budget buys generation: here a stand-in for the compiled step records the rows of
-    each call, and the warm-up's decode steps (one a graph, 1 s each on the fake clock) are not in the seconds the
-    budget counts."""
+    """The fused step's graph is compiled before the budget's clock starts, so the budget buys generation: here a
+    stand-in for the compiled step records the rows of each call, and the warm-up's decode step (1 s on the fake
+    clock) is not in the seconds the budget counts. With a batch wider than 16 rows, steps of up to 16 (a graph of
+    their own, `FastBatchBody.graph_rows`) run eagerly instead, so only the wide graph is compiled."""
     from draftsmith.engine.fast_batch import FastBatchBody
     from draftsmith.train.data import batchgen
 
@@ -308,11 +308,14 @@ def test_the_engine_compiles_before_the_budget_starts(peaky, tmp_path, clock, mo
     fb.compiled = compiled
     monkeypatch.setattr(batchgen, "batch_body",
                         lambda model, mode, within_window=False: fb if mode == "compile" else None)
+    assert fb.graph_rows(32) == [2, 17]
     r = _recipe(tmp_path, "warm", budget=1e9, max_rows=32, forward="compile")
     pipeline.stage_data(r, peaky)
     meta = _meta(r)
-    assert meta["engine_compile"]["graphs"] == fb.graph_rows(32) == [2, 17]
-    assert rows[:2] == [2, 17]  # the warm-up's steps come first, one of each size
-    assert meta["time_budget"]["seconds_used"] == clock["now"] - 2
-    # an engine that compiles nothing (the eager fused step) warms nothing up
+    assert meta["engine_compile"]["graphs"] == [17]
+    # the warm-up's step first; the run's steps of up to 16 rows (its drains, down to one row) ran eagerly
+    assert rows[0] == 17 and min(rows[1:]) > 16
+    assert meta["time_budget"]["seconds_used"] == clock["now"] - 1
+    # a batch of at most 16 rows compiles (and warms up) its one graph; an eager fused step warms nothing up
+    assert batchgen.warm_up(peaky.model, "compile", 8)["graphs"] == [2] and rows[-1] == 2
     assert batchgen.warm_up(peaky.model, "fast", 32) == {"seconds": 0.0, "graphs": []}

@@ -51,6 +51,7 @@ import torch
 from draftsmith.chat import shared_len
 from draftsmith.engine.cache_kw import cache_arg
 from draftsmith.engine.fast_batch import batch_body
+from draftsmith.engine.native import ROWS_LINEAR_MAX
 from draftsmith.engine.sampling import pick_tokens
 from draftsmith.engine.kvcache import KVCache, sliding_windows
 from draftsmith.train.data.row_attention import row_attention
@@ -139,6 +140,11 @@ class BatchGenerator:
         # rows past a sliding window are refused (`run`), so within it the fused step's kernels are exact
         self.fast = batch_body(model, forward, within_window=True)
         self.forward = forward if self.fast is not None else "eager"
+        # Where steps of up to ROWS_LINEAR_MAX rows would compile a graph of their own (`FastBatchBody.graph_rows`)
+        # and the batch is wider, those steps (the drain at a run's end) run the same step eagerly: on a 2-core Zen 1
+        # EPYC that graph cost a ~60-s compile for steps that are a few percent of a run's time.
+        graphs = self.fast.graph_rows(int(max_rows)) if self.fast is not None else []
+        self.eager_rows = ROWS_LINEAR_MAX if len(graphs) > 1 else 0
         self.eos = frozenset(int(e) for e in eos_ids)
         self.max_rows, self.capacity = int(max_rows), int(capacity)
         windows = sliding_windows(model.config)  # within a window, sliding layers attend as full ones do
@@ -275,7 +281,7 @@ class BatchGenerator:
         span = max(lengths) + 1
         cache.set_decode(lens, span)
         if self.fast is not None:
-            h, logits = self.fast.step(torch.tensor(pending, device=self.device), lens, self.kv)
+            h, logits = self.fast.step(torch.tensor(pending, device=self.device), lens, self.kv, self.eager_rows)
         else:
             allowed = torch.arange(span, device=self.device)[None] <= lens[:, None]
             mask = torch.zeros((n, 1, 1, span), dtype=self.dtype, device=self.device)
@@ -448,16 +454,17 @@ class BatchGenerator:
 
 def warm_up(model, forward: str, max_rows: int) -> dict:
     """Compile the fused step's graphs that generation with up to ``max_rows`` rows will run
-    (`FastBatchBody.graph_rows`: up to 16 rows, and past 16 where the step multiplies by the native kernels),
-    by generating two tokens for that many copies of a 4-token prompt, so that a time budget started afterwards
-    buys generation and not compiling. Measured on a 2-core AVX2 EPYC (Zen 1): the two graphs compiled in about
-    110 and 60 s, inside a 330-s data budget. Returns ``{"seconds", "graphs"}`` (0 and [] when nothing
-    compiles: an eager or ``fast`` step, or a model the fused step does not support)."""
+    (`FastBatchBody.graph_rows`, less the small steps `BatchGenerator.eager_rows` runs eagerly), by generating two
+    tokens for that many copies of a 4-token prompt, so that a time budget started afterwards buys generation and
+    not compiling. Measured on a 2-core AVX2 EPYC (Zen 1): the data engine's two graphs compiled in about 110 and
+    60 s, inside a 330-s data budget. Returns ``{"seconds", "graphs"}`` (0 and [] when nothing compiles: an eager
+    or ``fast`` step, or a model the fused step does not support)."""
     fast = batch_body(model, forward, within_window=True)
     if fast is None or fast.compiled is None:
         return {"seconds": 0.0, "graphs": []}
     t0 = time.perf_counter()
-    sizes = fast.graph_rows(max_rows)
+    sizes = [n for n in fast.graph_rows(max_rows) if n > BatchGenerator(model, (), max_rows=max_rows,
+                                                                         forward=forward).eager_rows]
     for n in sizes:
         gen = BatchGenerator(model, (), max_rows=n, capacity=8, forward=forward, shared_prefix=False,
                              admit_rows=n)
