@@ -24,8 +24,10 @@ VPY="$ROOT/.venv/bin/python"
 #    import finder and always says so. It is silenced by its message, in pip's environment only.
 # The grep never decides the exit status: with pipefail the pipeline fails exactly when pip does.
 step() { STEP=$*; echo "setup: $* (at ${SECONDS} s)"; }
+# --no-compile: pip byte-compiles nothing at install (torch's and transformers' thousands of modules: 69 of 134 s
+# on a 2-core Zen 1 EPYC); Python compiles each module the first time it is imported, only those used.
 pipq() {
-  PYTHONWARNINGS="ignore:Editable installation" "$VPY" -m pip install -q "$@" 2>&1 \
+  PYTHONWARNINGS="ignore:Editable installation" "$VPY" -m pip install -q --no-compile "$@" 2>&1 \
     | { grep -v -e "is ignored: it is neither a file nor a directory" || true; }
 }
 
