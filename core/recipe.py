@@ -79,12 +79,17 @@ class DataConfig(StrictModel):
     time_budget_s: Optional[float] = Field(
         None, gt=0, description="wall-clock seconds for writing the training data (Magpie prompts + regenerated "
         "answers; the held-out MT-Bench answers are not counted and always written in full): no new conversation "
-        "is started after it (those in flight finish), source counts (magpie count, max_conversations) become "
+        "is started after it (those in flight: at_budget_end), source counts (magpie count, max_conversations) become "
         "upper bounds, and what was not reached is counted in data/meta.json. None = no limit")
     magpie_budget_share: float = Field(
         0.35, gt=0, lt=1, description="with time_budget_s: the share of it Magpie prompt writing may take (split "
         "among magpie sources); no new draw is started after it, and the rest (with what Magpie left unused) "
         "goes to regenerating answers")
+    at_budget_end: Literal["cut", "finish"] = Field(
+        "cut", description="with time_budget_s, engine batched: what happens to the answers in flight when the "
+        "budget ends. cut: each ends where it is, kept as an unfinished reply (as max_new_tokens ends one), so the "
+        "budget holds to a decode step; finish: they run to their end (up to max_new_tokens more steps; the data "
+        "is then a subset of an unbudgeted run's)")
 
 
 class CacheConfig(StrictModel):

@@ -164,14 +164,16 @@ def stage_data(recipe: Recipe, target: Target) -> Path:
                                 f"({skips.total} rows skipped); nothing to train on")
     kw = dict(max_new_tokens=d.max_new_tokens, max_turns=d.max_turns, batch_size=d.batch_size,
               max_seq_len=d.max_seq_len, temperature=d.temperature, top_p=d.top_p, seed=recipe.seed,
-              on_long_prompt=d.on_long_prompt, engine=d.engine, max_rows=d.max_rows, forward=d.forward)
+              on_long_prompt=d.on_long_prompt, engine=d.engine, max_rows=d.max_rows, forward=d.forward,
+              at_budget_end=d.at_budget_end)
     t_gen = time.time()
     if d.regenerate and d.server is not None:
         srv = d.server
         gstats = remote.regenerate_remote(
             target, convs, out / "train.jsonl", url=srv.url, model=srv.model, concurrency=srv.concurrency,
             api_key_env=srv.api_key_env, check=srv.check, timeout_s=srv.timeout_s, deadline=deadline,
-            **{k: v for k, v in kw.items() if k not in ("batch_size", "engine", "max_rows", "forward")})
+            **{k: v for k, v in kw.items()
+               if k not in ("batch_size", "engine", "max_rows", "forward", "at_budget_end")})
     elif d.regenerate:
         fused, why = fused_cache_plan(recipe)
         if fused:
@@ -277,15 +279,18 @@ def time_budget_report(recipe: Recipe, stats: Counter, gstats: Counter, conversa
                               "kept": sum(stats.get(f"source_magpie{n}", 0) for n, _ in magpie),
                               "stopped_by_budget": bool(stats.get("magpie_stopped_time_budget", 0))},
            "conversations": conversations, "written": gstats.get("conversations", 0),
-           "resumed": gstats.get("resumed", 0), "not_reached": not_reached}
+           "resumed": gstats.get("resumed", 0), "not_reached": not_reached,
+           "at_budget_end": d.at_budget_end, "cut": gstats.get(generate.CUT, 0)}
     if not d.regenerate:
         why = "the answers are the sources' own (data.regenerate: false)"
     elif not_reached:
         why = f"the budget ran out after {used_s:.0f} s; they are not in train.jsonl"
     else:
         why = f"all were reached in {used_s:.0f} s"
+    cut = gstats.get(generate.CUT, 0)
     rep["line"] = (f"data.time_budget_s={d.time_budget_s:g}: {not_reached} of {conversations} conversations not "
-                   f"reached ({why})")
+                   f"reached ({why})" + (f"; {cut} answers in flight at its end cut there, kept as unfinished "
+                                         "replies (data.at_budget_end: cut)" if cut else ""))
     return rep
 
 

@@ -3,14 +3,18 @@
 Time is a fake clock (`generate.clock`) that moves one second per decode step of the batched engine, per
 `generate_batch` call of the hf engine and per chat request to a server: the tests are exact and never
 sleep. No new Magpie draw is started after its share of the budget, no new conversation after the whole;
-what was started finishes (all its turns) and is written as an unbudgeted run writes it.
+answers in flight at its end are cut there (`data.at_budget_end: cut`, kept as unfinished replies), or, with
+``finish``, finish all their turns and are written as an unbudgeted run writes them.
 """
 
 import itertools
 import json
 
+import numpy as np
 import pytest
+import torch
 
+from draftsmith.common.hidden_cache import target_states
 from draftsmith.pipeline import stages as pipeline
 from draftsmith.recipe import RecipeError, parse_recipe
 from draftsmith.train.data import generate
@@ -92,17 +96,51 @@ def test_a_passed_deadline_starts_no_conversation(peaky, tmp_path, clock, engine
     assert clock["now"] == 10.0  # not one token generated
 
 
-def test_conversations_in_flight_at_the_deadline_finish_all_their_turns(peaky, tmp_path, clock):
+def test_with_finish_conversations_in_flight_at_the_deadline_finish_all_their_turns(peaky, tmp_path, clock):
     convs = _convs(16)
     generate.regenerate(peaky, convs, tmp_path / "full.jsonl", **KW)
     clock["now"] = 0.0
     # the first decode step passes the deadline: the rows admitted before it (max_rows) are all that is started
-    st = generate.regenerate(peaky, convs, tmp_path / "cut.jsonl", deadline=generate.Deadline(1.0), **KW)
+    st = generate.regenerate(peaky, convs, tmp_path / "cut.jsonl", deadline=generate.Deadline(1.0),
+                             at_budget_end="finish", **KW)
     got, full = _rows(tmp_path / "cut.jsonl"), _rows(tmp_path / "full.jsonl")
     assert len(got) == st["conversations"] == KW["max_rows"] and st[NR] == len(convs) - KW["max_rows"]
     assert got == {k: full[k] for k in got}  # second turns started after the deadline, rows as unbudgeted
     assert any(len(r["finished"]) == 2 for r in got.values())  # (so the check above covers a second turn)
     assert set(got) == {c.id for c in generate.budget_order(convs, 0)[:KW["max_rows"]]}  # in the budget's order
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_answers_in_flight_at_the_deadline_are_cut_there_and_kept(peaky, tmp_path, clock, fused):
+    """data.at_budget_end: cut (the default): the rows in flight end at the first step past the deadline, each
+    reply the unbudgeted run's first tokens, written as unfinished (or finished, where it had ended); no later turn
+    is started. With a fused cache their states are the cache's (the same as a forward over the written rows)."""
+    convs = _convs(16)
+    generate.regenerate(peaky, convs, tmp_path / "full.jsonl", **KW)
+    clock["now"] = 0.0
+    kw = {}
+    if fused:
+        kw["fused"] = generate.FusedCacheWriter(tmp_path / "cache", dtype="float32", shard_tokens=1000)
+    st = generate.regenerate(peaky, convs, tmp_path / "cut.jsonl", deadline=generate.Deadline(3.0), **KW, **kw)
+    got, full = _rows(tmp_path / "cut.jsonl"), _rows(tmp_path / "full.jsonl")
+    assert len(got) == st["conversations"] == KW["max_rows"] and st[NR] == len(convs) - KW["max_rows"]
+    assert set(got) == {c.id for c in generate.budget_order(convs, 0)[:KW["max_rows"]]}
+    assert st[generate.CUT] >= 1 and st[generate.CUT] == sum(not r["finished"][-1] for r in got.values())
+    for k, r in got.items():
+        assert len(r["finished"]) == 1  # a second turn would have started past the deadline
+        mine, theirs = r["messages"][1]["content"], full[k]["messages"][1]["content"]
+        assert theirs.startswith(mine)  # the unbudgeted run's reply, cut
+        assert (mine == theirs) if r["finished"][0] else len(mine) < len(theirs)
+    assert sum(len(r["messages"][1]["content"]) for r in got.values()) < \
+        sum(len(full[k]["messages"][1]["content"]) for k in got)  # something was cut
+    if fused:  # the cut rows' states, from generation, are a forward's over the sequences the cache holds
+        shard = tmp_path / "cache" / "shard-00000"
+        tokens, starts, final = (np.load(shard / f"{f}.npy") for f in ("tokens", "starts", "final"))
+        assert len(starts) - 1 == len(got) and st["fused_from_generation"] == len(got)
+        for a, b in zip(starts[:-1], starts[1:]):
+            ids = torch.from_numpy(tokens[a:b].astype("int64"))[None]
+            ref = target_states(peaky, ids, torch.ones_like(ids), ["final"])["final"][0]
+            torch.testing.assert_close(torch.from_numpy(final[a:b]).float(), ref.float(), atol=2e-5, rtol=1e-4)
 
 
 def test_the_hf_engine_stops_between_batches(peaky, tmp_path, clock):

@@ -163,7 +163,7 @@ class BatchGenerator:
         self.states: torch.Tensor | None = None  # [rows, capacity, hidden]: row r's state at each cache slot
         self.stats = {"forwards": 0, "prefill_forwards": 0, "generated_tokens": 0, "prompt_tokens": 0,
                       "row_steps": 0, "compactions": 0, "fed_tokens": 0, "row_attention_steps": 0,
-                      "prefix_tokens_reused": 0}
+                      "prefix_tokens_reused": 0, "cut_rows": 0}
 
     def _ensure_cache(self) -> KVCache:
         if self.cache is None:
@@ -302,7 +302,8 @@ class BatchGenerator:
     def run(self, jobs: Iterable[Job], on_done: Callable[..., Iterable[Job] | None],
             want: Callable[[Job, list[int], bool], list[int] | None] | None = None,
             on_step: Callable[[], None] | None = None,
-            admit: Callable[[Job], bool] | None = None) -> list[Job]:
+            admit: Callable[[Job], bool] | None = None,
+            cut: Callable[[], bool] | None = None) -> list[Job]:
         """Generate every job; ``on_done(job, tokens, finished)`` is called as each ends and may return
         follow-up jobs (e.g. the next turn of a conversation), which join the queue's front.
         ``on_step()``, if given, is called after every forward (a prefill group or a decode step), with
@@ -310,7 +311,10 @@ class BatchGenerator:
 
         ``admit(job)``, if given, is asked as a queued job (a follow-up included) would take a free row:
         False drops it unrun (e.g. a time budget that ran out; rows in flight go on to their end). Returns
-        the dropped jobs, in queue order.
+        the dropped jobs, in queue order. ``cut()``, if given, is asked before each decode step: once it says True,
+        every row still generating ends there as unfinished (``on_done(..., finished=False)``, as
+        ``max_new_tokens`` ends a row; rows being fed their wanted sequence finish feeding), so a time budget holds
+        to a step instead of waiting for the longest row in flight.
 
         ``tokens`` stop at (and include) the first end-of-sequence token; ``finished`` is False when
         the job's ``max_new_tokens`` cut it.
@@ -390,7 +394,15 @@ class BatchGenerator:
             pending[i] = tok
             return False
 
+        was_cut = False
         while queue or rows:
+            if cut is not None and not was_cut and rows and cut():
+                was_cut = True
+                self.stats["cut_rows"] += sum(r.feed is None for r in rows)
+                for i in range(len(rows) - 1, -1, -1):  # backwards: `finish` moves the last row into the hole
+                    if rows[i].feed is None:
+                        end(i, False)
+                continue
             # admit new prompts into free rows, prefilled together in budget-sized groups, once enough rows are free
             # (a prefill forward costs about a decode step whatever its size): `admit_rows`, or what the queue holds
             wait = bool(rows) and self.max_rows - len(rows) < min(self.admit_rows, len(queue))

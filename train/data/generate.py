@@ -78,6 +78,7 @@ class Deadline:
 
 
 NOT_REACHED = "not_reached_time_budget"  # the stats key of conversations a deadline left unstarted
+CUT = "cut_at_time_budget"  # ... and of answers it cut where they were (``data.at_budget_end: cut``)
 
 
 def budget_order(convs: list[Conversation], seed: int) -> list[Conversation]:
@@ -254,7 +255,8 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
                max_turns: int, batch_size: int, max_seq_len: int, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, on_long_prompt: str = "error", engine: str = "batched",
                max_rows: int = 96, fused: FusedCacheWriter | None = None, attention: str = "auto",
-               shared_prefix: bool = True, deadline: Deadline | None = None, forward: str | None = None) -> Counter:
+               shared_prefix: bool = True, deadline: Deadline | None = None, forward: str | None = None,
+               at_budget_end: str = "cut") -> Counter:
     """Rewrite every assistant turn with the target; resumable.
 
     Finished conversations are appended to ``out_path`` (JSONL); on restart
@@ -268,11 +270,14 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
     on a resumed run the conversations already in ``out_path`` keep the shards they filled, and those
     after the last full shard are left to the cache stage's forward.
 
-    ``deadline`` (``data.time_budget_s``): no conversation is started once it has passed; those started
-    finish all their turns and are written as usual, the rest are counted (``not_reached_time_budget``).
-    Conversations are then admitted in `budget_order` (a seeded shuffle, a fair sample of the sources)
-    instead of by prompt length, so the rows are those of an unbudgeted run but the file's line order is
-    not. The hf engine checks the deadline between its batches.
+    ``deadline`` (``data.time_budget_s``): no conversation is started once it has passed, and those not started
+    are counted (``not_reached_time_budget``). Those in flight: with ``at_budget_end="cut"`` (the batched
+    engine; ``data.at_budget_end``) each answer ends where it is at the deadline, written as an unfinished
+    reply (as ``max_new_tokens`` ends one; a conversation's later turns are not started) and counted
+    (``cut_at_time_budget``), so the budget holds to a decode step; with ``"finish"`` they finish all their
+    turns, and the rows are then those of an unbudgeted run. Conversations are admitted in `budget_order` (a
+    seeded shuffle, a fair sample of the sources) instead of by prompt length, so the file's line order is
+    not an unbudgeted run's. The hf engine checks the deadline between its batches (it finishes a batch).
 
     ``forward`` (batched engine): its decode step, ``compile``, ``fast`` or ``eager`` (`BatchGenerator`); None:
     `draftsmith.recipe.default_forward`.
@@ -291,19 +296,23 @@ def regenerate(target: Target, convs: list[Conversation], out_path: Path, *, max
                                       shard_tokens=fused.shard_tokens, prior=[p for p in prior if p is not None])
     todo = [c for c in convs if c.id not in done]
     stats["resumed"] = len(convs) - len(todo)
+    if at_budget_end not in ("cut", "finish"):
+        raise ValueError(f"at_budget_end must be 'cut' or 'finish', not {at_budget_end!r}")
     if deadline is None:
         # Similar lengths in one batch waste less padding (and attention span in the batched engine).
         todo.sort(key=lambda c: len(c.user_turns[0]))
     else:
         todo = budget_order(todo, seed)
         stats[NOT_REACHED] = 0
+        stats[CUT] = 0
     kw = dict(max_new_tokens=max_new_tokens, max_turns=max_turns, max_seq_len=max_seq_len,
               temperature=temperature, top_p=top_p, seed=seed, on_long_prompt=on_long_prompt, deadline=deadline)
     if engine == "hf":
         _regenerate_hf(target, todo, out_path, stats, batch_size=batch_size, **kw)
     else:
         _regenerate_batched(target, todo, out_path, stats, max_rows=max_rows, fused=fused, writer=writer,
-                            attention=attention, shared_prefix=shared_prefix, forward=forward, **kw)
+                            attention=attention, shared_prefix=shared_prefix, forward=forward,
+                            at_budget_end=at_budget_end, **kw)
     if writer is not None:
         stats.update({f"fused_{k}": v for k, v in writer.close().items()})
     return stats
@@ -329,7 +338,7 @@ def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path
                         seed: int, on_long_prompt: str, max_rows: int, fused: FusedCacheWriter | None = None,
                         writer: StreamingCacheWriter | None = None, attention: str = "auto",
                         shared_prefix: bool = True, deadline: Deadline | None = None,
-                        forward: str | None = None) -> None:
+                        forward: str | None = None, at_budget_end: str = "cut") -> None:
     tok = target.tokenizer
     budget = min(max_seq_len, target.context_length)
     replies: dict[int, list[str]] = {}
@@ -355,6 +364,7 @@ def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path
                          forward=forward or default_forward(),
                          shared_prefix=shared_prefix)
     bar = tqdm(total=len(jobs), desc="self-distill", unit="conv")
+    cutting = deadline is not None and at_budget_end == "cut"
     last_sync = [time.time()]
     follows: dict[tuple, Job | None] = {}  # a turn's follow-up, decided when the row ended (fused)
     lines: dict[int, str] = {}
@@ -391,6 +401,8 @@ def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path
             stats["response_tokens"] += len(out)
             stats["unfinished_responses"] += int(not fin)
             c = todo[i]
+            if cutting and deadline.passed():  # no later turn past the budget: the conversation ends here
+                return None
             if fin and turn + 1 < min(max_turns, len(c.user_turns)):
                 ids = _turn_prompt(tok, c, turn + 1, replies[i], budget, max_new_tokens, on_long_prompt, stats)
                 if ids is not None:
@@ -419,9 +431,11 @@ def _regenerate_batched(target: Target, todo: list[Conversation], out_path: Path
             return job.key[1] > 0 or not deadline.passed()
 
         dropped = gen.run(jobs, on_done, want=want if fused is not None else None, on_step=_token_ticker(bar, gen),
-                          admit=admit if deadline is not None else None)
+                          admit=admit if deadline is not None else None,
+                          cut=deadline.passed if cutting else None)
         if deadline is not None:
             stats[NOT_REACHED] += len(dropped)
+            stats[CUT] += gen.stats["cut_rows"]
         f.flush()
         os.fsync(f.fileno())
     bar.close()
