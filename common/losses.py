@@ -8,19 +8,30 @@ import torch.nn.functional as F
 
 def hard_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over labels != -100 (0 if there are none)."""
-    valid = labels != -100
-    if not valid.any():
+    if not (labels != -100).any():
         return logits.sum() * 0.0
-    return F.cross_entropy(logits[valid], labels[valid])
+    # ignore_index instead of selecting the valid rows: the same mean, without copying the logits (and scattering
+    # their gradient back) for a batch of rows x vocabulary
+    return F.cross_entropy(logits, labels, ignore_index=-100)
 
 
 def soft_ce(logits: torch.Tensor, teacher_logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Mean over valid rows of -sum_x p_teacher(x) log q(x) (forward KL up to a constant)."""
-    if not valid.any():
+    """Mean over valid rows of -sum_x p_teacher(x) log q(x) (forward KL up to a constant).
+
+    Where most rows are valid (the head kinds' batches), every row is computed and the invalid ones are masked
+    out of the sum: selecting the valid rows would copy [rows, vocabulary] twice and scatter the gradient back
+    (about 12% of a Hydra training step on a 2-core EPYC); where few are, they are selected."""
+    n = int(valid.sum())
+    if n == 0:
         return logits.sum() * 0.0
-    logq = F.log_softmax(logits[valid].float(), dim=-1)
-    p = F.softmax(teacher_logits[valid].float(), dim=-1)
-    return -(p * logq).sum(-1).mean()
+    if 2 * n < valid.numel():
+        logits, teacher_logits, valid = logits[valid], teacher_logits[valid], None
+    logq = F.log_softmax(logits.float(), dim=-1)
+    p = F.softmax(teacher_logits.float(), dim=-1)
+    per_row = -(p * logq).sum(-1)
+    if valid is None:
+        return per_row.mean()
+    return torch.where(valid, per_row, per_row.new_zeros(())).sum() / n
 
 
 @torch.no_grad()
