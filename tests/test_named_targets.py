@@ -91,3 +91,43 @@ def test_the_shipped_file_of_a_named_target_is_its_pinned_gguf(tmp_path, monkeyp
         target_gguf(other, "shipped")
     named = Target(model=None, tokenizer=None, name=t.name, path=targets.converted_path(t), fingerprint="sha256:0")
     assert target_gguf(named, "shipped") == targets.gguf_path(t)
+
+
+def test_a_conversion_parses_each_gguf_file_once_and_restores_the_readers(tmp_path, monkeypatch):
+    """`targets.gguf_parsed_once`: one reader per file, the tensor-name map memoised, the metadata-only parse made
+    once with a copy for each caller (a caller that edits its copy changes no other), all restored afterwards."""
+    import gguf
+    import numpy as np
+    from transformers import modeling_gguf_pytorch_utils as mg
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("tiny.answer", 42)
+    w.add_tensor("token_embd.weight", np.arange(8, dtype=np.float32).reshape(2, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    calls = []
+
+    def counting(p, return_tensors=False, **kw):
+        calls.append(return_tensors)
+        return {"config": {"vocab": ["a", "b"]}, "tensors": {} if return_tensors else None}
+
+    monkeypatch.setattr(mg, "load_gguf_checkpoint", counting)
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with targets.gguf_parsed_once():
+        a = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(tmp_path / "." / "tiny.gguf")) is a
+        assert int(a.fields["tiny.answer"].parts[-1][0]) == 42
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        first = mg.load_gguf_checkpoint(path, return_tensors=False)
+        first["config"]["vocab"].append("edited")
+        second = mg.load_gguf_checkpoint(str(path))
+        assert second == {"config": {"vocab": ["a", "b"]}, "tensors": None} and calls == [False]
+        mg.load_gguf_checkpoint(path, return_tensors=True)  # the weights: the real call, every time
+        assert calls == [False, True]
+    assert gguf.GGUFReader is real_reader and gguf.get_tensor_name_map is real_map
+    assert mg.load_gguf_checkpoint is counting
+    assert gguf.GGUFReader(path) is not a
