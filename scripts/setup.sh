@@ -39,7 +39,7 @@ pipq torch==2.13.0 ninja
 # while the next steps install: 43 s of a 2-core Zen 1 EPYC's CPU that the first data or decoding stage would spend
 # otherwise. A failed build is reported and does not stop the set-up: draftsmith then says why and runs without them.
 NATIVE_LOG="$ROOT/.venv/native_build.log"
-"$VPY" -c "import importlib.util as u; s = u.spec_from_file_location('native_build', 'engine/native.py'); \
+"$VPY" -c "import importlib.util as u; s = u.spec_from_file_location('native_build', '$ROOT/engine/native.py'); \
 m = u.module_from_spec(s); s.loader.exec_module(m); print('ok' if m.native_available() else m.native_status())" \
   > "$NATIVE_LOG" 2>&1 &
 NATIVE_PID=$!
