@@ -40,6 +40,7 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -111,9 +112,20 @@ def _build(cap: str, bf16_dot: bool) -> None:
         if stale is not None and stale.exists():
             log.warning("removing %s, left by a process killed while it loaded the native kernels", stale)
             stale.unlink(missing_ok=True)
-        cpp_extension.load(name=name, sources=[str(p) for p in _SRCS],
-                           extra_cflags=[*cflags, f"-DDRAFTSMITH_HEADERS={digest}"], extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+        # torch runs `ninja` from PATH: the environment's own (setup.sh installs it) first, also when the
+        # environment is not activated (`.venv/bin/draftsmith`), so every build uses one ninja: another
+        # version (a system one) reads the build log as too new or too old and rebuilds everything (43 s on a
+        # Zen 1 EPYC), and a machine without one would run without the kernels
+        path = os.environ.get("PATH", "")
+        own = str(Path(sys.executable).parent)
+        if (Path(own) / "ninja").exists() and path.split(os.pathsep)[0] != own:
+            os.environ["PATH"] = own + os.pathsep + path
+        try:
+            cpp_extension.load(name=name, sources=[str(p) for p in _SRCS],
+                               extra_cflags=[*cflags, f"-DDRAFTSMITH_HEADERS={digest}"], extra_ldflags=["-fopenmp"],
+                               is_python_module=False, verbose=False)
+        finally:
+            os.environ["PATH"] = path
 
 
 def _reason(e: Exception) -> str:
