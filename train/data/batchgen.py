@@ -143,8 +143,7 @@ class BatchGenerator:
         # Where steps of up to ROWS_LINEAR_MAX rows would compile a graph of their own (`FastBatchBody.graph_rows`)
         # and the batch is wider, those steps (the drain at a run's end) run the same step eagerly: on a 2-core Zen 1
         # EPYC that graph cost a ~60-s compile for steps that are a few percent of a run's time.
-        graphs = self.fast.graph_rows(int(max_rows)) if self.fast is not None else []
-        self.eager_rows = ROWS_LINEAR_MAX if len(graphs) > 1 else 0
+        self.eager_rows = eager_rows(self.fast, max_rows)
         self.eos = frozenset(int(e) for e in eos_ids)
         self.max_rows, self.capacity = int(max_rows), int(capacity)
         windows = sliding_windows(model.config)  # within a window, sliding layers attend as full ones do
@@ -464,6 +463,13 @@ class BatchGenerator:
                              "engine's masks do not apply; shorten the prompt or max_new_tokens")
 
 
+def eager_rows(fast, max_rows: int) -> int:
+    """Steps of at most this many rows run the fused step eagerly (`BatchGenerator.eager_rows`): where they would
+    compile a graph of their own beside a wider batch's (``fast``: the `FastBatchBody`, or None), ROWS_LINEAR_MAX."""
+    graphs = fast.graph_rows(int(max_rows)) if fast is not None else []
+    return ROWS_LINEAR_MAX if len(graphs) > 1 else 0
+
+
 def warm_up(model, forward: str, max_rows: int) -> dict:
     """Compile the fused step's graphs that generation with up to ``max_rows`` rows will run
     (`FastBatchBody.graph_rows`, less the small steps `BatchGenerator.eager_rows` runs eagerly), by generating two
@@ -475,8 +481,7 @@ def warm_up(model, forward: str, max_rows: int) -> dict:
     if fast is None or fast.compiled is None:
         return {"seconds": 0.0, "graphs": []}
     t0 = time.perf_counter()
-    sizes = [n for n in fast.graph_rows(max_rows) if n > BatchGenerator(model, (), max_rows=max_rows,
-                                                                         forward=forward).eager_rows]
+    sizes = [n for n in fast.graph_rows(max_rows) if n > eager_rows(fast, max_rows)]
     for n in sizes:
         gen = BatchGenerator(model, (), max_rows=n, capacity=8, forward=forward, shared_prefix=False,
                              admit_rows=n)
