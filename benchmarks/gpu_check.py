@@ -331,7 +331,7 @@ def enumerate_case(target: Target, dec, prompt: list[int], n_new: int, cache_fre
     bound = _bound(spread, n_new, s.temperature)
     # Probabilities in float32 (every dtype but float64; `record_forwards` also keeps a float64 model's rows in
     # float32) round by the kernel that computes them: on an H100 the host's softmax against the device's gave
-    # TV 1.7e-8 on bf16 rows (run 1, docs/results.md §23), on the device 1.3e-16; float32-kept float64 rows 6.5e-8.
+    # TV 1.7e-8 on bf16 rows (run 1, docs/results-log.md §23), on the device 1.3e-16; float32-kept float64 rows 6.5e-8.
     # 1e-6 bounds such rounding, three orders under what a lossy rule gives (> 1e-3).
     bound = max(bound, 1e-6)
     out = {"outcomes": len(got), "mass": round(sum(got.values()), 12), "tv_own": tv_own, "bound": bound,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Standalone-drafter figures on the default target (docs/results.md sections 5 and 6, docs/rdk.md): divergences side
+# Standalone-drafter figures on the default target (docs/results-log.md sections 5 and 6, docs/rdk.md): divergences side
 # by side, kept-vocabulary sizes with and without RDK, ours vs HF assisted generation with the same drafter,
 # the HF export's greedy equality, a drafter with its own tokenizer. All variants train on the same data and
 # for the same steps (the recipes' shared_data directory, runs/standalone-data).
@@ -20,7 +20,7 @@ for k in 0.50 0.25 0.10 0.05; do $DS run standalone-pruned name=sp-${k#0.} draft
 # Offline alpha on the 80 MT-Bench first-turn answers of the target (held-out cache), renormalised vs RDK:
 #   expected_acceptance / expected_acceptance_rdk in runs/sp-*/report.md and runs/sa-*/report.md
 
-# 4. Decoding tables (one interleaved run each; docs/results.md section 5). Every drafter side by
+# 4. Decoding tables (one interleaved run each; docs/results-log.md section 5). Every drafter side by
 #    side with HF assisted generation at the same K, greedy and T=1 (~55 min at 1 thread); draft time per
 #    drafted token by kept size (~5 min); the RDK map constructions and their ceilings (~12 min).
 $PY -m benchmarks.standalone_table runs/sa-fkl/final runs/sa-rkl/final runs/sa-tvd/final runs/sa-jsd/final \
@@ -34,7 +34,7 @@ $PY -m benchmarks.rdk_probe runs/sp-05/final --data runs/standalone-data \
 $DS export runs/sa-fkl/final --to hf --out runs/sa-fkl-hf
 $PY -m benchmarks.standalone_table runs/sa-fkl/final --hf-export runs/sa-fkl-hf --prompts 80 \
     --max-new-tokens 128 --temperature 0 --out runs/standalone-hf-greedy
-# 6. A standalone drafter that pays off: the same recipe on the hydra-xl data (docs/results.md section 2), K=1..3.
+# 6. A standalone drafter that pays off: the same recipe on the hydra-xl data (docs/results-log.md section 2), K=1..3.
 $DS run standalone-pruned name=sp-xl shared_data=runs/hydra-xl-data drafter.vocab_keep=0.05 \
     drafter.divergence=jsd train.max_steps=1000 threads=1
 $PY -m benchmarks.standalone_table runs/sp-xl/final --hf-assisted --no-rdk --draft-len 1 2 3 --prompts 12 \

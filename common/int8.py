@@ -48,7 +48,7 @@ class Int8Linear(nn.Module):
 
 #: the dtypes whose drafting defaults to int8 weights on a CPU. Not float32: ATen's weight-only int8 product in
 #: float32 takes 3.56 ms for the 8192 x 576 draft head at one row against 0.52 ms for the dense float32 product
-#: (bf16: 0.30 against 0.69), 2 threads, the AMX Xeon of docs/results.md section 38
+#: (bf16: 0.30 against 0.69), 2 threads, the AMX Xeon of docs/results-log.md section 38
 INT8_DTYPES = (torch.bfloat16, torch.float16)
 
 

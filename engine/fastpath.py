@@ -653,7 +653,7 @@ class FastBody(torch.nn.Module):
         if attn == "block" and self.dynamic_blocks:
             # one graph for every block bucket (4, 8, 16 rows): their products are the native kernels' (no GEMM to
             # specialise on the rows) and their attention the block kernel's. On a 2-core AVX2 EPYC (Zen 1) this
-            # saved a ~55-s compile a bucket, the step costs the same (benchmarks.step_cost, docs/results.md §43)
+            # saved a ~55-s compile a bucket, the step costs the same (benchmarks.step_cost, docs/results-log.md §43)
             for t in (ids, pos, slots, cos, sin, a[0]):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(a[1], 0)

@@ -18,7 +18,7 @@ Measured on a 2-core Xeon with AMX (bf16, 9 query / 3 key-value heads of 64, one
 of 40-300 slots, the kernel 0.64 ms, masked SDPA 1.74 ms; 96 rows of 100-700 slots, masked SDPA 3.8 ms, one SDPA
 call per row 4.7 ms. With 30 layers' caches read in turn, as a decode step reads them (the same 96 rows,
 `python -m benchmarks.attention_bench --compare-source`): bf16 1.19-1.23 ms a layer before the dot product and
-its prefetching, 1.04-1.08 ms after (float32 unchanged, 1.73 ms; docs/results.md §21).
+its prefetching, 1.04-1.08 ms after (float32 unchanged, 1.73 ms; docs/results-log.md §21).
 
 The op is a ``torch.library`` custom op, opaque to ``torch.compile``: a compiled decode step calls it as one
 node and never specialises on the rows' lengths.

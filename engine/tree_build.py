@@ -84,7 +84,7 @@ def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int 
     cached prefix, relative to plain decoding's 1-row forward, on this machine: the median over ``repeats``
     rounds of each round's ratio (every size timed once a round, back to back, so that the machine's speed,
     which drifts by 20-30% within minutes on a shared host, cancels out of each ratio; a ratio of medians taken
-    apart did not: docs/results.md §39.4). Measure with the layout decoding will use
+    apart did not: docs/results-log.md §39.4). Measure with the layout decoding will use
     (`draftsmith.engine.cpu_layout`).
 
     What a node costs depends on the hardware: on a GPU 64 rows cost about what 1 costs, on a 2-core

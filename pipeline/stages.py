@@ -58,7 +58,7 @@ class EmptyDatasetError(ValueError):
 #: SuffixDecoding's settings in the bench stage: the defaults with eval's and serve's score gate of 2 (DECISIONS),
 #: and drafts of at most 7 tokens, so that the 8-row graph the trees stage compiled verifies them: a 24-token
 #: draft needs the 32-row graph, 64 s of compiling in the quickstart, for no gain (20 MT-Bench first turns x 64,
-#: qs-big's index: tau 1.36 alone and 1.91-1.92 beside the heads either way; docs/results.md §21)
+#: qs-big's index: tau 1.36 alone and 1.91-1.92 beside the heads either way; docs/results-log.md §21)
 BENCH_SUFFIX = SuffixConfig(min_score=2.0, max_spec_tokens=7)
 
 
@@ -502,7 +502,7 @@ def stage_trees(recipe: Recipe, target: Target, ckpt: Path, cost_target: Target 
     trees["plain_step_ms"] = round(med[1] * 1e3, 2)
     trees["draft_cost_ms"] = {k: round(v * 1e3, 2) for k, v in dc.items()}
     # The calibration split is the training data's distribution, which the drafter predicts better than the
-    # bench's prompts (docs/results.md §40.3: forecast tau 0.87-0.93 of the bench's). The same trees are
+    # bench's prompts (docs/results-log.md §40.3: forecast tau 0.87-0.93 of the bench's). The same trees are
     # forecast again on the held-out MT-Bench answers the report reads: a forecast only, never a choice.
     held_dir = recipe.out / "cache" / "heldout"
     if (held_dir / "index.json").exists():
@@ -572,7 +572,7 @@ FORECAST_MIN_SEQUENCES = 8  # held-out sequences under which the trees' forecast
 
 def forecast_warning(source: dict) -> str | None:
     """What to say when the trees stage's acceptance comes from too few held-out sequences to forecast from (2
-    sequences of memorised data forecast tau 3.00 where 1.24 was measured, docs/results.md §33.8); else None."""
+    sequences of memorised data forecast tau 3.00 where 1.24 was measured, docs/results-log.md §33.8); else None."""
     n = int(source.get("sequences", 0))
     if n >= FORECAST_MIN_SEQUENCES:
         return None

@@ -176,7 +176,7 @@ def test_int8_drafting_is_exact_and_greedy_equal(monkeypatch):
 
 
 def test_int8_is_the_default_in_bf16_and_fp16_not_float32():
-    """ATen's weight-only int8 product is the slower one in float32 on a CPU (docs/results.md section 38): drafting
+    """ATen's weight-only int8 product is the slower one in float32 on a CPU (docs/results-log.md section 38): drafting
     there keeps the dense weights unless asked."""
     from draftsmith.common.int8 import int8_by_default
 

@@ -51,7 +51,7 @@ def _launch(prepared, config, extra_env=None, extra_args=()):
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
             # a launch can hang on 2 cores, one worker waiting in a collective for a peer that never joined
-            # (docs/results.md §21): once is retried, a second hang is a failure, with both outputs
+            # (docs/results-log.md §21): once is retried, a second hang is a failure, with both outputs
             if attempt == 2:
                 pytest.fail(f"accelerate launch hung twice (300 s each); last stdout:\n{out[-2000:]}\n"
                             f"stderr:\n{err[-2000:]}")

@@ -1,7 +1,7 @@
 """Our server and vLLM's OpenAI server, the same requests: runs only where vLLM's environment exists (.venv-vllm;
 CI does not build it, and vLLM's start-up alone takes minutes on a CPU, beyond a CI budget). The real target,
 served plainly by both in float32: the greedy requests give the same text and the same fields, the malformed
-ones are refused by us with 400/404 (vLLM accepts some of them: the table in docs/results.md)."""
+ones are refused by us with 400/404 (vLLM accepts some of them: the table in docs/results-log.md §13)."""
 
 import pytest
 

@@ -83,7 +83,7 @@ def test_saved_index_loads_back_for_its_target_only(tiny_target, tmp_path):
 
 def test_the_quickstart_bench_verifies_suffix_drafts_in_the_graph_the_trees_stage_compiled():
     """The bench stage's SuffixDecoding drafts fit the row bucket of the recipe's largest tree: a longer draft
-    would compile another graph (a minute of the quickstart's budget; results §21)."""
+    would compile another graph (a minute of the quickstart's budget; results-log §21)."""
     from pathlib import Path
 
     from draftsmith.pipeline.stages import BENCH_SUFFIX

@@ -1,6 +1,6 @@
 """EAGLE-3 drafting as static-shape functions compiled with inductor, for decoders whose target forward is compiled.
 
-Eager EAGLE-3 drafting costs 10-12 ms a decoding step on a 2-core Xeon with AMX in bf16 (docs/results.md §17),
+Eager EAGLE-3 drafting costs 10-12 ms a decoding step on a 2-core Xeon with AMX in bf16 (docs/results-log.md §17),
 against a 15 ms target step: per call a few products of one to a few rows each, the prefix keys concatenated
 again, and Python around them. Here the same math runs as two compiled functions with the drafter's weights frozen
 into them (inductor packs them once, as for the target in `draftsmith.engine.fastpath`), over one pre-allocated

@@ -17,7 +17,7 @@ once, as for the target in `draftsmith.engine.fastpath`):
 
 On CPU the heads' linear layers (the prefix layer's, the heads' and the draft LM head) default to weight-only
 int8 (`draftsmith.common.int8`): after the target's forward has streamed its weights, the drafter's come from DRAM
-again, and reading half the bytes is what makes drafting cheaper (docs/results.md §16.5).
+again, and reading half the bytes is what makes drafting cheaper (docs/results-log.md §16.5).
 
 The drafter's numbers only shape q; verification is exact whatever q is, so compiled or int8 drafting changes
 which tokens are drafted, never the output's distribution (tests/test_hydra_fast.py checks the compiled logits

@@ -4,7 +4,7 @@ SuffixDecoding drafts from earlier responses of the same model. A server builds 
 a data stage has already written one: the target's greedy answers to thousands of prompts (data/train.jsonl). A
 small model answers in stock phrases ("Here's a ...", list scaffolding, code idioms) that recur across prompts,
 so an index of those answers drafts on prompts it never saw. Measured on the 20 MT-Bench first turns of the
-Xeon AMX (docs/results.md §20): SuffixDecoding alone went from 1.07x our plain decoding with an index of the run's
+Xeon AMX (docs/results-log.md §20): SuffixDecoding alone went from 1.07x our plain decoding with an index of the run's
 own earlier answers to 1.51x with the data's 665k tokens indexed.
 
 Each assistant reply is indexed as the training cache holds it (`sequence_from_line`: the chat template rendered,
