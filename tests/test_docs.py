@@ -1,11 +1,14 @@
 """The front door stays readable and honest: the README is a user's guide of at most 250 lines whose results are at
 most 8 rows, each naming its machine, date and the results section with the command; every section of
-docs/results.md names its machine and date and every table there what reproduces it; and no shipped file names
-a development machine's paths."""
+docs/results.md (today's figures by topic) and of docs/results-log.md (every measurement by date) names its machine
+and date and every table there what reproduces it; every reference to a section of either page, and every link
+into one, names a section that exists; and no shipped file names a development machine's paths."""
 
 import re
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # a development machine's paths: a workspace, a home, or a named temporary directory (mktemp templates are fine)
@@ -58,9 +61,11 @@ def results_sections_missing(text: str) -> list[str]:
     return missing
 
 
-def test_every_results_section_names_machine_date_and_command():
-    """docs/results.md: every numbered section names its machine and date, and every table has what reproduces it."""
-    missing = results_sections_missing((ROOT / "docs" / "results.md").read_text())
+@pytest.mark.parametrize("page", ["results.md", "results-log.md"])
+def test_every_results_section_names_machine_date_and_command(page):
+    """docs/results.md and docs/results-log.md: every numbered section names its machine and date, and every table
+    has what reproduces it."""
+    missing = results_sections_missing((ROOT / "docs" / page).read_text())
     assert not missing, "\n".join(missing)
 
 
@@ -102,3 +107,84 @@ def test_the_path_check_can_fail():
     assert DEV_PATH.search("written to /tmp/tmpab12/out.json")
     assert not DEV_PATH.search("SITE=$(mktemp -d /tmp/draftsmith_site.XXXX)")
     assert not DEV_PATH.search("runs/quickstart/final")
+
+
+# A reference to a results section: "results-log §40.1", "docs/results-log.md §17-18", "results-log §34.1, §36",
+# "docs/results-log.md sections 5 and 6" name sections of the dated log; "results §3", "docs/results.md §12" name
+# topics of docs/results.md. Every number in the list (both ends of a range) must be a section of its page.
+_NUM = r"\d+(?:\.\d+)?"
+_ITEM = rf"§\s?{_NUM}(?:\s?-\s?§?{_NUM})?"
+_LIST = rf"(?:{_ITEM}(?:(?:,\s*|\s+and\s+){_ITEM})*|sections?\s+{_NUM}(?:\s+and\s+{_NUM})*)"
+LOG_REF = re.compile(rf"\bresults-log(?:\.md)?\s+({_LIST})")
+RESULTS_REF = re.compile(rf"(?<![\w/.-])(?:docs/)?results(?:\.md)?\s+({_LIST})")
+# a markdown link into either page with an anchor: (docs/results.md#3-the-quickstart...), (results-log.md#401-...)
+PAGE_LINK = re.compile(r"\]\((?:\.\./)?(?:docs/)?(results(?:-log)?\.md)#([^)\s]+)\)")
+
+
+def section_numbers(text: str) -> set[str]:
+    """The numbers of a page's numbered sections: "## 16. Title" gives 16, "### 40.1 Title" gives 40.1."""
+    return {m.group(1) for m in re.finditer(r"^#{2,3} (\d+(?:\.\d+)?)\.?\s", text, re.M)}
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens, a repeated
+    anchor numbered -1, -2, ..."""
+    anchors, seen = set(), {}
+    for m in re.finditer(r"^#{1,6} (.+?)\s*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(f"{slug}-{n}" if n else slug)
+    return anchors
+
+
+def references_missing(text: str, log_sections: set[str], topics: set[str],
+                       anchors: dict[str, set[str]] | None = None) -> list[str]:
+    """What a text cites that does not exist: a results-log section, a docs/results.md topic, or (where the pages'
+    anchors are given) a link's anchor into either page."""
+    bad = []
+    for pattern, known, page in ((LOG_REF, log_sections, "results-log"), (RESULTS_REF, topics, "results")):
+        for m in pattern.finditer(text):
+            bad += [f"{page} §{n} ({m.group(0)!r})" for n in re.findall(_NUM, m.group(1)) if n not in known]
+    for m in PAGE_LINK.finditer(text):
+        if anchors is not None and m.group(2) not in anchors[m.group(1)]:
+            bad.append(f"{m.group(1)}#{m.group(2)}")
+    return bad
+
+
+def test_every_reference_to_a_results_section_exists():
+    """Code comments, recipes, tests, docs and the CHANGELOG cite the dated log by its stable section numbers and the
+    topic page by its topics: each cited section, and each linked anchor, exists."""
+    log = (ROOT / "docs" / "results-log.md").read_text()
+    topics_page = (ROOT / "docs" / "results.md").read_text()
+    log_sections, topics = section_numbers(log), section_numbers(topics_page)
+    anchors = {"results-log.md": heading_anchors(log), "results.md": heading_anchors(topics_page)}
+    assert {"1", "16.4", "40.1", "44"} <= log_sections and {"1", "3"} <= topics
+    bad = []
+    for p in _shipped_files():
+        try:
+            text = p.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        bad += [f"{p.relative_to(ROOT)}: {b}" for b in references_missing(text, log_sections, topics, anchors)]
+    assert not bad, "\n".join(bad[:20])
+
+
+def test_the_reference_check_can_fail():
+    log, topics = section_numbers("## 2. A\n\n### 2.1 B\n\n## 40. C\n\n### 40.1 D\n"), {"1", "3"}
+    assert log == {"2", "2.1", "40", "40.1"}
+    ok = "results-log §2.1, §40 and results-log.md §40.1; docs/results-log.md sections 2 and 40; results §3"
+    assert references_missing(ok, log, topics) == []
+    assert references_missing("see results-log §40.2 (2026-11-29)", log, topics) == [
+        "results-log §40.2 ('results-log §40.2')"]
+    assert references_missing("docs/results-log.md §2-5", log, topics) == ["results-log §5 ('results-log.md §2-5')"]
+    assert references_missing("(docs/results.md §7)", log, topics) == ["results §7 ('docs/results.md §7')"]
+    assert references_missing("the old results §44)", log, topics) == ["results §44 ('results §44')"]
+    anchors = {"results.md": heading_anchors("# R\n\n## 3. The quickstart, from a `fresh` clone\n"),
+               "results-log.md": heading_anchors("## 40.1 The quickstart\n\n## 40.1 The quickstart\n")}
+    assert anchors == {"results.md": {"r", "3-the-quickstart-from-a-fresh-clone"},
+                       "results-log.md": {"401-the-quickstart", "401-the-quickstart-1"}}
+    good = "[t](docs/results.md#3-the-quickstart-from-a-fresh-clone), [l](results-log.md#401-the-quickstart-1)"
+    assert references_missing(good, log, topics, anchors) == []
+    assert references_missing("[l](../docs/results-log.md#40-gone)", log, topics, anchors) == [
+        "results-log.md#40-gone"]
