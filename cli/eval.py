@@ -33,7 +33,7 @@ from draftsmith.checkpoint import command_line, environment, read_manifest, reso
 from draftsmith.cli.shared import add_dtype_arg, add_suffix_args, load_target_as, suffix_config
 from draftsmith.engine.capabilities import capabilities
 from draftsmith.engine.cpu_layout import apply_cpu_layout
-from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
+from draftsmith.engine.fastpath import add_forward_arg, decode_dtype, use_fast_forward
 from draftsmith.engine.drafters import SelfDrafter
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.tree_build import TREES, parse_tree
@@ -152,6 +152,7 @@ class Loaded:
     layout: dict | None
     forward: dict
     plain_targets: tuple = ()  # the target in other dtypes, each timed as plain decoding only
+    dtype_reason: str | None = None  # why decoding runs in this dtype, where `decode_dtype` chose it
 
 
 def load_for_eval(a: argparse.Namespace) -> Loaded:
@@ -169,6 +170,12 @@ def load_for_eval(a: argparse.Namespace) -> Loaded:
             target_name = t["path"] if Path(t["path"]).exists() else t["name"]
         dtype = dtype or (manifest.get("recipe") or {}).get("dtype")
     target_name = target_name or "smollm2-135m-instruct"
+    reason = None
+    if dtype == "auto":  # decoding's auto: float32 for a target that ships as a low-bit GGUF file (packed weights)
+        choice = decode_dtype(dtype, target_name, default_device(a.device), a.forward)
+        if choice.dtype == torch.float32:
+            print(f"target dtype float32 ({choice.reason})")
+            dtype, reason = "float32", choice.reason
     target = load_target_as(target_name, dtype, default_device(a.device))
     drafters = []
     for c in ckpts:
@@ -211,7 +218,7 @@ def load_for_eval(a: argparse.Namespace) -> Loaded:
             other = load_target_as(target_name, "float32", target.model.device)
             prepare_plain_target(other, a.forward, a.cpu_layout)
             others.append(other)
-    return Loaded(target, drafters, dtype, layout, forward, tuple(others))
+    return Loaded(target, drafters, dtype, layout, forward, tuple(others), reason)
 
 
 def run_name(checkpoint: str | Path) -> str:
@@ -300,7 +307,7 @@ def evaluate(a: argparse.Namespace, loaded: Loaded, prompts: list, out: str | Pa
                              drafter_compile_s={d.name: round(getattr(d, "compile_s", 0.0), 1) for d, _ in drafters})
     config["target"] = {"name": target.name, "path": str(target.path), "fingerprint": target.fingerprint,
                         "dtype": dtype_name(target.dtype),
-                        "dtype_reason": resolve_dtype(dtype, target.model.device).reason}
+                        "dtype_reason": loaded.dtype_reason or resolve_dtype(dtype, target.model.device).reason}
     config["out"], config["prompts_decoded"] = str(out), len(prompts)
     config["prompt_set"] = described or (f"prompts of {a.prompts_file}" if a.prompts_file else "MT-Bench first turns")
     report = write_report(out, runs, config, command_line(), environment())

@@ -72,19 +72,24 @@ def run(args: argparse.Namespace) -> int:
             elif not link.is_symlink():
                 raise ValueError(f"{link} exists and is not a link to shared_data {shared}: move it away first")
     t_all = time.time()
-    choice = resolve_dtype(recipe.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    choice = resolve_dtype(recipe.dtype, device)
     if recipe.dtype == "auto":
         print(f"dtype auto: {choice.name} ({choice.reason})")
+    decode = pipeline.decode_choice(recipe, device)  # the trees' step costs and the bench decode in this one
+    if decode.name != choice.name and any(st in args.stages for st in ("trees", "bench")):
+        print(f"decoding dtype (trees' step costs, bench): {decode.name} ({decode.reason})")
     loaded: dict[str, object] = {}
 
     def target_for(st: str, keep: bool = False):
-        """The target in the recipe's dtype, or in float32 for `FP32_STAGES`; loaded when a stage first needs
-        that dtype (the other one is let go first, one copy in memory at a time, unless ``keep``)."""
-        want = "float32" if st in FP32_STAGES else choice.name
+        """The target in the recipe's dtype (data, cache), in float32 for `FP32_STAGES`, in the decoding dtype for
+        the bench; loaded when a stage first needs that dtype (the other one is let go first, one copy in memory
+        at a time, unless ``keep``)."""
+        want = "float32" if st in FP32_STAGES else decode.name if st == "bench" else choice.name
         if want not in loaded:
-            if want != choice.name:
+            if st in FP32_STAGES and want != choice.name:
                 print(f"{st}: the target in float32 (training reads it so; the recipe's dtype {choice.name} is "
-                      f"for data, cache, the trees' step costs and bench)")
+                      f"for data and cache, {decode.name} for the trees' step costs and bench)")
             if not keep:
                 loaded.clear()
             loaded[want] = target_of(recipe, want)
@@ -141,10 +146,10 @@ def run(args: argparse.Namespace) -> int:
             pipeline.stage_report(recipe, target, ckpt)
             print((recipe.out / "report.md").read_text())
         elif st == "bench":
-            # plain decoding in float32 too where the recipe decodes in another dtype: the fastest plain decoding on
-            # this machine may be a dtype the drafters do not run in (the float32 model trees/train loaded is reused)
+            # plain decoding in the run's other dtype too (float32, or the data's dtype where decoding runs in float32):
+            # the fastest plain decoding on this machine may be a dtype the drafters do not run in
             others = tuple(loaded[d] if d in loaded else target_of(recipe, d) for d in pipeline.plain_dtypes(
-                recipe, choice.name, "cuda" if torch.cuda.is_available() else "cpu"))
+                recipe, decode.name, device, choice.name))
             b = pipeline.stage_bench(recipe, target, ckpt, plain_targets=others)
             print(f"decoding {b['prompts']} MT-Bench first turns, {b['max_new_tokens']} new tokens, greedy "
                   f"(interleaved, this machine; plain (ours) and the drafters in {b['dtype']}):")

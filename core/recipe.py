@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator
 
 from draftsmith import registry
 from draftsmith.schema import StrictModel
@@ -175,11 +175,18 @@ class EvalConfig(StrictModel):
                                 "of these types (shipped = the file the default or a named target ships as, Q4_1 "
                                 "and Q4_K_M; f32, bf16, q8_0, q4_1, ... converted from the target) when a llama.cpp "
                                 "build exists (scripts/llamacpp_env.sh); [] = never. Every speedup then names it too")
-    plain_float32: Optional[bool] = Field(
-        None, description="also time our plain decoding in float32 when the recipe's dtype is another one, so the "
-        "table holds the fastest plain decoding on the machine: a target dequantised from a GGUF file decodes its "
-        "float32 weights from their packed 4/8-bit blocks, which on one row can beat bf16 (costs one more compiled "
-        "1-row graph). None (auto): on a CPU whenever the dtype is not float32; true: always; false: never")
+    dtype: Optional[Literal["auto", "float32", "bfloat16", "float16"]] = Field(
+        None, description="the dtype the trees stage's step costs and the bench's decoding run the target in. None: "
+        "the recipe's dtype, where `auto` then means float32 on a CPU for a target that ships as a low-bit GGUF file "
+        "(decoding reads its packed 4/8-bit blocks, fewer bytes a step than bf16; "
+        "`draftsmith.engine.fastpath.decode_dtype`) and the recipe's choice otherwise; data and cache keep the "
+        "recipe's dtype")
+    plain_other_dtype: Optional[bool] = Field(
+        None, validation_alias=AliasChoices("plain_other_dtype", "plain_float32"),
+        description="also time our plain decoding in the other dtype of the run (float32, or the recipe's dtype "
+        "where decoding runs in float32) when the two differ, so the table holds the fastest plain decoding on the "
+        "machine (costs one more compiled 1-row graph). None (auto): on a CPU; true: always; false: never. "
+        "`plain_float32` is its former name")
     suffix_from_data: bool = Field(
         False, description="also bench SuffixDecoding alone and beside the trained drafter (the hybrid), its global "
         "index seeded with the training split's answers (data/train.jsonl; the held-out MT-Bench answers never), "

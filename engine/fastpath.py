@@ -51,6 +51,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -64,6 +65,7 @@ from draftsmith.engine.kvcache import KVCache
 from draftsmith.engine.native import (block_for, contiguous_slots, decode_linear, native_for, ragged_block_attention,
                                      ragged_decode_attention, ragged_prefill_attention, rows_linear_dtypes)
 from draftsmith.recipe import default_forward
+from draftsmith.target import DtypeChoice, resolve_dtype
 from draftsmith.targets import shipped_gguf
 
 log = logging.getLogger(__name__)
@@ -733,6 +735,33 @@ def shared_core(model) -> _Core | None:
     """The fused weights of the `FastBody` that `use_fast_forward` put on ``model``'s target, for the batched step
     to run the same step on the same weights (one copy in memory); None if there is none."""
     return _shared_cores.get(model)
+
+
+FULL_WIDTH_GGUF = ("f32", "f16", "bf16")
+
+
+def decode_dtype(dtype: str | None, target: str, device: str = "cpu", forward: str = "compile") -> DtypeChoice:
+    """The dtype one-at-a-time decoding (the trees' step costs, the bench, `draftsmith eval`) runs ``target`` in
+    for a recipe's or the command line's ``dtype``: `resolve_dtype`'s choice, except that ``auto`` on a CPU gives
+    float32 where the target ships as a low-bit GGUF file (the default target's Q4_1, the named ones' Q4_K_M),
+    decoding uses our forward (``fast`` or ``compile``) and the native kernels build: a float32 step then reads
+    the file's packed 4/8-bit blocks with the float32 model's arithmetic (`FastBody.pack_weights`; 115 MB a step
+    for the default target against 270 MB in bf16), which measured faster than bf16 at every verification width
+    on a CPU with AVX512_BF16 and no AMX (1 row 9.5 against 19.1 ms, 16 rows 31.9 against 49.1 ms on a 2-core
+    Zen 5 EPYC) and at up to 4 rows on a Xeon with AMX (docs/results-log.md §45). ``auto`` still means bf16 for the
+    data engine's wide batched steps, which `resolve_dtype` decides."""
+    choice = resolve_dtype(dtype, device)
+    if dtype != "auto" or torch.device(device).type != "cpu" or choice.dtype == torch.float32 or forward == "eager":
+        return choice
+    spec = str(target)
+    shipped = shipped_gguf(spec, spec if Path(spec).is_dir() else None)
+    if shipped is None or shipped[1].lower() in FULL_WIDTH_GGUF:
+        return choice
+    if os.environ.get("DRAFTSMITH_PACKED", "1") == "0" or torch.float32 not in rows_linear_dtypes():
+        return choice
+    return DtypeChoice(torch.float32, "float32", f"auto: decoding reads the {shipped[1].upper()} file the target "
+                       "ships as from its packed blocks in float32, fewer bytes a step than bf16 (the data engine's "
+                       f"batched steps stay in {choice.name})")
 
 
 def add_forward_arg(ap, default: str | None = None) -> None:

@@ -31,7 +31,7 @@ from draftsmith.eval.suffix import suffix_methods, suffix_stats
 from draftsmith.drafters.suffix import SuffixConfig
 from draftsmith.train.data.suffix_seed import save_index_from_data
 from draftsmith.engine.cpu_layout import apply_cpu_layout
-from draftsmith.engine.fastpath import use_fast_forward
+from draftsmith.engine.fastpath import decode_dtype, use_fast_forward
 from draftsmith.checkpoint import drafter_from_checkpoint
 from draftsmith.eval.head_accuracy import head_accuracy
 from draftsmith.eval.mtbench import mtbench_prompts
@@ -40,7 +40,7 @@ from draftsmith.engine.tree_build import (add_heldout_forecast, build_trees, mea
                                           parse_tree, save_trees)
 from draftsmith.common.chunks import calibration_split
 from draftsmith.recipe import Recipe
-from draftsmith.target import Target, dtype_name
+from draftsmith.target import DtypeChoice, Target, dtype_name
 from draftsmith.train.data import generate, remote, sources
 from draftsmith.common.hidden_cache import HiddenCache
 from draftsmith.train.data.cache import build_cache, merge_caches
@@ -631,13 +631,21 @@ def forecast_vs_measured(figures: dict, ckpt: Path, specs: list[str], name: str)
     return out
 
 
-def plain_dtypes(recipe: Recipe, dtype: str, device: str = "cpu") -> list[str]:
-    """The other dtypes the bench stage times plain decoding in, besides ``dtype`` (the recipe's, resolved):
-    float32 where ``eval.plain_float32`` asks for it (None: on a CPU whenever ``dtype`` is another one)."""
-    want = recipe.eval.plain_float32
+def decode_choice(recipe: Recipe, device: str = "cpu") -> DtypeChoice:
+    """The dtype the trees stage's step costs and the bench's decoding run the target in: ``eval.dtype``, else
+    the recipe's ``dtype``, each through `decode_dtype` (``auto`` on a CPU: float32 for a target that ships as a
+    low-bit GGUF file)."""
+    return decode_dtype(recipe.eval.dtype or recipe.dtype, recipe.target, device, recipe.eval.forward)
+
+
+def plain_dtypes(recipe: Recipe, dtype: str, device: str = "cpu", data_dtype: str | None = None) -> list[str]:
+    """The other dtypes the bench stage times plain decoding in, besides ``dtype`` (the one decoding runs in,
+    resolved): float32 and the recipe's data dtype ``data_dtype`` (resolved), those of them that are not
+    ``dtype``, where ``eval.plain_other_dtype`` asks for them (None: on a CPU)."""
+    want = recipe.eval.plain_other_dtype
     if want is None:
         want = device == "cpu"
-    return ["float32"] if want and dtype != "float32" else []
+    return [d for d in dict.fromkeys(("float32", data_dtype or dtype)) if d != dtype] if want else []
 
 
 def stage_suffix_index(recipe: Recipe, target: Target) -> dict:

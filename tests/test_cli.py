@@ -132,18 +132,25 @@ def test_trees_measure_step_costs_in_the_decoding_dtype(tmp_path, tiny_dir, caps
     assert all(any(x["baseline"] == fastest for x in m["speedup"]) for m in ms.values())
 
 
-def test_bench_times_plain_float32_only_when_asked(tmp_path, tiny_dir):
-    """eval.plain_float32: None times float32 plain decoding beside another dtype on a CPU, false never, and a
-    float32 recipe never twice."""
-    from draftsmith.pipeline.stages import plain_dtypes
+def test_bench_times_plain_in_the_other_dtype_only_when_asked(tmp_path, tiny_dir):
+    """eval.plain_other_dtype: None times plain decoding on a CPU in float32 beside bf16 decoding, and in the data's
+    bf16 beside float32 decoding; false never; a float32 run never twice. Its former name still reads."""
+    from draftsmith.pipeline.stages import decode_choice, plain_dtypes
     from draftsmith.recipe import Recipe
     base = {"name": "x", "target": str(tiny_dir), "drafter": {"kind": "medusa"}}
     r = Recipe.model_validate(base)
     assert plain_dtypes(r, "bfloat16") == ["float32"] and plain_dtypes(r, "float32") == []
+    assert plain_dtypes(r, "float32", "cpu", "bfloat16") == ["bfloat16"]
+    assert plain_dtypes(r, "bfloat16", "cpu", "bfloat16") == ["float32"]
     assert plain_dtypes(r, "bfloat16", "cuda") == []
-    off = Recipe.model_validate({**base, "eval": {"plain_float32": False}})
+    off = Recipe.model_validate({**base, "eval": {"plain_other_dtype": False}})
     on = Recipe.model_validate({**base, "eval": {"plain_float32": True}})
-    assert plain_dtypes(off, "bfloat16") == [] and plain_dtypes(on, "bfloat16", "cuda") == ["float32"]
+    assert on.eval.plain_other_dtype is True
+    assert plain_dtypes(off, "float32", "cpu", "bfloat16") == [] and plain_dtypes(on, "bfloat16", "cuda") == ["float32"]
+    # a local directory ships no GGUF file: decoding keeps the recipe's dtype; eval.dtype beats it
+    assert decode_choice(Recipe.model_validate({**base, "dtype": "bfloat16"})).name == "bfloat16"
+    assert decode_choice(Recipe.model_validate({**base, "dtype": "bfloat16", "eval": {"dtype": "float32"}})).name == \
+        "float32"
 
 
 def test_the_data_stage_alone_fills_eagle3s_layers_from_the_target(tmp_path, capsys):

@@ -250,6 +250,34 @@ def test_auto_reads_proc_cpuinfo(monkeypatch):
     assert resolve_dtype("auto", "cpu").dtype == torch.float32
 
 
+def test_decoding_auto_is_float32_for_a_target_shipped_as_low_bit_gguf(monkeypatch, tmp_path):
+    """`decode_dtype`: auto on a CPU with native bf16 decodes a target that ships as a low-bit GGUF file in float32
+    (its packed blocks), and keeps bf16 for one shipped full width, for any other directory, for the model's own
+    forward, without the packed path, or when bf16 is asked for by name."""
+    from draftsmith import target as target_mod
+    from draftsmith.engine import fastpath
+
+    monkeypatch.setattr(target_mod, "cpuinfo_flags", lambda: {"avx2", "avx512_bf16"})
+    monkeypatch.setattr(fastpath, "rows_linear_dtypes", lambda: frozenset({torch.float32}))
+    shipped = {"smollm2-135m-instruct": (tmp_path / "t.gguf", "q4_1"), "wide": (tmp_path / "w.gguf", "bf16")}
+    monkeypatch.setattr(fastpath, "shipped_gguf", lambda name, path=None: shipped.get(name))
+    got = fastpath.decode_dtype("auto", "smollm2-135m-instruct")
+    assert got.dtype == torch.float32 and "Q4_1" in got.reason and "bfloat16" in got.reason
+    assert fastpath.decode_dtype("auto", "wide").dtype == torch.bfloat16
+    assert fastpath.decode_dtype("auto", str(tmp_path)).dtype == torch.bfloat16  # a local directory: no shipped file
+    assert fastpath.decode_dtype("auto", "smollm2-135m-instruct", forward="eager").dtype == torch.bfloat16
+    assert fastpath.decode_dtype("bfloat16", "smollm2-135m-instruct").dtype == torch.bfloat16
+    assert fastpath.decode_dtype("auto", "smollm2-135m-instruct", device="cuda").dtype != torch.float32 or \
+        not torch.cuda.is_available()
+    monkeypatch.setenv("DRAFTSMITH_PACKED", "0")
+    assert fastpath.decode_dtype("auto", "smollm2-135m-instruct").dtype == torch.bfloat16
+    monkeypatch.delenv("DRAFTSMITH_PACKED")
+    monkeypatch.setattr(fastpath, "rows_linear_dtypes", lambda: frozenset())  # no native kernels: nothing packed
+    assert fastpath.decode_dtype("auto", "smollm2-135m-instruct").dtype == torch.bfloat16
+    monkeypatch.setattr(target_mod, "cpuinfo_flags", lambda: {"avx2"})  # no native bf16: float32 anyway
+    assert fastpath.decode_dtype("auto", "wide").dtype == torch.float32
+
+
 def test_auto_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert resolve_dtype("auto", "cuda").dtype == torch.bfloat16
