@@ -8,6 +8,7 @@ compiled drafting use these (heads/hydra/fast.py, drafters/eagle3/fast.py).
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from torch import nn
@@ -68,3 +69,31 @@ def quantised(module: nn.Module) -> nn.Module:
             if isinstance(sub, nn.Linear):
                 setattr(child, attr, Int8Linear(sub))
     return m
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 products natively (AVX512_BF16, as torch reports it)."""
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(check and check())
+
+
+def drafting_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a drafter with this weight drafts in on its compiled path: its own, except float32 on a CPU that
+    computes bf16 natively, where the compiled drafting runs a bf16 copy of the drafter (inputs cast in, logits
+    cast back out). There a float32 target decoding from its packed weights (`draftsmith.engine.fastpath.
+    decode_dtype`) would otherwise draft through dense float32 products: a Hydra head over the 8192 kept ids took
+    4.08 ms for 4 rows in float32 against 0.70 ms in bf16 on a 2-core Zen 5 EPYC (docs/results-log.md §45). The
+    draft's numbers shape q and nothing else, and verification is exact for any q: lossless either way.
+    ``DRAFTSMITH_DRAFT_BF16=0`` keeps float32 (for a side-by-side measurement)."""
+    if (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and os.environ.get("DRAFTSMITH_DRAFT_BF16", "1") != "0" and native_bf16()):
+        return torch.bfloat16
+    return weight.dtype
+
+
+def cast_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module`` itself when its weights are in ``dtype`` already, else a copy in ``dtype``."""
+    p = next(module.parameters(), None)
+    if p is None or p.dtype == dtype:
+        return module
+    return copy.deepcopy(module).to(dtype)

@@ -16,6 +16,14 @@ from tests.test_decoder import tiny
 from tests.test_hydra import random_hydra
 
 
+@pytest.fixture(autouse=True)
+def _drafting_in_the_heads_dtype(monkeypatch):
+    """These tests compare compiled drafting's numbers with the eager heads': drafting in the heads' own dtype on
+    every CPU (on one with native bf16, float32 heads would otherwise draft in bf16: `drafting_dtype`, tested
+    below with the variable set back)."""
+    monkeypatch.setenv("DRAFTSMITH_DRAFT_BF16", "0")
+
+
 def _heads(tgt, vocab_keep=None, **kw):
     m = random_hydra(tgt, **kw)
     if vocab_keep:
@@ -186,3 +194,43 @@ def test_int8_is_the_default_in_bf16_and_fp16_not_float32():
     assert int8_by_default(torch.zeros(1, dtype=torch.bfloat16))
     assert int8_by_default(torch.zeros(1, dtype=torch.float16))
     assert not int8_by_default(torch.zeros(1))
+
+
+def test_float32_heads_draft_in_bf16_where_the_cpu_has_it_and_stay_lossless(monkeypatch):
+    """On a CPU with native bf16 (made so here, whatever this one is), float32 heads draft through a bf16 copy
+    (int8, as bf16 drafting does), the target's float32 states cast in and float32 logits out (the float32 minimum
+    at pruned ids); the decoder stays exact (enumeration at T=0.8) and greedy-equal to plain decoding."""
+    import draftsmith.common.int8 as int8
+
+    monkeypatch.delenv("DRAFTSMITH_DRAFT_BF16")
+    monkeypatch.setattr(int8, "native_bf16", lambda: True)
+    tgt = tiny(vocab=20, seed=3, std=0.5)
+    m = _heads(tgt, vocab_keep=8, num_heads=2, prefix=True)
+    fast = m.fast_drafting(compile=False)
+    assert fast.dtype == torch.bfloat16 and fast.int8 and next(m.parameters()).dtype == torch.float32
+    assert m.fast_drafting(compile=False, dtype=torch.float32).dtype == torch.float32
+    kv = fast.new_kv(16)
+    base = fast.prefix_step(kv, torch.randn(3, tgt.hidden_size), 0)[-1:]
+    assert kv.keys.dtype == torch.bfloat16 and base.dtype == torch.bfloat16
+    st, lg = fast.depth_logits(base, torch.randint(0, 20, (3, 2)))
+    out = torch.ones(20, dtype=torch.bool)
+    out[m.draft_head.kept_ids] = False
+    assert lg.dtype == torch.float32 and torch.all(lg[:, out] == torch.finfo(torch.float32).min)
+    ref = m.fast_drafting(compile=False, int8=False, dtype=torch.float32).depth_logits(base.float(),
+                                                                                        torch.randint(0, 20, (3, 2)))
+    assert ref[1].dtype == torch.float32
+    samp = SamplingParams(0.8)
+    t = tiny(vocab=6, seed=0, std=0.5, layers=2, dtype=torch.float32)
+    use_fast_forward(t, "compile", autotune=False)
+    prompt = [1, 3, 4, 3]
+    want = target_distribution(t, prompt, 3, samp.temperature, samp.top_k, samp.top_p)
+    dr = HeadDrafter(random_hydra(t, num_heads=2, prefix=True), t.fingerprint, name="hydra")
+    got = exact_distribution(SpeculativeDecoder(t, dr, sampling=samp, tree=[(0,), (1,), (0, 0)]), prompt, 3)
+    assert dr._fast is not None and dr._fast.dtype == torch.bfloat16
+    assert total_variation(got, want) < 1e-5
+    g = tiny(vocab=10, seed=9, std=0.5)
+    use_fast_forward(g, "compile", autotune=False)
+    plain = SpeculativeDecoder(g).generate([1, 3, 4, 2, 5], 40).tokens
+    dr = HeadDrafter(random_hydra(g, prefix=True), g.fingerprint, name="hydra")
+    res = SpeculativeDecoder(g, dr, tree=_STATIC).generate([1, 3, 4, 2, 5], 40)
+    assert dr._fast.dtype == torch.bfloat16 and res.tokens == plain and res.tau > 1.1

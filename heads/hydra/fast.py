@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.common.int8 import int8_by_default, quantised
+from draftsmith.common.int8 import cast_copy, drafting_dtype, int8_by_default, quantised
 from draftsmith.common.layers import LayerKV
 from draftsmith.engine.fastpath import CompiledDrafting, bucket
 
@@ -62,23 +62,28 @@ class _PrefixCore(nn.Module):
 class _DepthCore(nn.Module):
     """Head i for the nodes of one depth: (base [1, d], paths [n, i]) -> (states [n, d], logits [n, V]).
     ``int8``: the heads' and the draft LM head's weights quantised (`draftsmith.common.int8`), the embeddings
-    shared."""
+    shared. ``dtype``: the heads and the draft LM head run in a copy in this dtype (the embeddings' rows and
+    ``base`` cast to it), the logits come out in ``out_dtype`` (the dtype's minimum at pruned ids)."""
 
-    def __init__(self, heads: nn.Module, int8: bool = False):
+    def __init__(self, heads: nn.Module, int8: bool = False, dtype: torch.dtype | None = None,
+                 out_dtype: torch.dtype | None = None):
         super().__init__()
+        dtype = dtype or next(heads.parameters()).dtype
+        self.dtype, self.out_dtype = dtype, out_dtype or dtype
         self.embed = heads.embed
-        self.heads = quantised(heads.heads) if int8 else heads.heads
         dh = heads.draft_head
-        self.out = quantised(dh if dh is not None else heads.lm_head) if int8 else (dh if dh is not None
-                                                                                      else heads.lm_head)
+        body, out = cast_copy(heads.heads, dtype), cast_copy(dh if dh is not None else heads.lm_head, dtype)
+        self.heads = quantised(body) if int8 else body
+        self.out = quantised(out) if int8 else out
         self.vocab_size = int(dh.vocab_size) if dh is not None else None
         if dh is not None:
             self.register_buffer("kept_ids", dh.kept_ids.clone())
 
     def forward(self, base: torch.Tensor, paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, i = paths.shape
-        states = self.heads[i - 1](base.expand(n, -1), self.embed(paths).to(base.dtype))
-        kept = self.out(states)
+        base = base.to(self.dtype)
+        states = self.heads[i - 1](base.expand(n, -1), self.embed(paths).to(self.dtype))
+        kept = self.out(states).to(self.out_dtype)
         if self.vocab_size is None:
             return states, kept
         full = kept.new_full((n, self.vocab_size), torch.finfo(kept.dtype).min)
@@ -89,16 +94,21 @@ class FastHydra:
     """Compiled drafting for `HydraHeads` (see the module docstring). ``compile=False`` runs the same functions
     eagerly (the tests compare the two)."""
 
-    def __init__(self, heads: nn.Module, compile: bool = True, int8: bool | None = None):
+    def __init__(self, heads: nn.Module, compile: bool = True, int8: bool | None = None,
+                 dtype: torch.dtype | None = None):
         if heads.training:
             raise ValueError("FastHydra drafts with heads in eval mode (dropout off): call heads.eval() first")
         p = next(heads.parameters())
+        # default: the heads' dtype, bf16 for float32 heads on a CPU with native bf16 (`drafting_dtype`)
+        self.dtype = dtype or drafting_dtype(p)
         if int8 is None:  # default: int8 weights where the CPU's int8 product is the faster one for this dtype
-            int8 = int8_by_default(p)
+            int8 = int8_by_default(torch.empty(0, dtype=self.dtype, device=p.device))
         self.heads, self.int8 = heads, bool(int8)
         pre = heads.prefix
+        if pre is not None:
+            pre = cast_copy(pre, self.dtype)
         self.prefix = _PrefixCore(quantised(pre) if int8 else pre) if pre is not None else None
-        self.depth = _DepthCore(heads, int8=self.int8)
+        self.depth = _DepthCore(heads, int8=self.int8, dtype=self.dtype, out_dtype=p.dtype)
         self.calls = CompiledDrafting("Hydra drafting")
         self._prefix_c = self.calls.compile(self.prefix) if compile and self.prefix is not None else None
         self._depth_c = self.calls.compile(self.depth) if compile else None
@@ -110,13 +120,13 @@ class FastHydra:
 
     def new_kv(self, capacity: int) -> LayerKV:
         p = self.heads.prefix
-        w = p.input_norm.weight
-        return LayerKV.empty(p, capacity, dtype=w.dtype, device=w.device)
+        return LayerKV.empty(p, capacity, dtype=self.dtype, device=p.input_norm.weight.device)
 
     @torch.no_grad()
     def prefix_step(self, kv: LayerKV, rows: torch.Tensor, start: int) -> torch.Tensor:
         """Base states [n, d] of ``rows`` (hidden states at positions start..start+n-1), their keys and values
         written into ``kv``."""
+        rows = rows.to(self.dtype)
         n, dev = rows.shape[0], rows.device
         C = kv.capacity
         if start + n > C:

@@ -156,10 +156,11 @@ class HydraHeads(PrunedVocab, KindBase, nn.Module):
     def decoder_drafter(self, target, target_fingerprint: str | None = None, name: str = "hydra") -> HeadDrafter:
         return HeadDrafter(self, target_fingerprint=target_fingerprint, name=name)
 
-    def fast_drafting(self, compile: bool = True, int8: bool | None = None):
+    def fast_drafting(self, compile: bool = True, int8: bool | None = None, dtype: torch.dtype | None = None):
         """Compiled drafting (heads/hydra/fast.py), used by decoders whose target forward is compiled; ``int8``:
-        weight-only int8 heads (default: on CPU in bf16/fp16, `int8_by_default`)."""
-        return FastHydra(self, compile=compile, int8=int8)
+        weight-only int8 heads (default: on CPU in bf16/fp16, `int8_by_default`); ``dtype``: the dtype drafting
+        computes in (default: the heads', bf16 for float32 heads on a CPU with native bf16, `drafting_dtype`)."""
+        return FastHydra(self, compile=compile, int8=int8, dtype=dtype)
 
     # ------------------------------------------------------------------ base states
     def base_states(self, hidden: torch.Tensor) -> torch.Tensor:
