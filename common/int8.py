@@ -97,3 +97,28 @@ def cast_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     if p is None or p.dtype == dtype:
         return module
     return copy.deepcopy(module).to(dtype)
+
+
+def compute_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module`` itself when its own weights are in ``dtype``, else a shallow copy whose own submodules, parameters
+    and floating-point buffers are copies in ``dtype`` and whose ``shared_with_target`` submodules (the target's
+    embedding and LM head, read and never stored) are the same objects, not copied."""
+    p = next((q for n, q in module.named_parameters() if n.split(".")[0] not in
+              set(getattr(module, "shared_with_target", ()))), None)
+    if p is None or p.dtype == dtype:
+        return module
+    shared = set(getattr(module, "shared_with_target", ()))
+    c = copy.copy(module)
+    c._modules = {n: m if m is None or n in shared else cast_copy(m, dtype) for n, m in module._modules.items()}
+    c._parameters = {n: None if q is None else nn.Parameter(q.detach().to(dtype), requires_grad=False)
+                     for n, q in module._parameters.items()}
+    c._buffers = {n: b.to(dtype) if b is not None and b.is_floating_point() else b for n, b in module._buffers.items()}
+    return c
+
+
+def logits_in(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Draft logits computed in another dtype, in ``dtype``: the computing dtype's minimum (a pruned id, q = 0)
+    becomes ``dtype``'s minimum, as a head in ``dtype`` would have put there."""
+    if logits.dtype == dtype:
+        return logits
+    return logits.to(dtype).masked_fill(logits == torch.finfo(logits.dtype).min, torch.finfo(dtype).min)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from draftsmith.checkpoint import CheckpointError
-from draftsmith.common.int8 import quantised
+from draftsmith.common.int8 import cast_copy, quantised
 
 
 def kept_size(keep: int | float, vocab_size: int) -> int:
@@ -144,10 +144,12 @@ class TargetIdHead(nn.Module):
     [n, V], the dtype's minimum off the kept ids (what `PrunedHead.to_target` gives); ``int8``: a quantised copy of
     the head (`draftsmith.common.int8`)."""
 
-    def __init__(self, module: nn.Module, int8: bool = False):
+    def __init__(self, module: nn.Module, int8: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
         dh = module.draft_head
         head = dh if dh is not None else module.full_head()
+        if dtype is not None:  # drafting in another dtype than the head's (the target's full LM head, say): a copy
+            head = cast_copy(head, dtype)
         self.head = quantised(head) if int8 else head
         self.vocab_size = int(dh.vocab_size) if dh is not None else None
         if dh is not None:

@@ -23,6 +23,14 @@ TREES = [None, STATIC, DynamicTree(budget=6, max_depth=3, width=2, expand_batch=
 IDS = ["chain", "static", "dynamic"]
 
 
+@pytest.fixture(autouse=True)
+def _drafting_in_the_modules_dtype(monkeypatch):
+    """These tests compare compiled drafting's numbers with the eager drafter's: drafting in the module's own dtype
+    on every CPU (on one with native bf16 a float32 module would otherwise draft in bf16: `drafting_dtype`, tested
+    below with the variable unset)."""
+    monkeypatch.setenv("DRAFTSMITH_DRAFT_BF16", "0")
+
+
 def _drafting(m, compile: bool, int8: bool = False):
     """Make ``m``'s decoder drafters draft through FastDFlash with these settings."""
     m.fast_drafting = lambda: FastDFlash(m, compile=compile, int8=int8)
@@ -119,3 +127,32 @@ def test_int8_drafting_stays_close_and_is_lossless(monkeypatch):
     x, y = seen[0][2][:, keep], ref_seen[0][2][:, keep]  # the first proposal: the same prefix for both
     assert (x - y).abs().max() < 0.1 * y.std()
     assert res.tokens == SpeculativeDecoder(t).generate(PROMPT, 24).tokens
+
+
+def test_a_float32_dflash_drafts_in_bf16_where_the_cpu_has_it_and_stays_lossless(monkeypatch):
+    """On a CPU with native bf16 (made so here, whatever this one is) a float32 drafter drafts through a bf16 copy
+    (int8, as bf16 drafting does), float32 logits out with the float32 minimum at pruned ids; exact enumeration at
+    T=0.8 on a float32 target and greedy equality with plain decoding hold through it."""
+    import draftsmith.common.int8 as int8
+
+    monkeypatch.delenv("DRAFTSMITH_DRAFT_BF16")
+    monkeypatch.setattr(int8, "native_bf16", lambda: True)
+    tgt = tiny(vocab=6, seed=0, std=0.5, layers=4, dtype=torch.float32)
+    use_fast_forward(tgt, "compile", autotune=False)
+    ref = target_distribution(tgt, ENUM_PROMPT, N_NEW, TEMP.temperature, TEMP.top_k, TEMP.top_p)
+    m = module(tgt, vocab_keep=4, block_size=4, mask=1)
+    m.set_draft_vocab(torch.tensor([0, 2, 3, 5]))
+    dr = m.decoder_drafter(tgt)
+    seen = recording(dr)
+    got = exact_distribution(SpeculativeDecoder(tgt, dr, policy=FixedLength(2), tree=STATIC, sampling=TEMP),
+                             ENUM_PROMPT, N_NEW)
+    assert dr._fast.dtype == torch.bfloat16 and dr._fast.int8 and m.fc.weight.dtype == torch.float32
+    assert total_variation(got, ref) < 1e-5
+    pruned = torch.tensor([1, 4])
+    assert all(x.dtype == torch.float32 and (x[:, pruned] == torch.finfo(torch.float32).min).all()
+               for _, _, x in seen if x is not None)
+    t = tiny(vocab=40, layers=4)
+    use_fast_forward(t, "compile", autotune=False)
+    dr = module(t, std=0.3).decoder_drafter(t)
+    res = SpeculativeDecoder(t, dr, tree=STATIC).generate(PROMPT, 24)
+    assert dr._fast.dtype == torch.bfloat16 and res.tokens == SpeculativeDecoder(t).generate(PROMPT, 24).tokens

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from draftsmith.common.int8 import int8_by_default, quantised
+from draftsmith.common.int8 import compute_copy, drafting_dtype, int8_by_default, logits_in, quantised
 from draftsmith.common.layers import LayerKV
 from draftsmith.common.vocab import TargetIdHead
 from draftsmith.engine.fastpath import CompiledDrafting, bucket
@@ -39,7 +39,7 @@ class _Core(nn.Module):
         self.fc = quantised(module.fc) if int8 else module.fc
         self.hidden_norm, self.norm, self.embed = module.hidden_norm, module.norm, module.embed
         self.layers = nn.ModuleList(quantised(lay) if int8 else lay for lay in module.layers)
-        self.head = TargetIdHead(module, int8)
+        self.head = TargetIdHead(module, int8, dtype=module.fc.weight.dtype)
         self.mask_id = int(module.config.mask_token_id)
 
     def forward(self, feats: torch.Tensor, cpos: torch.Tensor, cslots: torch.Tensor, ids: torch.Tensor,
@@ -68,13 +68,17 @@ class FastDFlash:
     the drafter's linear layers and head. The weights are frozen when a graph is first compiled: a drafter whose
     weights change afterwards needs a new `FastDFlash` (a new decoder drafter, as a published checkpoint gets)."""
 
-    def __init__(self, module: nn.Module, compile: bool = True, int8: bool | None = None):
+    def __init__(self, module: nn.Module, compile: bool = True, int8: bool | None = None,
+                 dtype: torch.dtype | None = None):
         if module.training:
             raise ValueError("FastDFlash drafts with the module in eval mode: call module.eval() first")
+        p = module.fc.weight
+        # default: the module's dtype, bf16 for a float32 one on a CPU with native bf16 (`drafting_dtype`)
+        self.dtype, self.out_dtype = dtype or drafting_dtype(p), p.dtype
         if int8 is None:
-            int8 = int8_by_default(module.fc.weight)
+            int8 = int8_by_default(torch.empty(0, dtype=self.dtype, device=p.device))
         self.module, self.int8, self.block_size = module, bool(int8), int(module.block_size)
-        self.fn = _Core(module, self.int8)
+        self.fn = _Core(compute_copy(module, self.dtype), self.int8)
         self.calls = CompiledDrafting("DFlash drafting")
         self._compiled = self.calls.compile(self.fn) if compile else None
 
@@ -85,14 +89,14 @@ class FastDFlash:
     def new_kv(self, capacity: int) -> list[LayerKV]:
         """Each draft layer's buffers: ``capacity`` context slots and the block's."""
         w = self.module.fc.weight
-        return [LayerKV.empty(lay, capacity, self.block_size, dtype=w.dtype, device=w.device)
+        return [LayerKV.empty(lay, capacity, self.block_size, dtype=self.dtype, device=w.device)
                 for lay in self.module.layers]
 
     @torch.no_grad()
     def draft(self, kv: list[LayerKV], feats: torch.Tensor, start: int, root: int) -> torch.Tensor:
         """Feed positions start..start+n-1 (target states ``feats`` [n, k x H]) into the context, then draft the block
         whose first token ``root`` sits at position start + n -> the draft logits of its slots 1..S-1 [S - 1, V]."""
-        n, dev, dtype = feats.shape[0], feats.device, self.module.fc.weight.dtype
+        n, dev, dtype = feats.shape[0], feats.device, self.dtype
         C, S = kv[0].capacity, self.block_size
         L = start + n
         if L > C:
@@ -115,5 +119,5 @@ class FastDFlash:
         buffers = [t for layer_kv in kv for t in (layer_kv.keys, layer_kv.values)]
         args = (x.to(dtype), cpos, cslots, ids, pos, bslots, mask, buffers)
         if eager:
-            return self.fn(*args)
-        return self.calls.call(self._compiled, ("draft", b, C, S, str(dev)), *args)
+            return logits_in(self.fn(*args), self.out_dtype)
+        return logits_in(self.calls.call(self._compiled, ("draft", b, C, S, str(dev)), *args), self.out_dtype)

@@ -145,10 +145,13 @@ class DFlashModule(PrunedVocab, KindBase, nn.Module):
         return DFlashDrafter(target, self, target_fingerprint=target_fingerprint, name=name,
                              policy=FixedLength(self.config.draft_len or self.block_size - 1))
 
-    def fast_drafting(self, compile: bool = True, int8: bool | None = None) -> FastDFlash:
+    def fast_drafting(self, compile: bool = True, int8: bool | None = None,
+                      dtype: torch.dtype | None = None) -> FastDFlash:
         """Compiled drafting (drafters/dflash/fast.py), used by decoders whose target forward is compiled; ``int8``:
-        weight-only int8 layers and head (default: on CPU in bf16/fp16, `int8_by_default`)."""
-        return FastDFlash(self, compile=compile, int8=int8)
+        weight-only int8 layers and head (default: on CPU in bf16/fp16, `int8_by_default`); ``dtype``: the dtype
+        drafting computes in (default: the module's, bf16 for a float32 one on a CPU with native bf16,
+        `drafting_dtype`)."""
+        return FastDFlash(self, compile=compile, int8=int8, dtype=dtype)
 
     # ------------------------------------------------------------------ shared pieces
     def dtype(self) -> torch.dtype:

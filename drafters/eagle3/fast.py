@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.common.int8 import int8_by_default, quantised
+from draftsmith.common.int8 import compute_copy, drafting_dtype, int8_by_default, logits_in, quantised
 from draftsmith.common.layers import LayerKV
 from draftsmith.common.vocab import TargetIdHead
 from draftsmith.engine.fastpath import CompiledDrafting, bucket
@@ -55,7 +55,7 @@ class _Core(nn.Module):
         self.norm_output = bool(module.config.norm_output)
         self.layer = quantised(module.layer) if int8 else module.layer
         self.norm = module.norm
-        self.head = TargetIdHead(module, int8)
+        self.head = TargetIdHead(module, int8, dtype=module.fc.weight.dtype)
         self.embed = module.embed
 
     def step(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
@@ -113,14 +113,17 @@ class FastEagle3:
     drafter's linear layers and head. The weights are frozen when a graph is first compiled: a drafter whose
     weights change afterwards needs a new `FastEagle3` (a new decoder drafter, as a published checkpoint gets)."""
 
-    def __init__(self, module: nn.Module, compile: bool = True, int8: bool | None = None, node_slots: int = 64):
+    def __init__(self, module: nn.Module, compile: bool = True, int8: bool | None = None, node_slots: int = 64,
+                 dtype: torch.dtype | None = None):
         if module.training:
             raise ValueError("FastEagle3 drafts with the module in eval mode: call module.eval() first")
         p = module.fc.weight
+        # default: the module's dtype, bf16 for a float32 one on a CPU with native bf16 (`drafting_dtype`)
+        self.dtype, self.out_dtype = dtype or drafting_dtype(p), p.dtype
         if int8 is None:  # default: int8 weights where the CPU's int8 product is the faster one for this dtype
-            int8 = int8_by_default(p)
+            int8 = int8_by_default(torch.empty(0, dtype=self.dtype, device=p.device))
         self.module, self.int8, self.node_slots = module, bool(int8), int(node_slots)
-        core = _Core(module, self.int8)
+        core = _Core(compute_copy(module, self.dtype), self.int8)
         self.feed_fn, self.nodes_fn = _Feed(core), _Nodes(core)
         self.calls = CompiledDrafting("EAGLE-3 drafting")
         self._feed_c = self.calls.compile(self.feed_fn) if compile else None
@@ -133,7 +136,7 @@ class FastEagle3:
 
     def new_kv(self, capacity: int, nodes: int | None = None) -> LayerKV:
         w = self.module.fc.weight
-        return LayerKV.empty(self.module.layer, capacity, nodes or self.node_slots, dtype=w.dtype, device=w.device)
+        return LayerKV.empty(self.module.layer, capacity, nodes or self.node_slots, dtype=self.dtype, device=w.device)
 
     def _mask(self, b: int, S: int, dtype, dev) -> torch.Tensor:
         """[b, S] additive mask, everything hidden (rows fill in what they see)."""
@@ -144,7 +147,7 @@ class FastEagle3:
              start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 0 over indices start..start+n-1 (fused target states ``feats`` [n, 3H], next tokens ``ids`` [n]):
         their keys written into ``kv`` -> (the last row's output state [H], its draft logits [V])."""
-        n, dev, dtype = feats.shape[0], feats.device, self.module.fc.weight.dtype
+        n, dev, dtype = feats.shape[0], feats.device, self.dtype
         C, S = kv.capacity, int(kv.keys.shape[1])
         if start + n > C:
             raise ValueError(f"EAGLE-3 drafter: indices up to {start + n} do not fit its {C}-slot buffer")
@@ -165,7 +168,7 @@ class FastEagle3:
         args = (x.to(dtype), ids, pos, mask, slots, kv.keys, kv.values, last)
         out, logits = (self.feed_fn(*args) if eager
                        else self._call(self._feed_c, ("feed", b, C, S, str(dev)), *args))
-        return out[n - 1], logits[0]
+        return out[n - 1], logits_in(logits[0], self.out_dtype)
 
     def node_rows(self, n: int) -> int:
         """The rows a call for ``n`` nodes runs (its bucket when compiled)."""
@@ -178,7 +181,7 @@ class FastEagle3:
         """Tree nodes first..first+n-1 of this step (parents' output states h [n, H], their tokens ids [n], their
         depths), each attending to the prefix 0..L-1 and to the nodes ``anc`` [n, first+n-1] marks (ancestors and
         itself among nodes 1..first+n-1) -> (their output states [n, H], their draft logits [n, V])."""
-        n, dev, dtype = h.shape[0], h.device, self.module.fc.weight.dtype
+        n, dev, dtype = h.shape[0], h.device, self.dtype
         C, S = kv.capacity, int(kv.keys.shape[1])
         b = self.node_rows(n)
         eager = self._nodes_c is None or bucket(n) is None
@@ -201,5 +204,5 @@ class FastEagle3:
             out, logits = self.nodes_fn(*args)
         else:
             out, logits = self._call(self._nodes_c, ("nodes", b, C, S, str(dev)), *args)
-        return out[:n], logits[:n]
+        return out[:n], logits_in(logits[:n], self.out_dtype)
 

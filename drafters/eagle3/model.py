@@ -128,10 +128,12 @@ class Eagle3Module(PrunedVocab, KindBase, nn.Module):
             return f"EAGLE 3.1's {' and '.join(off)}" if off else None
         return None
 
-    def fast_drafting(self, compile: bool = True, int8: bool | None = None) -> FastEagle3:
+    def fast_drafting(self, compile: bool = True, int8: bool | None = None,
+                      dtype: torch.dtype | None = None) -> FastEagle3:
         """Compiled drafting (drafters/eagle3/fast.py), used by decoders whose target forward is compiled; ``int8``:
-        weight-only int8 layer and head (default: on CPU in bf16/fp16, `int8_by_default`)."""
-        return FastEagle3(self, compile=compile, int8=int8)
+        weight-only int8 layer and head (default: on CPU in bf16/fp16, `int8_by_default`); ``dtype``: the dtype drafting
+        computes in (default: the module's, bf16 for a float32 one on a CPU with native bf16, `drafting_dtype`)."""
+        return FastEagle3(self, compile=compile, int8=int8, dtype=dtype)
 
     # ------------------------------------------------------------------ shared pieces
     def project(self, h: torch.Tensor) -> torch.Tensor:
