@@ -81,26 +81,18 @@ def test_a_wrong_mask_is_detected():
     assert (a[0, 2] - b[0, 2]).abs().max() > 1e-4
 
 
-def tiny_target(vocab: int, layers: int):
-    """A tiny random target whose head size (16) the native kernels take on every CPU kind."""
-    from tests.tiny import make_tiny_target
-    return make_tiny_target(vocab_size=vocab, seed=0, init_std=0.3, layers=layers, hidden_size=64)
-
-
 @pytest.fixture(scope="module")
 def compiled_target():
     """Compiled without GEMM autotuning: the padding, masking and capacity checks below do not depend on which
-    GEMM kernels inductor picks, and autotuning each of their graphs costs minutes on an AVX2 CPU. Head size 16:
-    the native attention kernels take a multiple of the CPU's vector width (8 floats with AVX2, 16 with AVX-512),
-    so the native paths run on every CPU kind (with head size 8 an AVX-512 CPU took the masked ones only)."""
-    tgt = tiny_target(vocab=40, layers=2)
+    GEMM kernels inductor picks, and autotuning each of their graphs costs minutes on an AVX2 CPU."""
+    tgt = tiny(vocab=40, layers=2)
     use_fast_forward(tgt, "compile", autotune=False)
     return tgt
 
 
 @pytest.fixture(scope="module")
 def autotuned_target():
-    tgt = tiny_target(vocab=40, layers=2)
+    tgt = tiny(vocab=40, layers=2)
     use_fast_forward(tgt, "compile")  # autotuned: inductor's CPP GEMM kernels on this CPU, as decoding uses
     return tgt
 
