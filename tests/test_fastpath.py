@@ -121,6 +121,10 @@ def test_block_buckets_share_one_graph_with_the_models_logits(compiled_target):
     third bucket compile nothing, and every block's logits and cache entries are the model's."""
     from torch._dynamo.utils import counters
     fast = compiled_target.fast_body
+    if fast.core.attend_block is None:
+        # the native block kernel takes head sizes that are a multiple of the CPU's vector (8 floats with AVX2, 16
+        # with AVX-512); this tiny target's is 8, so on an AVX-512 CPU its blocks run the masked graphs, one a bucket
+        pytest.skip(f"the native block kernel does not take head size {fast.core.head_dim} on this CPU")
     _hf_and_fast(compiled_target, fast, q=3, tree=True)
     graphs = counters["stats"]["unique_graphs"]
     for q in (7, 13, 4):
