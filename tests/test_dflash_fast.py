@@ -16,7 +16,7 @@ from draftsmith.eval.exact import exact_distribution, target_distribution, total
 from tests.test_decoder import tiny
 from tests.test_decoder_enumeration import N_NEW, PROMPT as ENUM_PROMPT, TEMP
 from tests.test_dflash import PROMPT, module
-from tests.test_eagle3_fast import recording, same_greedy_proposals
+from tests.test_eagle3_fast import bf16_drafting_is_lossless, recording, same_greedy_proposals
 
 STATIC = StaticTree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
 TREES = [None, STATIC, DynamicTree(budget=6, max_depth=3, width=2, expand_batch=2)]
@@ -130,29 +130,5 @@ def test_int8_drafting_stays_close_and_is_lossless(monkeypatch):
 
 
 def test_a_float32_dflash_drafts_in_bf16_where_the_cpu_has_it_and_stays_lossless(monkeypatch):
-    """On a CPU with native bf16 (made so here, whatever this one is) a float32 drafter drafts through a bf16 copy
-    (int8, as bf16 drafting does), float32 logits out with the float32 minimum at pruned ids; exact enumeration at
-    T=0.8 on a float32 target and greedy equality with plain decoding hold through it."""
-    import draftsmith.common.int8 as int8
-
-    monkeypatch.delenv("DRAFTSMITH_DRAFT_BF16")
-    monkeypatch.setattr(int8, "native_bf16", lambda: True)
-    tgt = tiny(vocab=6, seed=0, std=0.5, layers=4, dtype=torch.float32)
-    use_fast_forward(tgt, "compile", autotune=False)
-    ref = target_distribution(tgt, ENUM_PROMPT, N_NEW, TEMP.temperature, TEMP.top_k, TEMP.top_p)
-    m = module(tgt, vocab_keep=4, block_size=4, mask=1)
-    m.set_draft_vocab(torch.tensor([0, 2, 3, 5]))
-    dr = m.decoder_drafter(tgt)
-    seen = recording(dr)
-    got = exact_distribution(SpeculativeDecoder(tgt, dr, policy=FixedLength(2), tree=STATIC, sampling=TEMP),
-                             ENUM_PROMPT, N_NEW)
-    assert dr._fast.dtype == torch.bfloat16 and dr._fast.int8 and m.fc.weight.dtype == torch.float32
-    assert total_variation(got, ref) < 1e-5
-    pruned = torch.tensor([1, 4])
-    assert all(x.dtype == torch.float32 and (x[:, pruned] == torch.finfo(torch.float32).min).all()
-               for _, _, x in seen if x is not None)
-    t = tiny(vocab=40, layers=4)
-    use_fast_forward(t, "compile", autotune=False)
-    dr = module(t, std=0.3).decoder_drafter(t)
-    res = SpeculativeDecoder(t, dr, tree=STATIC).generate(PROMPT, 24)
-    assert dr._fast.dtype == torch.bfloat16 and res.tokens == SpeculativeDecoder(t).generate(PROMPT, 24).tokens
+    bf16_drafting_is_lossless(monkeypatch, module, PROMPT,
+                              lambda tgt: module(tgt, vocab_keep=4, block_size=4, mask=1))

@@ -150,10 +150,11 @@ def test_int8_drafting_stays_close_and_is_lossless(monkeypatch):
     assert total_variation(got, ref) < 1e-5
 
 
-def test_a_float32_eagle3_drafts_in_bf16_where_the_cpu_has_it_and_stays_lossless(monkeypatch):
+def bf16_drafting_is_lossless(monkeypatch, module, prompt, pruned_module):
     """On a CPU with native bf16 (made so here, whatever this one is) a float32 drafter drafts through a bf16 copy
     (int8, as bf16 drafting does), float32 logits out with the float32 minimum at pruned ids; exact enumeration at
-    T=0.8 on a float32 target and greedy equality with plain decoding hold through it."""
+    T=0.8 on a float32 target and greedy equality with plain decoding hold through it. ``pruned_module(tgt)``: the
+    kind's drafter over 4 of a 6-id vocabulary; ``module(t, std=...)``: one over the whole vocabulary."""
     import draftsmith.common.int8 as int8
 
     monkeypatch.delenv("DRAFTSMITH_DRAFT_BF16")
@@ -161,7 +162,7 @@ def test_a_float32_eagle3_drafts_in_bf16_where_the_cpu_has_it_and_stays_lossless
     tgt = tiny(vocab=6, seed=0, std=0.5, layers=4, dtype=torch.float32)
     use_fast_forward(tgt, "compile", autotune=False)
     ref = target_distribution(tgt, ENUM_PROMPT, N_NEW, TEMP.temperature, TEMP.top_k, TEMP.top_p)
-    m = module(tgt, vocab_keep=4)
+    m = pruned_module(tgt)
     m.set_draft_vocab(torch.tensor([0, 2, 3, 5]))
     dr = m.decoder_drafter(tgt)
     seen = recording(dr)
@@ -175,5 +176,9 @@ def test_a_float32_eagle3_drafts_in_bf16_where_the_cpu_has_it_and_stays_lossless
     t = tiny(vocab=40, layers=4)
     use_fast_forward(t, "compile", autotune=False)
     dr = module(t, std=0.3).decoder_drafter(t)
-    res = SpeculativeDecoder(t, dr, tree=STATIC).generate(PROMPT, 24)
-    assert dr._fast.dtype == torch.bfloat16 and res.tokens == SpeculativeDecoder(t).generate(PROMPT, 24).tokens
+    res = SpeculativeDecoder(t, dr, tree=STATIC).generate(prompt, 24)
+    assert dr._fast.dtype == torch.bfloat16 and res.tokens == SpeculativeDecoder(t).generate(prompt, 24).tokens
+
+
+def test_a_float32_eagle3_drafts_in_bf16_where_the_cpu_has_it_and_stays_lossless(monkeypatch):
+    bf16_drafting_is_lossless(monkeypatch, module, PROMPT, lambda tgt: module(tgt, vocab_keep=4))
