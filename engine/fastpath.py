@@ -6,7 +6,8 @@ same pre-allocated `KVCache`, the same result (``.last_hidden_state``, after the
 ``.logits`` from the LM head inside the same graph. What it changes is how the work is done:
 
   * the weights are fused (q/k/v in one matrix, gate/up in one). float32 steps of up to 16 rows (and bf16
-    steps and prefills on a CPU without bf16 instructions) multiply by the native kernel
+    steps and prefills on a CPU without bf16 instructions, bf16 steps of up to 16 rows on one with AVX512_BF16
+    and no AMX) multiply by the native kernel
     (`draftsmith.engine.native.decode_linear`), which reads each weight once at close to the memory's
     bandwidth; other steps and dtypes, compiled, have the weights frozen into the graph: inductor packs each
     weight once for oneDNN (bf16), MKL (fp32) or its CPP GEMM template where autotuning finds that faster
@@ -232,10 +233,10 @@ class _Core(torch.nn.Module):
         # one query per cache row (the batched step): the checked custom op; `FastBatchBody` swaps in the native
         # kernel itself where its caches qualify
         self.attend_rows = ragged_decode_attention
-        # float32 on CPU (steps of up to 16 rows) and bf16 where the CPU has no bf16 instructions (any rows)
-        # multiply by the native kernel (`decode_linear`), decided here, before any compiled trace; it reads weights
-        # row-major, so the ones `cpu_layout` stored column-major for the model's own forward get a row-major copy
-        # here (o and down: 146 MB for SmolLM2-135M in float32)
+        # float32 on CPU (steps of up to 16 rows) and bf16 except with AMX (any rows on a CPU without bf16
+        # instructions, up to 16 with AVX512_BF16) multiply by the native kernel (`decode_linear`), decided here,
+        # before any compiled trace; it reads weights row-major, so the ones `cpu_layout` stored column-major for
+        # the model's own forward get a row-major copy here (o and down: 146 MB for SmolLM2-135M in float32)
         self.rows_native = (self.norm_w.dtype in rows_linear_dtypes() and self.norm_w.device.type == "cpu")
         if self.rows_native:
             for plist in (self.o, self.down):

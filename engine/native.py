@@ -27,8 +27,10 @@ node and never specialises on the rows' lengths.
 read once at close to the memory's bandwidth, the same bits for a row whatever rows are beside it; `decode_linear`
 routes to it (``DRAFTSMITH_ROWS_LINEAR=0`` turns it off): float32 up to `ROWS_LINEAR_MAX` rows everywhere;
 bfloat16 on a CPU without AVX512_BF16, where torch has no bf16 instruction to multiply with (an AVX2 CPU: the
-kernel widens each weight to float32 in registers as it reads it), for any number of rows, prefills included.
-On a CPU with AVX512_BF16 or AMX, bf16 products stay with oneDNN (the kernel has not been measured there).
+kernel widens each weight to float32 in registers as it reads it), for any number of rows, prefills included;
+on one with AVX512_BF16 and no AMX (AMD Zen 4 and 5), up to `ROWS_LINEAR_MAX` rows, multiplied by VDPBF16PS
+(2-core Zen 4 EPYC: the 49152 x 576 LM head 1.39 ms for one row against oneDNN's 5.67, 7.1 against 8.1 for 16;
+docs/results-log.md §46). On a CPU with AMX, bf16 products stay with oneDNN (the kernel is not measured there).
 
 ``ragged_prefill_attention``: the prefill counterpart, prompts as one flat run of tokens (no padding), each
 attending causally within its own cache row after a shared prefix; one SDPA call per prompt.
@@ -323,28 +325,38 @@ def _cpu_has_bf16() -> bool:
     return bool(check and check())
 
 
-_CPU_BF16 = _cpu_has_bf16()  # read at import: a compiled graph's routing reads this constant, never the check
+def _cpu_has_amx() -> bool:
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check and check())
+
+
+_CPU_BF16 = _cpu_has_bf16()  # read at import: a compiled graph's routing reads these constants, never the check
+# bf16 stays with oneDNN on a CPU with AMX (the kernel is not measured there), and where
+# DRAFTSMITH_ROWS_LINEAR_BF16=0 (a CPU with AVX512_BF16: oneDNN's product, for a side-by-side measurement)
+_CPU_AMX = _cpu_has_amx() or (_CPU_BF16 and os.environ.get("DRAFTSMITH_ROWS_LINEAR_BF16", "1") == "0")
 
 
 def rows_linear_dtypes() -> frozenset:
-    """The dtypes `rows_linear` serves on this CPU (empty when `rows_linear_on` is False): float32, and bfloat16 where
-    the CPU has no AVX512_BF16 (so torch's bf16 product runs without bf16 instructions)."""
+    """The dtypes `rows_linear` serves on this CPU (empty when `rows_linear_on` is False): float32 everywhere;
+    bfloat16 except on a CPU with AMX, whose bf16 products stay with oneDNN (the kernel is not measured there)."""
     if not rows_linear_on():
         return frozenset()
-    return frozenset({torch.float32} if _CPU_BF16 else {torch.float32, torch.bfloat16})
+    return frozenset({torch.float32} if _CPU_AMX else {torch.float32, torch.bfloat16})
 
 
 def rows_linear_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``x @ w.T`` is one the native kernel serves: a dtype of `rows_linear_dtypes` on CPU (whether the kernel
     is on at all is the caller's `rows_linear_on`), a row-major weight (a column-major one,
     `draftsmith.engine.cpu_layout`'s, would be copied on every call), no gradient wanted (the kernel has no
-    backward); float32 up to `ROWS_LINEAR_MAX` rows (BLAS is faster for more), bfloat16 any number of rows (on a
-    CPU without bf16 instructions the kernel is 3-9x faster than torch's product at 16 or 100 rows too)."""
+    backward). Float32 up to `ROWS_LINEAR_MAX` rows (BLAS is faster for more). Bfloat16: any number of rows on a
+    CPU without bf16 instructions (the kernel is 3-9x faster than torch's product at 16 or 100 rows too); up to
+    `ROWS_LINEAR_MAX` rows on one with AVX512_BF16 and no AMX, where the kernel's VDPBF16PS build is 3-4x faster
+    than oneDNN's product at 1 row and about even at 16 (a prompt's rows stay with oneDNN); none with AMX."""
     rows = x.numel() // max(1, x.shape[-1])
     if w.dtype == torch.float32:
         fits = rows <= ROWS_LINEAR_MAX
     else:
-        fits = w.dtype == torch.bfloat16 and not _CPU_BF16
+        fits = w.dtype == torch.bfloat16 and not _CPU_AMX and (rows <= ROWS_LINEAR_MAX or not _CPU_BF16)
     return (fits and x.dtype == w.dtype and x.device.type == "cpu" and w.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 

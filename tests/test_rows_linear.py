@@ -1,6 +1,6 @@
 """The native linear for a decoding step's few rows: y = x W^T + b against float64, the same bits for a row whatever
-rows are beside it, bfloat16 as the float32 kernel on the widened numbers rounded once, and F.linear everywhere it
-does not apply."""
+rows are beside it, bfloat16 as the float32 kernel on the widened numbers rounded once (or, in the AVX512_BF16
+build, VDPBF16PS's pairs within float32's accumulation error), and F.linear everywhere it does not apply."""
 
 import pytest
 import torch
@@ -17,6 +17,16 @@ SHAPES = [(4096, 576), (1536, 576), (576, 1536), (7, 13), (100, 37), (65, 24), (
 
 def _op(x, w, b=None):
     return torch.ops.draftsmith_native.rows_linear(x, w, b)
+
+
+def _widened(x, w, b=None):
+    return torch.ops.draftsmith_native.rows_linear_widened(x, w, b)
+
+
+def _bf16_bound(x, w, b, ref):
+    """Half a bf16 unit of the float64 product plus float32's accumulation error of its terms."""
+    return (2.0 ** -8 * ref.abs() + 8 * torch.finfo(torch.float32).eps
+            * (F.linear(x.double().abs(), w.double().abs()) + (0 if b is None else b.double().abs())))
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -55,22 +65,52 @@ def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(n, k, dtype):
 def test_bf16_is_the_float32_kernel_on_the_widened_numbers_rounded_once(m, n, k):
     """bf16 weights and inputs are widened exactly, multiplied and summed in float32 by the same chain as the float32
     kernel, the bias added in float32, and the result rounded once: bit for bit that chain, and within float32's
-    accumulation error plus half a bf16 unit of the float64 product."""
+    accumulation error plus half a bf16 unit of the float64 product. That is `rows_linear` itself in a build without
+    AVX512_BF16, and ``rows_linear_widened`` in every build."""
     g = torch.Generator().manual_seed(7 * m + n + k)
+    x, w, b = (torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16(),
+               torch.randn(n, generator=g).bfloat16())
+    ops = [_widened] + ([] if native.native_status()["bf16_dot"] else [_op])
+    for op in ops:
+        for bias in (b, None):
+            got = op(x, w, bias)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+            f32 = _op(x.float(), w.float(), None if bias is None else bias.float())
+            assert torch.equal(got, f32.bfloat16())
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert bool(((got.double() - ref).abs() <= _bf16_bound(x, w, bias, ref) + 1e-30).all())
+        together = op(x, w, b)
+        for r in range(m):  # row-independence holds in bf16 too
+            assert torch.equal(op(x[r:r + 1], w, b)[0], together[r])
+
+
+@pytest.mark.skipif(not native.native_status()["bf16_dot"], reason="the kernels' build has no AVX512_BF16 here")
+@pytest.mark.parametrize("n,k", SHAPES + [(96, 100), (40, 64), (33, 96)])
+@pytest.mark.parametrize("m", [1, 3, 4, 8, 16])
+def test_bf16_by_the_cpus_dot_product_is_within_float32_accumulation_of_the_exact_product(m, n, k):
+    """The AVX512_BF16 build multiplies bf16 pairs by VDPBF16PS: within float32's accumulation error plus half a
+    bf16 unit of the float64 product, a row's bits whatever rows are beside it, and not the widened chain's bits
+    everywhere (so the test sees which path ran). Shapes cover 64-number blocks, a last odd 32 and the tails."""
+    g = torch.Generator().manual_seed(11 * m + n + k)
     x, w, b = (torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16(),
                torch.randn(n, generator=g).bfloat16())
     for bias in (b, None):
         got = _op(x, w, bias)
-        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-        f32 = _op(x.float(), w.float(), None if bias is None else bias.float())
-        assert torch.equal(got, f32.bfloat16())
         ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-        bound = (2.0 ** -8 * ref.abs() + 8 * torch.finfo(torch.float32).eps
-                 * (F.linear(x.double().abs(), w.double().abs()) + (0 if bias is None else bias.double().abs())))
-        assert bool(((got.double() - ref).abs() <= bound + 1e-30).all())
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        assert bool(((got.double() - ref).abs() <= _bf16_bound(x, w, bias, ref) + 1e-30).all())
     together = _op(x, w, b)
-    for r in range(m):  # row-independence holds in bf16 too
+    for r in range(m):
         assert torch.equal(_op(x[r:r + 1], w, b)[0], together[r])
+
+
+def test_the_bf16_dot_product_path_runs_in_its_build():
+    """Where the build has AVX512_BF16, `rows_linear` differs somewhere from the widened chain on a big product (the
+    pairs round differently), so the routing to VDPBF16PS is seen; elsewhere the two are one chain."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(4, 576, generator=g).bfloat16(), torch.randn(4096, 576, generator=g).bfloat16()
+    same = torch.equal(_op(x, w), _widened(x, w))
+    assert same == (not native.native_status()["bf16_dot"])
 
 
 def test_the_kernel_refuses_mixed_or_other_dtypes():
@@ -109,21 +149,26 @@ def test_decode_linear_routes_only_what_the_kernel_serves(monkeypatch):
     decode_linear(torch.randn(2, 8, dtype=torch.float16), w.half())  # another dtype
     decode_linear(torch.randn(2, 8, requires_grad=True), w)  # gradients: the kernel has no backward
     assert len(calls) == 1
-    # bf16: the kernel where this CPU has no bf16 instructions (AVX512_BF16), oneDNN's product where it has them
+    # bf16: the kernel except with AMX; a prompt's rows too where the CPU has no bf16 instructions (AVX512_BF16)
     decode_linear(torch.randn(2, 8, dtype=torch.bfloat16), w.bfloat16())
-    decode_linear(torch.randn(3 * ROWS_LINEAR_MAX, 8, dtype=torch.bfloat16), w.bfloat16())  # any rows in bf16
-    assert len(calls) == (3 if torch.bfloat16 in rows_linear_dtypes() else 1)
+    decode_linear(torch.randn(3 * ROWS_LINEAR_MAX, 8, dtype=torch.bfloat16), w.bfloat16())
+    bf16 = torch.bfloat16 in rows_linear_dtypes()
+    assert len(calls) == 1 + bf16 + (bf16 and not native._CPU_BF16)
 
 
-def test_bf16_goes_to_the_kernel_exactly_where_the_cpu_lacks_bf16_instructions(monkeypatch):
+def test_bf16_goes_to_the_kernel_by_the_cpus_bf16_instructions(monkeypatch):
+    """No bf16 instructions: any rows; AVX512_BF16 without AMX: up to ROWS_LINEAR_MAX rows; AMX: none (oneDNN)."""
     x, w = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(16, 8, dtype=torch.bfloat16)
-    for has_bf16, want in ((True, {torch.float32}), (False, {torch.float32, torch.bfloat16})):
+    many = torch.randn(ROWS_LINEAR_MAX + 1, 8)
+    for has_bf16, has_amx, few, lots in ((False, False, True, True), (True, False, True, False),
+                                         (True, True, False, False)):
         monkeypatch.setattr(native, "_CPU_BF16", has_bf16)
-        assert rows_linear_dtypes() == want
-        assert native.rows_linear_applies(x, w) == (not has_bf16)
+        monkeypatch.setattr(native, "_CPU_AMX", has_amx)
+        assert rows_linear_dtypes() == ({torch.float32} if has_amx else {torch.float32, torch.bfloat16})
+        assert native.rows_linear_applies(x, w) == few
+        assert native.rows_linear_applies(x[:1].expand(ROWS_LINEAR_MAX, 8).contiguous(), w) == few
+        assert native.rows_linear_applies(many.bfloat16(), w) == lots
         assert native.rows_linear_applies(x.float(), w.float())
-        many = torch.randn(ROWS_LINEAR_MAX + 1, 8)
-        assert native.rows_linear_applies(many.bfloat16(), w) == (not has_bf16)  # bf16: any number of rows
         assert not native.rows_linear_applies(many, w.float())  # float32: BLAS past ROWS_LINEAR_MAX
 
 
