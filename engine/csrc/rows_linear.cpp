@@ -15,7 +15,7 @@
 //
 // bfloat16 on a CPU with AVX512_BF16 (the build with DRAFTSMITH_AVX512_BF16): VDPBF16PS multiplies 32 bf16 pairs of
 // weights and inputs exactly and adds each pair into one of 16 float32 sums, one instruction where widening takes
-// a load, a conversion, a shift and a multiply-add per 16 (`dots_bh`); inputs stay bf16. Its sums round after each
+// a load, a conversion, a shift and a multiply-add per 16 (`dots` on bf16 inputs); inputs stay bf16. Its sums round after each
 // pair and treat subnormal inputs as zero, so its bits differ from the widened chain's (both are within float32's
 // accumulation error of the exact product); the rest as above.
 //
@@ -80,10 +80,10 @@ inline void dots(const T* w, const float* const* x, int64_t k, float* out) {
 }
 
 #if defined(DRAFTSMITH_AVX512_BF16)
-// `dots` for bf16 weights and inputs with VDPBF16PS: two float32 accumulators over alternate blocks of 32 numbers,
+// `dots` for bf16 weights and bf16 inputs (not widened) with VDPBF16PS: two float32 accumulators over alternate blocks of 32 numbers,
 // a last odd block into the first, their sum reduced in a fixed order, then the scalar tail (widened products).
 template <int R>
-inline void dots_bh(const c10::BFloat16* w, const c10::BFloat16* const* x, int64_t k, float* out) {
+inline void dots(const c10::BFloat16* w, const c10::BFloat16* const* x, int64_t k, float* out) {
   __m512 a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   int64_t i = 0;
@@ -108,47 +108,12 @@ inline void dots_bh(const c10::BFloat16* w, const c10::BFloat16* const* x, int64
   }
 }
 
-// bf16 rows with VDPBF16PS: `rows_kernel`'s walk over the weights, the inputs read as they are
-void rows_kernel_bh(const c10::BFloat16* X, const c10::BFloat16* W, const c10::BFloat16* B, c10::BFloat16* O,
-                    int64_t m, int64_t k, int64_t n) {
-  using B16 = c10::BFloat16;
-  const int64_t block = std::max<int64_t>(1, 65536 / (k * static_cast<int64_t>(sizeof(B16))));
-  at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
-    const B16* xs[4];
-    float part[4];
-    for (int64_t b0 = lo; b0 < hi; b0 += block) {
-      const int64_t b1 = std::min(hi, b0 + block);
-      for (int64_t r0 = 0; r0 < m; r0 += 4) {
-        const int g = static_cast<int>(std::min<int64_t>(4, m - r0));
-        for (int r = 0; r < g; ++r) xs[r] = X + (r0 + r) * k;
-        for (int64_t j = b0; j < b1; ++j) {
-          const B16* wr = W + j * k;
-          const float b = B ? static_cast<float>(B[j]) : 0.f;
-          switch (g) {
-            case 1: dots_bh<1>(wr, xs, k, part); break;
-            case 2: dots_bh<2>(wr, xs, k, part); break;
-            case 3: dots_bh<3>(wr, xs, k, part); break;
-            default: dots_bh<4>(wr, xs, k, part); break;
-          }
-          for (int r = 0; r < g; ++r) O[(r0 + r) * n + j] = static_cast<B16>(part[r] + b);
-        }
-      }
-    }
-  });
-}
 #endif
 
-// O [m, n] = X [m, k] times W [n, k] transposed, plus B [n] (or none), all of dtype T (float or bf16). The inputs
-// are widened to float32 once (Xf), the weights as they are read; each sum is rounded to T once.
-template <typename T>
-void rows_kernel(const T* X, const T* W, const T* B, T* O, int64_t m, int64_t k, int64_t n) {
-  std::vector<float> xf;
-  const float* Xf = reinterpret_cast<const float*>(X);
-  if (!std::is_same<T, float>::value) {
-    xf.resize(m * k);
-    for (int64_t t = 0; t < m * k; ++t) xf[t] = static_cast<float>(X[t]);
-    Xf = xf.data();
-  }
+// O [m, n] = X [m, k] times W [n, k] transposed, plus B [n] (or none), W, B and O of dtype T (float or bf16), the
+// inputs X as `dots` takes them (float32, or bf16 for VDPBF16PS); each sum is rounded to T once.
+template <typename T, typename XT>
+void rows_walk(const XT* X, const T* W, const T* B, T* O, int64_t m, int64_t k, int64_t n) {
   // Threads split the weight rows. Each walks its rows in blocks that stay in L2 (about 64 KB); for each block,
   // the input rows in groups of four (in L1) meet the block's weight rows one by one. One input row reads every
   // weight once from memory (plain decoding); a prompt's hundred rows read a block from memory once and from L2
@@ -156,13 +121,13 @@ void rows_kernel(const T* X, const T* W, const T* B, T* O, int64_t m, int64_t k,
   const int64_t block = std::max<int64_t>(1, 65536 / (k * static_cast<int64_t>(sizeof(T))));
   // grain: 64 weight rows or more a task, so a small matrix is not split into slivers
   at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
-    const float* xs[4];
+    const XT* xs[4];
     float part[4];
     for (int64_t b0 = lo; b0 < hi; b0 += block) {
       const int64_t b1 = std::min(hi, b0 + block);
       for (int64_t r0 = 0; r0 < m; r0 += 4) {
         const int g = static_cast<int>(std::min<int64_t>(4, m - r0));
-        for (int r = 0; r < g; ++r) xs[r] = Xf + (r0 + r) * k;
+        for (int r = 0; r < g; ++r) xs[r] = X + (r0 + r) * k;
         for (int64_t j = b0; j < b1; ++j) {
           const T* wr = W + j * k;
           const float b = B ? static_cast<float>(B[j]) : 0.f;
@@ -177,6 +142,19 @@ void rows_kernel(const T* X, const T* W, const T* B, T* O, int64_t m, int64_t k,
       }
     }
   });
+}
+
+// `rows_walk` with the inputs widened to float32 once (Xf), the weights as they are read
+template <typename T>
+void rows_kernel(const T* X, const T* W, const T* B, T* O, int64_t m, int64_t k, int64_t n) {
+  std::vector<float> xf;
+  const float* Xf = reinterpret_cast<const float*>(X);
+  if (!std::is_same<T, float>::value) {
+    xf.resize(m * k);
+    for (int64_t t = 0; t < m * k; ++t) xf[t] = static_cast<float>(X[t]);
+    Xf = xf.data();
+  }
+  rows_walk<T, float>(Xf, W, B, O, m, k, n);
 }
 
 // widen: bf16 by the widened float32 chain even where the build has VDPBF16PS (the reference the tests compare with)
@@ -205,8 +183,8 @@ at::Tensor rows_linear_impl(const at::Tensor& x, const at::Tensor& w, const c10:
     using B16 = c10::BFloat16;
 #if defined(DRAFTSMITH_AVX512_BF16)
     if (!widen) {
-      rows_kernel_bh(xc.data_ptr<B16>(), wc.data_ptr<B16>(), bc.defined() ? bc.data_ptr<B16>() : nullptr,
-                     out.data_ptr<B16>(), m, k, n);
+      rows_walk<B16, B16>(xc.data_ptr<B16>(), wc.data_ptr<B16>(), bc.defined() ? bc.data_ptr<B16>() : nullptr,
+                          out.data_ptr<B16>(), m, k, n);
       return out.view(shape);
     }
 #endif
