@@ -2,7 +2,13 @@
 (VDPBF16PS in the kernels' AVX512_BF16 build) and ``rows_linear_widened`` (bf16 widened to float32), at the default
 target's weight shapes and a few row counts; medians of ``--calls`` calls each, interleaved per shape.
 
-    python -m benchmarks.rows_linear_bench [--threads 2] [--rows 1,4,16,100] [--calls 40] [--out FILE]
+    python -m benchmarks.rows_linear_bench [--threads 2] [--rows 1,4,16,100] [--calls 40] [--step] [--out FILE]
+
+A shape timed in a loop reads a weight that stays in the caches. ``--step`` times what a decoding step does
+instead: the 121 products of one forward of the default target in order (30 layers of q+k+v, o, gate+up and down,
+then the LM head; 270 MB of bf16 weights, each its own tensor, so each read comes from memory), for each backend
+in turn over ``--calls`` rounds, medians; torch's product there is its eager ``F.linear`` (a compiled graph may
+choose inductor's own GEMM template instead).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from benchmarks.fastest_plain import cpu_name
 from draftsmith.engine.native import native_status, rows_linear_on
 
 SHAPES = [(49152, 576), (3072, 576), (576, 1536), (960, 576)]  # LM head, gate+up, down, q+k+v
+STEP = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # one forward's products, in order
 
 
 def _ms(f, calls: int) -> float:
@@ -37,6 +44,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,4,16,100")
     ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--step", action="store_true", help="one forward's 121 products in order, weights from memory")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -46,6 +54,8 @@ def main(argv=None) -> dict:
     print(f"CPU: {cpu_name()}; {a.threads} threads; kernels {native_status()}")
     rows = []
     g = torch.Generator().manual_seed(0)
+    if a.step:
+        return _step(a, op, widened, g)
     for n, k in SHAPES:
         w = torch.randn(n, k, generator=g).bfloat16()
         for m in (int(r) for r in a.rows.split(",")):
@@ -57,6 +67,33 @@ def main(argv=None) -> dict:
             print(f"{n} x {k}, {m:3d} rows: torch {ref:.3f} ms, kernel {dot:.3f}, widened {wid:.3f}; "
                   f"torch / kernel x{ref / dot:.2f}")
     out = {"cpu": cpu_name(), "threads": a.threads, "kernels": native_status(), "rows": rows}
+    if a.out:
+        write_json(a.out, out)
+    return out
+
+
+def _step(a, op, widened, g) -> dict:
+    ws = [torch.randn(n, k, generator=g).bfloat16() for n, k in STEP]
+    mb = sum(w.numel() * 2 for w in ws) / 1e6
+    backends = {"torch": lambda x, w: F.linear(x, w), "kernel": lambda x, w: op(x, w, None),
+                "widened": lambda x, w: widened(x, w, None)}
+    out = {"cpu": cpu_name(), "threads": a.threads, "kernels": native_status(), "weights_mb": round(mb, 1),
+           "step": []}
+    for m in (int(r) for r in a.rows.split(",")):
+        xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {k for _, k in STEP}}
+        times: dict[str, list[float]] = {b: [] for b in backends}
+        for rnd in range(a.calls + 2):
+            for name, f in backends.items():
+                t = time.perf_counter()
+                for w in ws:
+                    f(xs[w.shape[1]], w)
+                if rnd >= 2:
+                    times[name].append(time.perf_counter() - t)
+        med = {b: statistics.median(v) * 1e3 for b, v in times.items()}
+        out["step"].append({"rows": m, **{f"{b}_ms": round(v, 3) for b, v in med.items()}})
+        print(f"one forward's products, {m:3d} rows ({mb:.0f} MB): torch {med['torch']:.2f} ms, kernel "
+              f"{med['kernel']:.2f} ({mb / med['kernel']:.1f} GB/s), widened {med['widened']:.2f}; torch / kernel "
+              f"x{med['torch'] / med['kernel']:.2f}")
     if a.out:
         write_json(a.out, out)
     return out
