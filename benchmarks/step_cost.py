@@ -69,8 +69,7 @@ def main(argv=None) -> dict:
             compile_s = round(fast.compile_s, 1) if fast is not None else 0.0
             line = {"dtype": token, "forward": fwd, "autotune": not a.no_autotune,
                     "compile_s": compile_s, "measure_s": round(wall - compile_s, 1),
-                    "rounds": [{"one_row_ms": round(med[1] * 1000, 2),
-                                "x_one_row": {str(s + 1): round(r, 3) for s, r in zip(sizes, ratios.values())}}]}
+                    "rounds": [_round(med, sizes, ratios)]}
             if a.rounds <= 1:
                 _print(line)
                 lines.append((line, None))  # the target is freed before the next line loads
@@ -83,8 +82,7 @@ def main(argv=None) -> dict:
             native._CPU_AMX = amx or line["dtype"].endswith(":onednn")
             med = {}
             ratios = measure_step_cost(target, sizes, medians_out=med)
-            line["rounds"].append({"one_row_ms": round(med[1] * 1000, 2),
-                                   "x_one_row": {str(s + 1): round(r, 3) for s, r in zip(sizes, ratios.values())}})
+            line["rounds"].append(_round(med, sizes, ratios))
     native._CPU_AMX = amx
     for line, _ in lines:
         rounds = line["rounds"]
@@ -97,6 +95,12 @@ def main(argv=None) -> dict:
     if a.out:
         write_json(a.out, report, indent=1)
     return report
+
+
+def _round(med: dict, sizes: list[int], ratios: dict) -> dict:
+    """One measurement of a line: the 1-row step in ms and each size's ratio to it."""
+    return {"one_row_ms": round(med[1] * 1000, 2),
+            "x_one_row": {str(s + 1): round(r, 3) for s, r in zip(sizes, ratios.values())}}
 
 
 def _print(line: dict) -> None:
