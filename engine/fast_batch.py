@@ -69,6 +69,7 @@ class FastBatchBody:
         self.core = core if core is not None else _Core(model)
         if pack:
             self.core.pack_weights()
+        self.core.place_on_huge_pages()
         self._layers = list(model.get_decoder().layers)  # for their forward hooks (`verify`, `prefill`)
         p = self.core.norm_w
         op = native_for(p.dtype, p.device, self.core.head_dim)  # the data engine's caches have contiguous slots
