@@ -14,10 +14,13 @@ One process of ours runs its methods interleaved per prompt (a seeded shuffle pe
 Then vLLM (its own environment, .venv-vllm; scripts/vllm_env.sh) runs the same prompts, one request at a time,
 once per ``--vllm-modes`` entry (compiled = vLLM's default CPU compile mode, eager = enforce_eager), right after,
 with the same thread count. ``--batched``: also every prompt at once, vLLM against our batched decoder.
-Then llama.cpp (``scripts/llamacpp_env.sh`` builds it) through ``llama-server``, one request at a time, on the
+llama.cpp (``scripts/llamacpp_env.sh`` builds it) runs through ``llama-server``, one request at a time, on the
 target's GGUF of each ``--llamacpp`` type (shipped: the file the target ships as, Q4_1 for the default target;
 the 4-bit file is not the fp32 model's arithmetic, so its greedy tokens may differ from ours at near-ties and
-beyond).
+beyond): one server per file, all started before the warm-up, each a method interleaved per prompt with ours
+(an idle server takes about 1% of a core); ``--llamacpp-after``: one file after another once ours are done, as
+before 2026-12-07. ``--pages-ab``: each of our compiled lines also with its weights on 4 KiB pages
+(``DRAFTSMITH_HUGEPAGES=0`` for a second copy of the target), side by side with the default 2 MiB pages.
 
 Printed: tok/s of each method; greedy outputs equal to ours compiled (count, with the top-2 logit gap at each
 first divergence); per-token step time against the memory floor (the bytes of the weights one forward reads,
@@ -28,10 +31,14 @@ measured, named. Compile time is reported and counted in nothing else (warm-up r
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
+import os
 import random
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -99,6 +106,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="llama.cpp plain decoding on the target's GGUF of these types (shipped: the file the target "
                          "ships as, Q4_1 for the default; others converted from the target's directory), "
                          "through llama-server; '' = none (left out with the reason when there is no build)")
+    ap.add_argument("--llamacpp-after", action="store_true",
+                    help="llama.cpp after ours, one file after another (default: interleaved per prompt with ours)")
+    ap.add_argument("--pages-ab", action="store_true",
+                    help="also each of our compiled lines with its weights on 4 KiB pages, side by side")
     ap.add_argument("--no-eager", action="store_true", help="leave out ours on the model's own forward")
     ap.add_argument("--no-hf", action="store_true", help="leave out Hugging Face generate")
     ap.add_argument("--blas-linears", action="store_true",
@@ -153,11 +164,32 @@ def main(argv: list[str] | None = None) -> dict:
         extra.fast_body = FastBody(extra.model, compile=True)
         methods[f"plain (ours, compiled, {a.extra_dtype})"] = SpeculativeDecoder(extra)
         extra.fast_body = None
+    if a.pages_ab:  # the same lines on a second copy of the target whose weights stay on 4 KiB pages
+        lines = [("plain (ours, compiled", choice.dtype, True)]
+        if a.float32_weights:
+            lines.append(("plain (ours, compiled, float32 weights", choice.dtype, False))
+        if extra is not None:
+            lines.append((f"plain (ours, compiled, {a.extra_dtype}", extra.dtype, True))
+        for label, dt, pack in lines:
+            methods[f"{label}, 4 KiB pages)"] = _on_small_pages(a.target, dt, pack)
     if not a.no_eager:
         methods["plain (ours, eager)"] = SpeculativeDecoder(target)
     run = {name: ours(name, dec).run for name, dec in methods.items()}
     if not a.no_hf:
         run["HF generate"] = hf_generate(target, SamplingParams()).run
+    servers = contextlib.ExitStack()
+    atexit.register(servers.close)  # the servers stop however this run ends
+    ll_types = [t for t in a.llamacpp.split(",") if t]
+    ll_why = have_llamacpp() if ll_types else None
+    ll_bytes: dict[str, int] = {}
+    if ll_types and not ll_why and not a.llamacpp_after:  # llama.cpp's files, interleaved with ours
+        for t in ll_types:
+            name = f"llama.cpp plain ({t})" if t != "shipped" else f"llama.cpp plain (shipped {shipped_type(target)})"
+            gguf = target_gguf(target, t)
+            server = servers.enter_context(LlamaServer(gguf, threads=a.threads,
+                                                       log=Path(a.out).with_suffix(f".llamacpp-{t}.log")))
+            run[name] = _server_method(server)
+            ll_bytes[name] = gguf.stat().st_size
     t0 = time.perf_counter()
     longest = max(ids, key=len)
     for name, f in run.items():  # warm-up: compiles every graph these methods use (timed apart), the longest
@@ -182,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         if (k + 1) % 10 == 0 or k + 1 == len(ids):
             print(f"[{k + 1}/{len(ids)}] " + ", ".join(f"{n} {sum(map(len, outs[n])) / walls[n]:.2f}" for n in run),
                   flush=True)
+    servers.close()
     ref = outs["plain (ours, compiled)"]
 
     def agree(other: list[list[int]]) -> dict:
@@ -199,11 +232,15 @@ def main(argv: list[str] | None = None) -> dict:
         toks = sum(map(len, outs[n]))
         report["methods"][n] = {"tokens": toks, "wall_s": round(walls[n], 2), "tok_s": round(toks / walls[n], 3),
                                 "tau": round(toks / max(forwards[n], 1), 3), "equal_to_ours_compiled": agree(outs[n])}
-    if fast.packed:  # ours reads the packed copies: its floor is their bytes (`FastBody.step_bytes`)
-        report["methods"]["plain (ours, compiled)"]["weight_bytes"] = fast.step_bytes()
+    if fast.packed:
         report["packed"] = fast.packed
-    if extra is not None:  # its floor: the bytes of its own dtype's weights
-        report["methods"][f"plain (ours, compiled, {a.extra_dtype})"]["weight_bytes"] = forward_bytes(extra.model)
+    for name, dec in methods.items():  # a compiled line's floor: the bytes its step reads (packed where it is)
+        if getattr(dec, "fast", None) is not None:
+            report["methods"][name]["weight_bytes"] = dec.fast.step_bytes()
+    for name, nbytes in ll_bytes.items():
+        report["methods"][name]["weight_bytes"] = nbytes
+    report["llamacpp_order"] = "after ours" if a.llamacpp_after else "interleaved per prompt with ours"
+    report["pages"] = {n: dec.fast.core.pages for n, dec in methods.items() if getattr(dec, "fast", None)}
 
     def save() -> None:
         """The report so far: an engine that fails later loses nothing measured before it."""
@@ -248,12 +285,11 @@ def main(argv: list[str] | None = None) -> dict:
             report["methods"][f"vLLM batched ({tag})"] = {
                 "tokens": res["generated"], "wall_s": round(res["wall_s"], 2),
                 "tok_s": round(res["generated"] / res["wall_s"], 3)}
-    ll_types = [t for t in a.llamacpp.split(",") if t]
-    why = have_llamacpp() if ll_types else None
+    why = ll_why
     if why:
         print(f"llama.cpp: left out ({why.splitlines()[0]})")
         report["llamacpp"] = why
-    for t in ll_types if not why else []:
+    for t in ll_types if not why and a.llamacpp_after else []:
         name = f"llama.cpp plain ({t})" if t != "shipped" else f"llama.cpp plain (shipped {shipped_type(target)})"
         try:
             gguf = target_gguf(target, t)
@@ -316,6 +352,32 @@ def main(argv: list[str] | None = None) -> dict:
     for n, why in report["failed"].items():
         print(f"| {n} | failed: {why.splitlines()[0][:120]} | | | | |")
     return report
+
+
+def _server_method(server: LlamaServer):
+    """A running ``llama-server`` as a method of the interleaved loop: one greedy request a call."""
+    def run(ids: list[int], n: int, seed: int):
+        r = server.complete(ids, n, seed=seed)
+        return SimpleNamespace(tokens=r["tokens"], wall_s=r["wall_s"], target_forwards=len(r["tokens"]))
+    return run
+
+
+def _on_small_pages(name: str, dtype: torch.dtype, pack: bool) -> SpeculativeDecoder:
+    """Our compiled plain decoding on another copy of the target, its weights left on 4 KiB pages."""
+    before = os.environ.get("DRAFTSMITH_HUGEPAGES")
+    os.environ["DRAFTSMITH_HUGEPAGES"] = "0"
+    try:
+        other = load_target(name, dtype=dtype)
+        apply_cpu_layout(other)
+        other.fast_body = FastBody(other.model, compile=True, pack=pack)
+    finally:
+        if before is None:
+            os.environ.pop("DRAFTSMITH_HUGEPAGES")
+        else:
+            os.environ["DRAFTSMITH_HUGEPAGES"] = before
+    dec = SpeculativeDecoder(other)
+    other.fast_body = None
+    return dec
 
 
 if __name__ == "__main__":
