@@ -165,13 +165,13 @@ def main(argv: list[str] | None = None) -> dict:
         methods[f"plain (ours, compiled, {a.extra_dtype})"] = SpeculativeDecoder(extra)
         extra.fast_body = None
     if a.pages_ab:  # the same lines on a second copy of the target whose weights stay on 4 KiB pages
-        lines = [("plain (ours, compiled", choice.dtype, True)]
+        lines = [("plain (ours, compiled", choice.dtype, True, True)]  # label, dtype, packed, CPU layout (as above)
         if a.float32_weights:
-            lines.append(("plain (ours, compiled, float32 weights", choice.dtype, False))
+            lines.append(("plain (ours, compiled, float32 weights", choice.dtype, False, True))
         if extra is not None:
-            lines.append((f"plain (ours, compiled, {a.extra_dtype}", extra.dtype, True))
-        for label, dt, pack in lines:
-            methods[f"{label}, 4 KiB pages)"] = _on_small_pages(a.target, dt, pack)
+            lines.append((f"plain (ours, compiled, {a.extra_dtype}", extra.dtype, True, False))
+        for label, dt, pack, layout in lines:
+            methods[f"{label}, 4 KiB pages)"] = _on_small_pages(a.target, dt, pack, layout)
     if not a.no_eager:
         methods["plain (ours, eager)"] = SpeculativeDecoder(target)
     run = {name: ours(name, dec).run for name, dec in methods.items()}
@@ -362,13 +362,15 @@ def _server_method(server: LlamaServer):
     return run
 
 
-def _on_small_pages(name: str, dtype: torch.dtype, pack: bool) -> SpeculativeDecoder:
-    """Our compiled plain decoding on another copy of the target, its weights left on 4 KiB pages."""
+def _on_small_pages(name: str, dtype: torch.dtype, pack: bool, layout: bool) -> SpeculativeDecoder:
+    """Our compiled plain decoding on another copy of the target, its weights left on 4 KiB pages; ``layout``: the
+    CPU layout of the eager methods first, as the line it twins had."""
     before = os.environ.get("DRAFTSMITH_HUGEPAGES")
     os.environ["DRAFTSMITH_HUGEPAGES"] = "0"
     try:
         other = load_target(name, dtype=dtype)
-        apply_cpu_layout(other)
+        if layout:
+            apply_cpu_layout(other)
         other.fast_body = FastBody(other.model, compile=True, pack=pack)
     finally:
         if before is None:

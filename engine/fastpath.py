@@ -535,6 +535,10 @@ class FastBody(torch.nn.Module):
         self.dynamic_blocks = os.environ.get("DRAFTSMITH_DYNAMIC_BLOCKS", "1") != "0"
         self._seen: set = set()
         if compile:
+            # every FastBody compiles the same function (`_Core.forward`), each under its own guards: past dynamo's
+            # default limit of 8 graphs a function, the rest would run eagerly without a word but a log line (a
+            # benchmark holding six compiled lines did: its last two ran eagerly, slower and in bf16 other bits)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             # freezing (`frozen_weights`, set around the calls: passed in torch.compile's options it is silently not
             # applied in torch 2.13, the weights stay graph inputs and every GEMM a plain aten::mm): the weights
             # become constants, packed once for oneDNN/MKL or, autotuned, for the CPP GEMM template where it
