@@ -21,6 +21,7 @@ the environment), DIR/report.md and PNG plots.
 
 from __future__ import annotations
 
+import contextlib
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from draftsmith.engine.fastpath import add_forward_arg, decode_dtype, use_fast_f
 from draftsmith.engine.drafters import SelfDrafter
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.engine.tree_build import TREES, parse_tree
-from draftsmith.export.llamacpp_server import add_llamacpp_plain
+from draftsmith.export.llamacpp_server import llamacpp_plain_methods
 from draftsmith.eval.bench import (compile_seconds, default_methods, mark_fastest_plain, plain_in_dtype,
                                    prepare_plain_target, run_bench, table)
 from draftsmith.eval.compare import self_drafter_methods, tree_specs_for
@@ -117,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--llamacpp", default="", metavar="TYPES",
                     help="also llama.cpp's plain decoding on the target's GGUF of these types, comma-separated "
                          "(shipped = the file the default or a named target ships as; q4_1, bf16, f32 converted), "
-                         "through llama-server after our methods, greedy only; needs `bash scripts/llamacpp_env.sh`")
+                         "through llama-server, interleaved per prompt with our methods, greedy only; needs "
+                         "`bash scripts/llamacpp_env.sh`")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     add_dtype_arg(ap, None, "the first checkpoint's recipe dtype, else float32")
@@ -286,14 +288,17 @@ def evaluate(a: argparse.Namespace, loaded: Loaded, prompts: list, out: str | Pa
             extra, members = suffix_methods(target, sampling, hybrids, config=cfg, lookup_k=a.prompt_lookup,
                                             index_dir=index_dir, hf_lookup=a.hf_prompt_lookup)
             methods += extra
-        print(f"== {label}: {', '.join(m.name for m in methods)}", flush=True)
-        runs[label] = run_bench(methods, prompts, a.max_new_tokens, seed=a.seed,
-                                compile_clock=lambda: compile_seconds(target, [d for d, _ in drafters]) + sum(
-                                    compile_seconds(t) for t in loaded.plain_targets))
+        left_out: dict = {}
+        with contextlib.ExitStack() as servers:  # llama.cpp's plain decoding, interleaved with ours
+            methods += llamacpp_plain_methods(servers, left_out, target, [t for t in a.llamacpp.split(",") if t],
+                                              sampling=sampling)
+            print(f"== {label}: {', '.join(m.name for m in methods)}", flush=True)
+            runs[label] = run_bench(methods, prompts, a.max_new_tokens, seed=a.seed,
+                                    compile_clock=lambda: compile_seconds(target, [d for d, _ in drafters]) + sum(
+                                        compile_seconds(t) for t in loaded.plain_targets))
+        runs[label].update(left_out)
         if a.suffix:
             runs[label]["suffix"] = suffix_stats(members)
-        add_llamacpp_plain(runs[label], target, prompts, a.max_new_tokens,
-                           [t for t in a.llamacpp.split(",") if t], sampling=sampling)
         if runs[label].get("llamacpp"):
             print(f"llama.cpp: left out ({runs[label]['llamacpp'].splitlines()[0]})")
         if more_plain is not None:

@@ -9,8 +9,8 @@ side, or ``none``. Every set (eval/suite.py: MT-Bench first turns, MT-Bench seco
 first answers, HumanEval; GSM8K and Alpaca are named as unavailable: no registry package ships them), at T=0 and
 T=1, each checkpoint as a chain and in its built trees (``built:best`` where the trees stage built them),
 interleaved per prompt with plain decoding: ours always, Hugging Face ``generate`` (``--no-hf`` leaves it out),
-and at T=0 llama.cpp's (on the target's shipped GGUF, where ``scripts/llamacpp_env.sh`` built it) and vLLM
-CPU's (where ``scripts/vllm_env.sh`` built it), after ours in their own processes. The target and drafters load
+and at T=0 llama.cpp's (on the target's shipped GGUF, where ``scripts/llamacpp_env.sh`` built it; its server
+interleaved with ours) and vLLM CPU's (where ``scripts/vllm_env.sh`` built it; after ours, in its own process). The target and drafters load
 once; each set writes DIR/SET/report.{json,md} and its plots (``draftsmith eval``'s report), and the suite
 writes DIR/suite.json (every row, the machine, versions, commit, command), DIR/suite.md and DIR/suite_*.png.
 

@@ -1,9 +1,10 @@
 """``llama-server`` for measurement: greedy completions of token-id prompts with llama.cpp's own timings and draft
-counters (`LlamaServer`, `run_prompts`), and llama.cpp's plain decoding as a row of a decoding benchmark
-(`add_llamacpp_plain`). The build and the GGUF files come from ``export/llamacpp.py``."""
+counters (`LlamaServer`, `run_prompts`), and llama.cpp's plain decoding as methods of an interleaved decoding
+benchmark (`llamacpp_plain_methods`). The build and the GGUF files come from ``export/llamacpp.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -144,15 +145,17 @@ def shipped_type(target) -> str:
     return got[1] if got else "?"
 
 
-def add_llamacpp_plain(figures: dict, target, prompts: list, max_new_tokens: int, types: list[str],
-                       threads: int | None = None, sampling=None) -> list[str]:
-    """llama.cpp's plain decoding (llama-server on the target's GGUF of each type; ``shipped``: the file the default
-    or a named target ships as, q4_1 for the default) on the same prompts, after ours (not interleaved: another
-    process), as more methods in ``figures``; every method's speedups then name it too. Returns the names added;
-    with no llama.cpp build, none (``figures["llamacpp"]`` says why). Greedy only (sampled runs differ by design)."""
-    import torch  # noqa: PLC0415
-
-    from draftsmith.eval.bench import add_plain  # noqa: PLC0415 (export -> eval: torch only where it runs)
+def llamacpp_plain_methods(servers: contextlib.ExitStack, figures: dict, target, types: list[str],
+                           threads: int | None = None, sampling=None) -> list:
+    """llama.cpp's plain decoding as methods of an interleaved benchmark (`draftsmith.eval.bench.run_bench`): one
+    ``llama-server`` per GGUF type of the target (``shipped``: the file the default or a named target ships as, q4_1
+    for the default), started in ``servers`` (the caller closes it after the run), each call one greedy request of
+    a token-id prompt, timed from the request to the reply. An idle server takes about 1% of a core, so the
+    methods run side by side with ours, prompt by prompt, and every speedup names them. With no llama.cpp build
+    (or a sampled run, or a target llama.cpp cannot convert), none: ``figures["llamacpp"]`` says why; a type that
+    fails to start costs its own method only (named there too)."""
+    from draftsmith.engine.metrics import DecodeResult  # noqa: PLC0415 (export -> engine: torch only where it runs)
+    from draftsmith.eval.bench import Method  # noqa: PLC0415
     if not types:
         return []
     why = have_llamacpp()
@@ -163,25 +166,27 @@ def add_llamacpp_plain(figures: dict, target, prompts: list, max_new_tokens: int
     if why:
         figures["llamacpp"] = why
         return []
-    threads = threads or torch.get_num_threads()
-    ids = [p.ids if hasattr(p, "ids") else list(p) for p in prompts]
-    added, failed = [], []
+    if threads is None:
+        import torch  # noqa: PLC0415
+        threads = torch.get_num_threads()
+    methods, failed = [], []
     for t in types:
         try:  # a target llama.cpp cannot convert or run costs its column, not the benchmark
-            with LlamaServer(target_gguf(target, t), threads=threads) as server:
-                r = run_prompts(server, ids, max_new_tokens)
+            server = servers.enter_context(LlamaServer(target_gguf(target, t), threads=threads))
         except LlamaCppError as e:
             failed.append(f"{t}: {str(e).splitlines()[0]}")
             continue
         name = f"llama.cpp plain ({t})" if t != "shipped" else f"llama.cpp plain (shipped {shipped_type(target)})"
-        add_plain(figures, name, {"tokens_per_s": r["tok_s"], "family": "llama.cpp",
-                                  "tau_by_category": {c: 1.0 for c in sorted({getattr(p, "category", "all")
-                                                                              for p in prompts})},
-                                  "tokens": r["generated"], "wall_s": r["wall_s"], "threads": threads})
-        added.append(name)
+
+        def run(ids: list[int], n: int, seed: int, server=server) -> DecodeResult:
+            r = server.complete(list(ids), n, seed=seed)
+            return DecodeResult(tokens=r["tokens"], prompt_len=len(ids), wall_s=r["wall_s"],
+                                counted_forwards=len(r["tokens"]),
+                                stop_reason="eos" if r.get("stop_type") == "eos" else "max_new_tokens")
+        methods.append(Method(name, run, "llama.cpp"))
     if failed:
         figures["llamacpp"] = "; ".join(failed)
-    return added
+    return methods
 
 
-__all__ = ["LlamaServer", "add_llamacpp_plain", "free_port", "run_prompts"]
+__all__ = ["LlamaServer", "free_port", "llamacpp_plain_methods", "run_prompts"]

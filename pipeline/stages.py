@@ -12,6 +12,7 @@ Every stage is resumable and skipped when its output is complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import logging
@@ -24,7 +25,7 @@ from pathlib import Path
 from draftsmith import paths, registry
 from draftsmith.checkpoint import command_line, environment, load_checkpoint, update_metrics
 from draftsmith.train.training import predictors as classifier_stage
-from draftsmith.export.llamacpp_server import add_llamacpp_plain
+from draftsmith.export.llamacpp_server import llamacpp_plain_methods
 from draftsmith.eval.bench import (BASELINE, compile_seconds, default_methods, mark_fastest_plain, plain_in_dtype,
                                    prepare_plain_target, run_bench, table)
 from draftsmith.eval.suffix import suffix_methods, suffix_stats
@@ -547,13 +548,15 @@ def stage_bench(recipe: Recipe, target: Target, ckpt: Path, plain_targets: tuple
         extra, members = suffix_methods(target, greedy, [(drafter, trees)], config=BENCH_SUFFIX,
                                         hf_lookup=False, ours_lookup=False, index_dir=recipe.out / "suffix_index")
         methods += extra
-    figures = run_bench(methods, mtbench_prompts(target.tokenizer, e.prompts, spread=True), e.max_new_tokens,
-                        log=None, compile_clock=lambda: compile_seconds(target, [drafter]) + sum(
-                            compile_seconds(t) for t in plain_targets))
+    left_out: dict = {}
+    with contextlib.ExitStack() as servers:  # llama.cpp's plain decoding, interleaved with ours
+        methods += llamacpp_plain_methods(servers, left_out, target, e.llamacpp)
+        figures = run_bench(methods, mtbench_prompts(target.tokenizer, e.prompts, spread=True), e.max_new_tokens,
+                            log=None, compile_clock=lambda: compile_seconds(target, [drafter]) + sum(
+                                compile_seconds(t) for t in plain_targets))
+    figures.update(left_out)
     if seeded is not None:
         figures["suffix_index"], figures["suffix"] = seeded, suffix_stats(members)
-    add_llamacpp_plain(figures, target, mtbench_prompts(target.tokenizer, e.prompts, spread=True), e.max_new_tokens,
-                       e.llamacpp)
     mark_fastest_plain(figures)
     figures["forecast"] = forecast_vs_measured(figures, ckpt, e.trees, drafter.name)
     figures["dtype"] = dtype_name(target.dtype)

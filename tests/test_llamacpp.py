@@ -237,15 +237,29 @@ def test_the_recommendation_is_plain_decoding_unless_a_drafter_beats_it():
 
 @needs_build
 def test_llamacpp_plain_joins_a_bench_report_and_its_plots(tiny_gguf_target, tmp_path):
-    from draftsmith.eval.bench import ours, run_bench, table
-    from draftsmith.export.llamacpp_server import add_llamacpp_plain
+    import contextlib
+    from draftsmith.eval.bench import mark_fastest_plain, ours, run_bench, table
+    from draftsmith.export.llamacpp_server import llamacpp_plain_methods
     from draftsmith.eval.mtbench import Prompt
     from draftsmith.eval.report import write_report
     from draftsmith.engine.decoder import SpeculativeDecoder
+    from draftsmith.engine.sampling import SamplingParams
     t = tiny_gguf_target
     prompts = [Prompt(i, "writing" if i else "coding", x, ids) for i, (x, ids) in enumerate(zip(PROMPTS, _prompts(t)))]
-    figs = run_bench([ours("plain (ours)", SpeculativeDecoder(t))], prompts, 12)
-    assert add_llamacpp_plain(figs, t, prompts, 12, ["f32"]) == ["llama.cpp plain (f32)"]
+    why: dict = {}
+    with contextlib.ExitStack() as servers:  # interleaved with ours, prompt by prompt
+        ll = llamacpp_plain_methods(servers, why, t, ["f32"])
+        assert [m.name for m in ll] == ["llama.cpp plain (f32)"] and not why
+        figs = run_bench([ours("plain (ours)", SpeculativeDecoder(t)), *ll], prompts, 12)
+        server = ll[0].run.__defaults__[0]
+        assert server.proc.poll() is None
+    assert server.proc.poll() is not None, "the run's servers outlived it"
+    mark_fastest_plain(figs)
+    assert figs["methods"]["llama.cpp plain (f32)"]["tau"] == 1.0
+    assert all(0 < p["llama.cpp plain (f32)"]["tokens"] <= 12 for p in figs["per_prompt"])
+    sampled: dict = {}
+    assert llamacpp_plain_methods(contextlib.ExitStack(), sampled, t, ["f32"], sampling=SamplingParams(1.0)) == []
+    assert "greedy only" in sampled["llamacpp"]
     assert figs["fastest_plain"] in figs["methods"]
     assert any(x["baseline"] == "llama.cpp plain (f32)" for x in figs["methods"]["plain (ours)"]["speedup"])
     assert "llama.cpp plain (f32)" in table(figs)
