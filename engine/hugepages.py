@@ -11,9 +11,10 @@ SmolLM2-135M's q/k/v, o and down projections are 0.7-1.8 MB each in bf16).
 `to_huge_pages` copies a set of tensors into one anonymous private mapping, aligned to 2 MiB and advised
 ``MADV_HUGEPAGE``, and returns views of it: the same values bit for bit, the same shapes and strides (each
 tensor must be contiguous), on other pages. The mapping lives as long as any view of it (``torch.frombuffer``
-holds it). Measured with `benchmarks.rows_linear_bench --step --pages` (one forward's products of the default
-target, each weight read from memory; docs/results-log.md §48): on a Zen 4 EPYC at 2 threads bf16 1.05x, float32
-1.12x, the packed 4-bit copies 1.01x (bound by widening, not by reading).
+holds it). Measured with `benchmarks.rows_linear_bench --pages` (one forward's products at the default target's
+shapes, each weight read from memory, 4 KiB and 2 MiB pages in turn; docs/results-log.md §48): on a 2-core Zen 4
+EPYC at 2 threads and 1 row, bf16 1.04-1.07x faster, float32 1.01-1.02x; the packed 4/8-bit copies, bound by
+widening rather than by reading, gain nothing measurable. More rows gain nothing either (x0.99-1.01 at 4 and 16).
 
 ``DRAFTSMITH_HUGEPAGES=0`` turns it off (for side-by-side runs). Elsewhere than Linux, or where the kernel's
 setting is ``never``, `to_huge_pages` returns None and callers keep their tensors.
@@ -106,8 +107,9 @@ def to_huge_pages(tensors: list[torch.Tensor]) -> Placed | None:
 
 
 def smaps_region(address: int) -> dict | None:
-    """The /proc/self/smaps entry of the mapping that holds ``address``: its sizes in bytes, ``VmFlags`` as a
-    tuple; None where smaps cannot be read or no mapping holds it."""
+    """The /proc/self/smaps entry of the mapping that holds ``address``: ``range`` (its first and past-the-end
+    addresses), its sizes in bytes, ``VmFlags`` as a tuple; None where smaps cannot be read or no mapping holds
+    it."""
     try:
         text = Path("/proc/self/smaps").read_text()
     except OSError:
@@ -119,7 +121,7 @@ def smaps_region(address: int) -> dict | None:
             if region is not None:
                 return region
             lo, hi = int(head.group(1), 16), int(head.group(2), 16)
-            region = {} if lo <= address < hi else None
+            region = {"range": (lo, hi)} if lo <= address < hi else None
         elif region is not None:
             key, _, value = line.partition(":")
             if key == "VmFlags":
