@@ -38,7 +38,6 @@ import os
 import random
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -52,7 +51,7 @@ from draftsmith.eval.greedy_equality import first_divergence, top2_gap
 from draftsmith.eval.mtbench import mtbench_prompts
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.export.llamacpp import have_llamacpp, target_gguf
-from draftsmith.export.llamacpp_server import LlamaServer, run_prompts, shipped_type
+from draftsmith.export.llamacpp_server import LlamaServer, llamacpp_plain_methods, run_prompts, shipped_type
 from draftsmith.export.vllm_check import run_vllm, vllm_python
 from draftsmith.target import cpu_name, load_target, resolve_dtype
 
@@ -181,15 +180,12 @@ def main(argv: list[str] | None = None) -> dict:
     atexit.register(servers.close)  # the servers stop however this run ends
     ll_types = [t for t in a.llamacpp.split(",") if t]
     ll_why = have_llamacpp() if ll_types else None
-    ll_bytes: dict[str, int] = {}
+    ll: dict = {}
     if ll_types and not ll_why and not a.llamacpp_after:  # llama.cpp's files, interleaved with ours
-        for t in ll_types:
-            name = f"llama.cpp plain ({t})" if t != "shipped" else f"llama.cpp plain (shipped {shipped_type(target)})"
-            gguf = target_gguf(target, t)
-            server = servers.enter_context(LlamaServer(gguf, threads=a.threads,
-                                                       log=Path(a.out).with_suffix(f".llamacpp-{t}.log")))
-            run[name] = _server_method(server)
-            ll_bytes[name] = gguf.stat().st_size
+        for m in llamacpp_plain_methods(servers, ll, target, ll_types, threads=a.threads, logs=Path(a.out)):
+            run[m.name] = m.run
+        if ll.get("llamacpp"):
+            print(f"llama.cpp: {ll['llamacpp']}")
     t0 = time.perf_counter()
     longest = max(ids, key=len)
     for name, f in run.items():  # warm-up: compiles every graph these methods use (timed apart), the longest
@@ -237,8 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, dec in methods.items():  # a compiled line's floor: the bytes its step reads (packed where it is)
         if getattr(dec, "fast", None) is not None:
             report["methods"][name]["weight_bytes"] = dec.fast.step_bytes()
-    for name, nbytes in ll_bytes.items():
-        report["methods"][name]["weight_bytes"] = nbytes
+    for name, gguf in ll.get("llamacpp_files", {}).items():
+        report["methods"][name]["weight_bytes"] = Path(gguf).stat().st_size
     report["llamacpp_order"] = "after ours" if a.llamacpp_after else "interleaved per prompt with ours"
     report["pages"] = {n: dec.fast.core.pages for n, dec in methods.items() if getattr(dec, "fast", None)}
 
@@ -352,14 +348,6 @@ def main(argv: list[str] | None = None) -> dict:
     for n, why in report["failed"].items():
         print(f"| {n} | failed: {why.splitlines()[0][:120]} | | | | |")
     return report
-
-
-def _server_method(server: LlamaServer):
-    """A running ``llama-server`` as a method of the interleaved loop: one greedy request a call."""
-    def run(ids: list[int], n: int, seed: int):
-        r = server.complete(ids, n, seed=seed)
-        return SimpleNamespace(tokens=r["tokens"], wall_s=r["wall_s"], target_forwards=len(r["tokens"]))
-    return run
 
 
 def _on_small_pages(name: str, dtype: torch.dtype, pack: bool, layout: bool) -> SpeculativeDecoder:

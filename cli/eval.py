@@ -21,8 +21,8 @@ the environment), DIR/report.md and PNG plots.
 
 from __future__ import annotations
 
-import contextlib
 import argparse
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path

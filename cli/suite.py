@@ -10,9 +10,10 @@ first answers, HumanEval; GSM8K and Alpaca are named as unavailable: no registry
 T=1, each checkpoint as a chain and in its built trees (``built:best`` where the trees stage built them),
 interleaved per prompt with plain decoding: ours always, Hugging Face ``generate`` (``--no-hf`` leaves it out),
 and at T=0 llama.cpp's (on the target's shipped GGUF, where ``scripts/llamacpp_env.sh`` built it; its server
-interleaved with ours) and vLLM CPU's (where ``scripts/vllm_env.sh`` built it; after ours, in its own process). The target and drafters load
-once; each set writes DIR/SET/report.{json,md} and its plots (``draftsmith eval``'s report), and the suite
-writes DIR/suite.json (every row, the machine, versions, commit, command), DIR/suite.md and DIR/suite_*.png.
+interleaved with ours) and vLLM CPU's (where ``scripts/vllm_env.sh`` built it; after ours, in its own process).
+The target and drafters load once; each set writes DIR/SET/report.{json,md} and its plots (``draftsmith eval``'s
+report), and the suite writes DIR/suite.json (every row, the machine, versions, commit, command), DIR/suite.md and
+DIR/suite_*.png.
 
 Decoder-only drafters keep their state across sets: ``suffix``'s global index learns from every response of the
 run, in order (as in a server), so later sets draft from what earlier sets decoded.

@@ -146,14 +146,16 @@ def shipped_type(target) -> str:
 
 
 def llamacpp_plain_methods(servers: contextlib.ExitStack, figures: dict, target, types: list[str],
-                           threads: int | None = None, sampling=None) -> list:
+                           threads: int | None = None, sampling=None, logs: Path | None = None) -> list:
     """llama.cpp's plain decoding as methods of an interleaved benchmark (`draftsmith.eval.bench.run_bench`): one
     ``llama-server`` per GGUF type of the target (``shipped``: the file the default or a named target ships as, q4_1
     for the default), started in ``servers`` (the caller closes it after the run), each call one greedy request of
     a token-id prompt, timed from the request to the reply. An idle server takes about 1% of a core, so the
     methods run side by side with ours, prompt by prompt, and every speedup names them. With no llama.cpp build
     (or a sampled run, or a target llama.cpp cannot convert), none: ``figures["llamacpp"]`` says why; a type that
-    fails to start costs its own method only (named there too)."""
+    fails to start costs its own method only (named there too). ``figures["llamacpp_files"]``: each method's GGUF
+    file; ``logs``: each server's log as ``logs`` with the suffix ``.llamacpp-TYPE.log`` (default: a temporary
+    file)."""
     from draftsmith.engine.metrics import DecodeResult  # noqa: PLC0415 (export -> engine: torch only where it runs)
     from draftsmith.eval.bench import Method  # noqa: PLC0415
     if not types:
@@ -172,11 +174,14 @@ def llamacpp_plain_methods(servers: contextlib.ExitStack, figures: dict, target,
     methods, failed = [], []
     for t in types:
         try:  # a target llama.cpp cannot convert or run costs its column, not the benchmark
-            server = servers.enter_context(LlamaServer(target_gguf(target, t), threads=threads))
+            gguf = target_gguf(target, t)
+            server = servers.enter_context(LlamaServer(
+                gguf, threads=threads, log=None if logs is None else Path(logs).with_suffix(f".llamacpp-{t}.log")))
         except LlamaCppError as e:
             failed.append(f"{t}: {str(e).splitlines()[0]}")
             continue
         name = f"llama.cpp plain ({t})" if t != "shipped" else f"llama.cpp plain (shipped {shipped_type(target)})"
+        figures.setdefault("llamacpp_files", {})[name] = str(gguf)
 
         def run(ids: list[int], n: int, seed: int, server=server) -> DecodeResult:
             r = server.complete(list(ids), n, seed=seed)
