@@ -98,14 +98,20 @@ def test_the_fast_forward_reads_its_weights_from_huge_pages_and_computes_the_sam
         assert torch.equal(l1.keys, l2.keys) and torch.equal(l1.values, l2.values)
 
 
-def test_a_compiled_fast_body_raises_dynamos_graph_limit(monkeypatch):
+def test_a_compiled_fast_body_raises_dynamos_graph_limit():
     """Every FastBody compiles the same function under its own guards; at dynamo's default limit of 8 a process
     holding several compiled lines (benchmarks.fastest_plain --pages-ab: six) ran the last ones eagerly. Building
     one raises the limit, before any graph is traced."""
     import torch._dynamo
     from tests.test_decoder import tiny
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    FastBody(tiny(vocab=40, layers=1).model, compile=False)
-    assert torch._dynamo.config.recompile_limit == 8  # an eager body compiles nothing
-    FastBody(tiny(vocab=40, layers=1).model, compile=True)
-    assert torch._dynamo.config.recompile_limit >= 64
+    cfg = torch._dynamo.config
+    before = cfg.recompile_limit  # set and put back by hand: monkeypatch's undo deletes the option (torch 2.13)
+    try:
+        cfg.recompile_limit = 8
+        FastBody(tiny(vocab=40, layers=1).model, compile=False)
+        assert cfg.recompile_limit == 8  # an eager body compiles nothing
+        FastBody(tiny(vocab=40, layers=1).model, compile=True)
+        assert cfg.recompile_limit >= 64
+    finally:
+        cfg.recompile_limit = before
+    assert cfg.recompile_limit == before
