@@ -36,8 +36,8 @@ import weakref
 import torch
 import torch._dynamo
 
-from draftsmith.engine.fastpath import (MODES, _Core, call_layer_hooks, frozen_weights, hooked_layers, shared_core,
-                                       unsupported)
+from draftsmith.engine.fastpath import (MODES, _Core, allow_graphs, call_layer_hooks, frozen_weights, hooked_layers,
+                                       shared_core, unsupported)
 from draftsmith.engine.kvcache import sliding_windows
 from draftsmith.engine.native import ROWS_LINEAR_MAX, native_for
 
@@ -80,7 +80,7 @@ class FastBatchBody:
         self.compile_s = 0.0  # seconds spent in calls that compiled
         self.compiles = 0
         if compile:
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            allow_graphs()
             self.compiled = torch.compile(self.core, dynamic=False, options={"emulate_precision_casts": True})
 
     def hooked(self) -> bool:

@@ -80,6 +80,18 @@ def frozen_weights():
     return inductor_config.patch(freezing=True)
 
 
+GRAPHS_PER_FUNCTION = 64
+
+
+def allow_graphs() -> None:
+    """Raise dynamo's limit of compiled graphs a function (8 by default) to `GRAPHS_PER_FUNCTION`, before a compile.
+    Every `FastBody` compiles the same function (`_Core.forward`), and every compiled drafter of a kind its own, each
+    under its own guards (module, shapes, cache capacity): past the limit dynamo runs the rest eagerly with nothing
+    but a log line (a benchmark holding six compiled lines did: its last two ran 1.3-1.7x slower, and in bf16 with
+    other bits)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_FUNCTION)
+
+
 class CompiledDrafting:
     """What a kind's compiled drafting functions share (Hydra's heads, EAGLE-3's layer): `compile` (static shapes,
     rounding where the eager code casts), `call` (the weights frozen around every call; the first call of each
@@ -88,10 +100,7 @@ class CompiledDrafting:
     def __init__(self, what: str):
         self.what, self.compile_s = what, 0.0
         self._seen: set = set()
-        # one graph per function and shape, and every instance shares the code objects: past dynamo's default
-        # limit of 8 graphs it would silently run the rest eagerly
-        import torch._dynamo  # torch's compiler, loaded with the first compiled drafter
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        allow_graphs()  # one graph per function and shape, and every instance shares the code objects
 
     @staticmethod
     def compile(module: torch.nn.Module):
@@ -535,10 +544,7 @@ class FastBody(torch.nn.Module):
         self.dynamic_blocks = os.environ.get("DRAFTSMITH_DYNAMIC_BLOCKS", "1") != "0"
         self._seen: set = set()
         if compile:
-            # every FastBody compiles the same function (`_Core.forward`), each under its own guards: past dynamo's
-            # default limit of 8 graphs a function, the rest would run eagerly without a word but a log line (a
-            # benchmark holding six compiled lines did: its last two ran eagerly, slower and in bf16 other bits)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            allow_graphs()
             # freezing (`frozen_weights`, set around the calls: passed in torch.compile's options it is silently not
             # applied in torch 2.13, the weights stay graph inputs and every GEMM a plain aten::mm): the weights
             # become constants, packed once for oneDNN/MKL or, autotuned, for the CPP GEMM template where it
@@ -768,8 +774,6 @@ def use_fast_forward(target, mode: str = "compile", autotune: bool = True) -> di
     have = getattr(target, "fast_body", None)
     if have is not None and (have.compiled is not None) == (mode == "compile"):
         return {"forward": mode}  # already there: keep its compiled graphs
-    import torch._dynamo
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     target.fast_body = FastBody(target.model, compile=mode == "compile", autotune=autotune)
     _shared_cores[target.model] = target.fast_body.core
     return {"forward": mode}
