@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "stage's data/train.jsonl), saved as OUT/suffix_index")
     ap.add_argument("--no-hf-prompt-lookup", dest="hf_prompt_lookup", action="store_false",
                     help="with --suffix: leave Hugging Face's prompt lookup out")
+    ap.add_argument("--no-prompt-lookup", dest="ours_prompt_lookup", action="store_false",
+                    help="with --suffix: leave our prompt lookup out (SuffixDecoding alone and the hybrids stay)")
     ap.add_argument("--prompt-lookup", type=int, default=10, metavar="K",
                     help="prompt lookup's draft length (ours and HF's prompt_lookup_num_tokens) with --suffix")
     ap.add_argument("--llamacpp", default="", metavar="TYPES",
@@ -286,7 +288,8 @@ def evaluate(a: argparse.Namespace, loaded: Loaded, prompts: list, out: str | Pa
             cfg = suffix_config(a)
             hybrids = [(d, trees) for d, trees in drafters if capabilities(d).verify_forward is None]
             extra, members = suffix_methods(target, sampling, hybrids, config=cfg, lookup_k=a.prompt_lookup,
-                                            index_dir=index_dir, hf_lookup=a.hf_prompt_lookup)
+                                            index_dir=index_dir, hf_lookup=a.hf_prompt_lookup,
+                                            ours_lookup=a.ours_prompt_lookup)
             methods += extra
         left_out: dict = {}
         with contextlib.ExitStack() as servers:  # llama.cpp's plain decoding, interleaved with ours

@@ -65,6 +65,12 @@ def test_draftsmith_eval_exit_status(tmp_path, capsys):
     assert rep["config"]["suffix_index_seeded"]["skipped"] == {"corrupt_rows": 1}
     assert (tmp_path / "r3" / "suffix_index" / "suffix_index.json").exists()
     assert "HF prompt-lookup K=10" not in rep["runs"]["greedy"]["methods"]
+    assert "ours prompt-lookup K=10" in rep["runs"]["greedy"]["methods"]
+    # --no-prompt-lookup leaves ours out too; SuffixDecoding alone and the hybrid stay
+    assert main(seeded[:-1] + [str(tmp_path / "r5"), "--no-prompt-lookup"]) == 0
+    names = json.loads((tmp_path / "r5" / "report.json").read_text())["runs"]["greedy"]["methods"]
+    assert not any("prompt-lookup" in n for n in names) and "ours suffix" in names
+    assert any("+suffix" in n for n in names), names
     assert main(seeded[:-2] + ["--suffix-index", str(tmp_path / "r3" / "suffix_index"),
                                "--out", str(tmp_path / "r4")]) == 2
     assert "--suffix-from-data goes with --suffix" in capsys.readouterr().err
