@@ -52,8 +52,15 @@ def record_of(suite: dict) -> dict:
             "forecasts": suite.get("forecasts") or []}
 
 
+OURS = "plain (ours"  # our plain decoding in any dtype: "plain (ours)", "plain (ours, float32)"
+
+
 def _f(x, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _x(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def machine_line(rec: dict) -> str:
@@ -69,7 +76,8 @@ def machine_line(rec: dict) -> str:
 
 def render(rec: dict) -> str:
     """A record's tables: per set, one row per method, per sampling its tok/s, tau, acceptance at draft positions
-    1..3 and its speed against the fastest plain decoding of that run (named under the table)."""
+    1..3 and its speed against our fastest plain decoding and against the fastest plain decoding of that run, any
+    engine's (both named under the table)."""
     lines = [machine_line(rec), "", "Command:", "", "    " + rec["command"], ""]
     by_set: dict[str, dict[str, list[dict]]] = {}
     for r in rec["rows"]:
@@ -77,26 +85,30 @@ def render(rec: dict) -> str:
     for set_name, samplings in by_set.items():
         labels = list(samplings)
         first = next(iter(samplings.values()))[0]
+        ours_of = {lb: max((r for r in rows if r["plain"] and r["method"].startswith(OURS)),
+                           key=lambda r: r["tokens_per_s"], default={}).get("method") for lb, rows in samplings.items()}
         methods: list[str] = []
         for rows in samplings.values():
             methods += [r["method"] for r in rows if r["method"] not in methods]
         lines += [f"{set_name}: {first['prompts']} prompts x {first['max_new_tokens']} tokens.", "",
-                  "| method | " + " | ".join(f"{lb}: tok/s | tau | accept@1..3 | x fastest plain" for lb in labels)
-                  + " |", "|---|" + "---|---|---|---|" * len(labels)]
+                  "| method | " + " | ".join(f"{lb}: tok/s | tau | accept@1..3 | x our plain | x fastest plain"
+                                           for lb in labels) + " |", "|---|" + "---|---|---|---|---|" * len(labels)]
         for name in methods:
             cells = []
             for lb in labels:
                 r = next((x for x in samplings[lb] if x["method"] == name), None)
                 if r is None:
-                    cells += ["-"] * 4
+                    cells += ["-"] * 5
                     continue
                 acc = ", ".join(_f(a) for a in (r["acceptance_by_position"] or [])[:3]) or "-"
                 fp = r.get("fastest_plain")
                 sp = (r.get("speedup") or {}).get(fp) if fp else None
-                cells += [_f(r["tokens_per_s"]), _f(r["tau"], ".3f"), acc, _f(sp) + ("x" if sp is not None else "")]
+                ours = (r.get("speedup") or {}).get(ours_of[lb]) if ours_of[lb] else None
+                cells += [_f(r["tokens_per_s"]), _f(r["tau"], ".3f"), acc, _x(ours), _x(sp)]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        fastest = "; ".join(f"{lb}: {samplings[lb][0].get('fastest_plain') or '-'}" for lb in labels)
-        lines += ["", f"The fastest plain decoding in this run ({fastest}).", ""]
+        named = "; ".join(f"{lb}: ours = {ours_of[lb] or '-'}, any engine = "
+                          f"{samplings[lb][0].get('fastest_plain') or '-'}" for lb in labels)
+        lines += ["", f"Fastest plain decoding in this run: {named}.", ""]
     for name, why in rec.get("unavailable", {}).items():
         if name in rec["sets"]:
             lines.append(f"- {name}: not run, {why}.")

@@ -20,8 +20,11 @@ def _suite():
            "machine": {"cpu_kind": "AMD EPYC (AVX-512)", "cpu_family": "25", "cpu_model_number": "17",
                        "cpu_count": 2, "memory_gib": 23.5},
            "code": {"commit": "abc1234", "dirty": False}}
-    rows = [_row("plain (ours)", "greedy", 20.0, 1.0, True, speedups={"plain (ours)": 1.0}),
-            _row("ours hydra built:7", "greedy", 30.0, 1.8, False, speedups={"plain (ours)": 1.5}),
+    lc = "llama.cpp plain (shipped q4_k_m)"
+    rows = [_row("plain (ours)", "greedy", 20.0, 1.0, True, lc, {"plain (ours)": 1.0, lc: 0.83}),
+            _row("plain (ours, float32)", "greedy", 19.0, 1.0, True, lc, {"plain (ours)": 0.95, lc: 0.79}),
+            _row("ours hydra built:7", "greedy", 30.0, 1.8, False, lc, {"plain (ours)": 1.5, lc: 1.25}),
+            _row(lc, "greedy", 24.0, 1.0, True, lc, {"plain (ours)": 1.2, lc: 1.0}),
             _row("plain (ours)", "T=1", 19.0, 1.0, True, speedups={"plain (ours)": 1.0}),
             _row("ours hydra built:7", "T=1", 24.7, 1.6, False, speedups={"plain (ours)": 1.3})]
     return {"command": "draftsmith bench suite CK --sets mt-bench", "date": "2026-12-07 12:00 UTC", "environment": env,
@@ -31,14 +34,15 @@ def _suite():
 
 def test_record_trims_and_render_names_machine_date_command():
     rec = rd.record_of(_suite())
-    assert "extra" not in rec["rows"][0] and len(rec["rows"][1]["acceptance_by_position"]) == 8
-    assert len(rec["rows"][1]["accepted_hist"]) == 16 and "python" not in rec["environment"]
+    assert "extra" not in rec["rows"][0] and len(rec["rows"][2]["acceptance_by_position"]) == 8
+    assert len(rec["rows"][2]["accepted_hist"]) == 16 and "python" not in rec["environment"]
     text = rd.render(rec)
     assert "AMD EPYC (AVX-512), family 25 model 17" in text and "2026-12-07" in text and "abc1234" in text
     assert "    draftsmith bench suite CK --sets mt-bench" in text
     line = next(x for x in text.splitlines() if x.startswith("| ours hydra built:7"))
-    assert line == ("| ours hydra built:7 | 30.00 | 1.800 | 0.50, 0.25, 0.12 | 1.50x | 24.70 | 1.600 | "
-                    "0.50, 0.25, 0.12 | 1.30x |")
+    assert line == ("| ours hydra built:7 | 30.00 | 1.800 | 0.50, 0.25, 0.12 | 1.50x | 1.25x | 24.70 | 1.600 | "
+                    "0.50, 0.25, 0.12 | 1.30x | 1.30x |")
+    assert "greedy: ours = plain (ours), any engine = llama.cpp plain" in text
     assert "gsm8k" not in text  # an unavailable set not asked for is not named
     with pytest.raises(ValueError, match="not a suite.json"):
         rd.record_of({"rows": []})
