@@ -109,6 +109,16 @@ def render(rec: dict) -> str:
         named = "; ".join(f"{lb}: ours = {ours_of[lb] or '-'}, any engine = "
                           f"{samplings[lb][0].get('fastest_plain') or '-'}" for lb in labels)
         lines += ["", f"Fastest plain decoding in this run: {named}.", ""]
+    if rec.get("forecasts"):
+        lines += ["Forecast tau beside the measured one (the trees stage's from the calibration split or the "
+                  "held-out answers, the training probe's from logged top-1 accuracies):", "",
+                  "| set | sampling | method | source | forecast tau | measured tau | measured / forecast |",
+                  "|---|---|---|---|---|---|---|"]
+        for f in rec["forecasts"]:
+            lines.append(f"| {f['set']} | {f['sampling']} | {f['method']} | {f['source']} | "
+                         f"{_f(f.get('forecast_tau'), '.3f')} | {_f(f.get('measured_tau'), '.3f')} | "
+                         f"{_f(f.get('tau_ratio'), '.3f')} |")
+        lines.append("")
     for name, why in rec.get("unavailable", {}).items():
         if name in rec["sets"]:
             lines.append(f"- {name}: not run, {why}.")

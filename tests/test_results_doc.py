@@ -29,7 +29,9 @@ def _suite():
             _row("ours hydra built:7", "T=1", 24.7, 1.6, False, speedups={"plain (ours)": 1.3})]
     return {"command": "draftsmith bench suite CK --sets mt-bench", "date": "2026-12-07 12:00 UTC", "environment": env,
             "target": {"name": "qwen", "fingerprint": "sha256:x", "dtype": "bfloat16"}, "sets": ["mt-bench"],
-            "unavailable": {"gsm8k": "no package ships it"}, "rows": rows, "forecasts": [], "wall_s": 10}
+            "unavailable": {"gsm8k": "no package ships it"}, "rows": rows, "wall_s": 10,
+            "forecasts": [{"set": "mt-bench", "sampling": "greedy", "method": "ours hydra built:7",
+                           "source": "trees stage", "forecast_tau": 1.9, "measured_tau": 1.8, "tau_ratio": 0.947}]}
 
 
 def test_record_trims_and_render_names_machine_date_command():
@@ -43,6 +45,7 @@ def test_record_trims_and_render_names_machine_date_command():
     assert line == ("| ours hydra built:7 | 30.00 | 1.800 | 0.50, 0.25, 0.12 | 1.50x | 1.25x | 24.70 | 1.600 | "
                     "0.50, 0.25, 0.12 | 1.30x | 1.30x |")
     assert "greedy: ours = plain (ours), any engine = llama.cpp plain" in text
+    assert "| mt-bench | greedy | ours hydra built:7 | trees stage | 1.900 | 1.800 | 0.947 |" in text
     assert "gsm8k" not in text  # an unavailable set not asked for is not named
     with pytest.raises(ValueError, match="not a suite.json"):
         rd.record_of({"rows": []})
