@@ -119,9 +119,6 @@ def render(rec: dict) -> str:
                          f"{_f(f.get('forecast_tau'), '.3f')} | {_f(f.get('measured_tau'), '.3f')} | "
                          f"{_f(f.get('tau_ratio'), '.3f')} |")
         lines.append("")
-    for name, why in rec.get("unavailable", {}).items():
-        if name in rec["sets"]:
-            lines.append(f"- {name}: not run, {why}.")
     while lines and lines[-1] == "":
         lines.pop()
     return "\n".join(lines)
