@@ -37,7 +37,7 @@ from benchmarks.common import add_common_args, parser, provenance, setup, write_
 from draftsmith.common.chunks import calibration_split
 from draftsmith.common.hidden_cache import HiddenCache, teacher_logits
 from draftsmith.common.int8 import Int8Linear
-from draftsmith.common.vocab import frequent_ids
+from draftsmith.common.vocab import answer_coverage, frequent_ids
 
 
 def parse_sizes(text: str, vocab: int) -> list[int]:
@@ -53,13 +53,9 @@ def parse_sizes(text: str, vocab: int) -> list[int]:
 
 
 def coverage(cache: HiddenCache, seqs, kept: np.ndarray) -> tuple[float, int]:
-    """The share of the assistant tokens of ``seqs`` that are in ``kept`` (sorted), and their count."""
-    total = hit = 0
-    for i in seqs:
-        t = np.asarray(cache.tokens(i))[np.asarray(cache.mask(i)) > 0]
-        total += len(t)
-        hit += int(np.isin(t, kept, assume_unique=False).sum())
-    return hit / max(total, 1), total
+    """`answer_coverage` over the sequences ``seqs`` of ``cache``."""
+    seqs = list(seqs)
+    return answer_coverage((cache.tokens(i) for i in seqs), (cache.mask(i) for i in seqs), kept)
 
 
 @torch.no_grad()

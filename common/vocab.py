@@ -48,6 +48,18 @@ def frequent_ids(token_arrays, mask_arrays, vocab_size: int, n: int) -> torch.Te
     return torch.from_numpy(np.sort(order[:n])).long()
 
 
+def answer_coverage(token_arrays, mask_arrays, kept) -> tuple[float, int]:
+    """The share of the assistant tokens (mask > 0) that are ids in ``kept``, and how many assistant tokens there
+    were (the training log's "covering N% of the training assistant tokens")."""
+    kept = np.asarray(kept)
+    total = hit = 0
+    for tok, m in zip(token_arrays, mask_arrays):
+        t = np.asarray(tok)[np.asarray(m) > 0]
+        total += len(t)
+        hit += int(np.isin(t, kept).sum())
+    return hit / max(total, 1), total
+
+
 class PrunedHead(nn.Linear):
     """The target's LM head restricted to ``kept_ids``: [..., d] -> [..., N] logits (frozen).
 

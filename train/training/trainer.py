@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -29,7 +28,7 @@ from draftsmith.chat import prompt_token_ids
 from draftsmith.checkpoint import CheckpointError, read_json, read_manifest, read_safetensors, save_checkpoint
 from draftsmith.common.chunks import calibration_split
 from draftsmith.common.losses import predicted_chain_tau
-from draftsmith.common.vocab import draft_head, frequent_ids, kept_size
+from draftsmith.common.vocab import answer_coverage, draft_head, frequent_ids, kept_size
 from draftsmith.recipe import Recipe
 from draftsmith.target import check_fingerprint
 from draftsmith.common.hidden_cache import HiddenCache
@@ -68,13 +67,8 @@ def set_draft_vocab(model: torch.nn.Module, cache: HiddenCache, exclude: set[int
     ids = frequent_ids((cache.tokens(i) for i in seqs), (cache.mask(i) for i in seqs), dh.vocab_size,
                        len(dh.kept_ids))
     getattr(model, "module", model).set_draft_vocab(ids)
-    kept = ids.numpy()
-    total = hit = 0
-    for i in seqs:
-        t = cache.tokens(i)[cache.mask(i) > 0]
-        total += len(t)
-        hit += int(np.isin(t, kept).sum())
-    return {"kept": len(ids), "vocab": dh.vocab_size, "assistant_token_coverage": hit / max(total, 1)}
+    covered, _ = answer_coverage((cache.tokens(i) for i in seqs), (cache.mask(i) for i in seqs), ids.numpy())
+    return {"kept": len(ids), "vocab": dh.vocab_size, "assistant_token_coverage": covered}
 
 
 def init_weights(model: torch.nn.Module, recipe: Recipe, target, path: str | Path) -> None:
