@@ -18,7 +18,9 @@ same pre-allocated `KVCache`, the same result (``.last_hidden_state``, after the
     step and its largest step): one compiled graph per bucket, so plain decoding, a chain or a static tree
     compile at most two, and a step cut short near the end of a generation reuses the larger one. A padded
     row writes its key and value past the committed entries, where the next forward overwrites them (as a
-    rejected draft's entries are), and attends to nothing but itself, so it changes no real row;
+    rejected draft's entries are), and attends to nothing but itself, so it changes no real row. A chain or
+    tree block that the native block kernel attends runs the one block graph, whose rows are dynamic, at its own
+    rows instead: the native products cost more with every row (``DRAFTSMITH_PAD_BLOCKS=1`` pads it as before);
   * every shape is static: attention runs over the cache's whole capacity with the slots past the live
     length masked out (gpt-fast's way), so the graph does not recompile as the context grows; a cache of
     another capacity compiles its own graph (decoders round capacities up to a power of two, and the
@@ -118,7 +120,7 @@ class CompiledDrafting:
         return out
 
 
-BUCKETS = (1, 4, 8, 16, 32)  # 2 rows run in the 4-row graph: one graph less to compile, and no slower
+BUCKETS = (1, 4, 8, 16, 32)  # compiled graphs by rows: a block of 2 or 3 rows runs in the 4-row bucket's (dynamic) graph
 MODES = ("eager", "fast", "compile")  # HF forward | our forward, eager | our forward, compiled where it fits
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")  # the model types our forward computes
 
@@ -542,6 +544,8 @@ class FastBody(torch.nn.Module):
         # block graphs with their rows dynamic: one compile serves the 4-, 8- and 16-row buckets;
         # DRAFTSMITH_DYNAMIC_BLOCKS=0 compiles each bucket on its own (static shapes, as before)
         self.dynamic_blocks = os.environ.get("DRAFTSMITH_DYNAMIC_BLOCKS", "1") != "0"
+        # DRAFTSMITH_PAD_BLOCKS=1: a block's rows padded up to its bucket on the dynamic graph too (as before)
+        self.pad_blocks = os.environ.get("DRAFTSMITH_PAD_BLOCKS", "0") == "1"
         self._seen: set = set()
         if compile:
             allow_graphs()
@@ -650,6 +654,15 @@ class FastBody(torch.nn.Module):
             # over slots [0, s], its length a tensor, so the shape stays static without masking the capacity
             return self._run_compiled((1, C, str(dev), taps, "one"), taps, ids, pos, slots, kv, q, "one",
                                       (slots,), logits_from)
+        if self.dynamic_blocks and 1 < q < b and not self.pad_blocks and self.block_native and not windowed:
+            # the block graph's rows are dynamic (`_run_compiled`), so a block runs at its own rows, not padded up
+            # to its bucket: the native kernels' products grow with the rows (on a Zen 4 EPYC a 2-row step padded
+            # to 4 cost x1.6 of a 1-row step). The bucket still decides whether the compiled graph serves a call
+            allow = self._block_mask(kv, attention_mask, s, q, q)
+            if allow is not None:
+                slots = slots[:q]  # one tensor passed twice, as below (the graph guards on which inputs alias)
+                return self._run_compiled((q, C, str(dev), taps, "block"), taps, ids, pos, slots, kv, q, "block",
+                                          (slots, allow), logits_from)
         pad = b - q
         if pad:
             ids = torch.cat([ids, ids[-1:].expand(pad)])

@@ -98,7 +98,8 @@ def autotuned_target():
 
 
 def test_compiled_forward_pads_rows_without_effect(compiled_target):
-    # 3 rows run in the 4-row graph: the real rows' logits and the cache's committed entries are the model's.
+    # 3 rows run in the 4-row graph where the native block kernel does not take this target's head size (8) (AVX-512:
+    # the masked graph, padded); the real rows' logits and the cache's committed entries are the model's.
     a, b, c1, c2, n = _hf_and_fast(compiled_target, compiled_target.fast_body, q=3, tree=True)
     assert (a - b).abs().max() < 1e-4
     for l1, l2 in zip(c1.layers, c2.layers):
@@ -116,25 +117,32 @@ def test_compiled_forward_does_not_recompile_for_a_longer_context(compiled_targe
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_block_buckets_share_one_graph_with_the_models_logits(compiled_target):
-    """The 4-, 8- and 16-row buckets of chain and tree blocks run one graph (their rows dynamic): a second and a
-    third bucket compile nothing, and every block's logits and cache entries are the model's."""
+@pytest.fixture(scope="module")
+def compiled_target16():
+    """A tiny target whose head size (16) the native block kernel takes on AVX2 and AVX-512 alike."""
+    tgt = make_tiny_target(vocab_size=40, init_std=0.3, layers=2, hidden_size=64, heads=4, kv_heads=2)
+    use_fast_forward(tgt, "compile", autotune=False)
+    return tgt
+
+
+def test_blocks_run_at_their_own_rows_in_one_graph_with_the_models_logits(compiled_target16):
+    """Chain and tree blocks of the 4-, 8- and 16-row buckets run one graph (their rows dynamic), each block at its
+    own rows, not padded up to its bucket (the native products cost more with every row): a second and a third
+    bucket and the odd sizes compile nothing, and every block's logits and cache entries are the model's."""
     from torch._dynamo.utils import counters
-    fast = compiled_target.fast_body
+    fast = compiled_target16.fast_body
     if fast.core.attend_block is None:
-        # the native block kernel takes head sizes that are a multiple of the CPU's vector (8 floats with AVX2, 16
-        # with AVX-512); this tiny target's is 8, so on an AVX-512 CPU its blocks run the masked graphs, one a bucket
         pytest.skip(f"the native block kernel does not take head size {fast.core.head_dim} on this CPU")
-    _hf_and_fast(compiled_target, fast, q=3, tree=True)
+    _hf_and_fast(compiled_target16, fast, q=3, tree=True)
     graphs = counters["stats"]["unique_graphs"]
-    for q in (7, 13, 4):
+    for q in (7, 13, 4, 2):
         fast.reserve(q)
         # a 20-token prompt: its prefill runs eagerly (past the 16-row bucket), not in a masked graph
-        a, b, c1, c2, n = _hf_and_fast(compiled_target, fast, prompt_len=20, q=q, tree=q > 3)
+        a, b, c1, c2, n = _hf_and_fast(compiled_target16, fast, prompt_len=20, q=q, tree=q > 3)
         assert (a - b).abs().max() < 1e-4
         for l1, l2 in zip(c1.layers, c2.layers):
             assert (l1.values[:, :, :n] - l2.values[:, :, :n]).abs().max() < 1e-4
-    assert {k[0] for k in fast._seen if k[-1] == "block"} >= {4, 8, 16}
+    assert {k[0] for k in fast._seen if k[-1] == "block"} == {3, 7, 13, 4, 2}  # padded, they would be 4, 8, 16
     assert counters["stats"]["unique_graphs"] == graphs
 
 
