@@ -9,7 +9,8 @@ Each (dtype, forward) is measured in one process; the ratios come from
 `draftsmith.engine.tree_build.measure_step_cost` (prefix 256, a 512-slot cache, sizes interleaved, medians
 of 21), so they are side by side within each line. ``bfloat16:onednn`` is bf16 with its decoding linears left to
 oneDNN's product on a CPU where the native kernel would take them (``DRAFTSMITH_ROWS_LINEAR_BF16=0``, in the same
-process). With ``--rounds N`` (N > 1) every line is compiled first and then measured N times in turn (A, B, A, B,
+process). ``float32:padded`` (or ``bfloat16:padded``) pads a chain or tree block up to its row bucket, as decoding
+did before fc61918 (``DRAFTSMITH_PAD_BLOCKS=1``, in the same process). With ``--rounds N`` (N > 1) every line is compiled first and then measured N times in turn (A, B, A, B,
 ...), so that lines are side by side too; each line prints its per-round 1-row times and ratios and their
 medians. Compile time (the compiled forward's first calls) is printed with each line.
 """
@@ -53,14 +54,16 @@ def main(argv=None) -> dict:
     lines = []  # (line, target)
     for token in a.dtype.split(","):
         dt, _, linears = token.partition(":")
-        if linears not in ("", "onednn"):
-            raise SystemExit(f"step_cost: unknown linears {linears!r} in --dtype {token!r} (known: onednn)")
+        if linears not in ("", "onednn", "padded"):
+            raise SystemExit(f"step_cost: unknown variant {linears!r} in --dtype {token!r} (known: onednn, padded)")
         for fwd in a.forward.split(","):
             native._CPU_AMX = amx or linears == "onednn"  # read where the forward routes its linears
             target = load_target(a.target, dtype=dt)
             if fwd == "eager":
                 apply_cpu_layout(target)
             use_fast_forward(target, fwd, autotune=not a.no_autotune)
+            if linears == "padded" and target.fast_body is not None:
+                target.fast_body.pad_blocks = True
             t0 = time.perf_counter()
             med: dict = {}
             ratios = measure_step_cost(target, sizes, medians_out=med)
