@@ -10,9 +10,10 @@ Each (dtype, forward) is measured in one process; the ratios come from
 of 21), so they are side by side within each line. ``bfloat16:onednn`` is bf16 with its decoding linears left to
 oneDNN's product on a CPU where the native kernel would take them (``DRAFTSMITH_ROWS_LINEAR_BF16=0``, in the same
 process). ``float32:padded`` (or ``bfloat16:padded``) pads a chain or tree block up to its row bucket, as decoding
-did before fc61918 (``DRAFTSMITH_PAD_BLOCKS=1``, in the same process). With ``--rounds N`` (N > 1) every line is compiled first and then measured N times in turn (A, B, A, B,
-...), so that lines are side by side too; each line prints its per-round 1-row times and ratios and their
-medians. Compile time (the compiled forward's first calls) is printed with each line.
+did before fc61918 (``DRAFTSMITH_PAD_BLOCKS=1``, in the same process). With ``--rounds N`` (N > 1) every line is
+compiled first and then measured N times in turn (A, B, A, B, ...), so that lines are side by side too; each line
+prints its per-round 1-row times and ratios and their medians. Compile time (the compiled forward's first calls)
+is printed with each line.
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ class CompiledDrafting:
         return out
 
 
-BUCKETS = (1, 4, 8, 16, 32)  # compiled graphs by rows: a block of 2 or 3 rows runs in the 4-row bucket's (dynamic) graph
+BUCKETS = (1, 4, 8, 16, 32)  # graphs compiled by rows; a chain or tree block runs the dynamic one at its own rows
 MODES = ("eager", "fast", "compile")  # HF forward | our forward, eager | our forward, compiled where it fits
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")  # the model types our forward computes
 
