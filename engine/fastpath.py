@@ -648,29 +648,29 @@ class FastBody(torch.nn.Module):
             outs = tuple(o[None] for o in outs)
             self._call_hooks(taps, outs)
             return FastOutput(h[None], None if lg is None else lg[None])
-        slots = torch.arange(s, s + b, device=dev)
         if q == 1 and b == 1 and not windowed and self._one_query(kv, None if sees_all else attention_mask):
             # one query that sees every slot so far (plain decoding, drafting a chain): the native decode kernel
             # over slots [0, s], its length a tensor, so the shape stays static without masking the capacity
+            slots = torch.arange(s, s + 1, device=dev)
             return self._run_compiled((1, C, str(dev), taps, "one"), taps, ids, pos, slots, kv, q, "one",
                                       (slots,), logits_from)
-        if self.dynamic_blocks and 1 < q < b and not self.pad_blocks and self.block_native and not windowed:
-            # the block graph's rows are dynamic (`_run_compiled`), so a block runs at its own rows, not padded up
-            # to its bucket: the native kernels' products grow with the rows (on a Zen 4 EPYC a 2-row step padded
-            # to 4 cost x1.6 of a 1-row step). The bucket still decides whether the compiled graph serves a call
-            allow = self._block_mask(kv, attention_mask, s, q, q)
+        allow = None
+        if self.block_native and not windowed:
+            # a chain or tree block that sees every slot before it: the native kernel with the block's mask reads
+            # the live slots only (masked SDPA below reads the whole capacity for every row). The block graph's
+            # rows are dynamic (`_run_compiled`), so a block of 2 or more rows runs at its own rows, not padded up
+            # to its bucket: the native products cost more with every row; the bucket still decides whether the
+            # compiled graph serves the call
+            rows = q if self.dynamic_blocks and not self.pad_blocks and q > 1 else b
+            allow = self._block_mask(kv, attention_mask, s, q, rows)
             if allow is not None:
-                slots = slots[:q]  # one tensor passed twice, as below (the graph guards on which inputs alias)
-                return self._run_compiled((q, C, str(dev), taps, "block"), taps, ids, pos, slots, kv, q, "block",
-                                          (slots, allow), logits_from)
+                b = rows
+        slots = torch.arange(s, s + b, device=dev)
         pad = b - q
         if pad:
             ids = torch.cat([ids, ids[-1:].expand(pad)])
             pos = torch.cat([pos, pos[-1:].expand(pad)])
-        allow = self._block_mask(kv, attention_mask, s, q, b) if self.block_native and not windowed else None
         if allow is not None:
-            # a chain or tree block that sees every slot before it: the native kernel with the block's mask reads
-            # the live slots only (masked SDPA below reads the whole capacity for every row)
             return self._run_compiled((b, C, str(dev), taps, "block"), taps, ids, pos, slots, kv, q, "block",
                                       (slots, allow), logits_from)
         # every shape static: b rows over the whole capacity, the slots past the live length masked out
