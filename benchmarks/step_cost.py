@@ -10,10 +10,12 @@ Each (dtype, forward) is measured in one process; the ratios come from
 of 21), so they are side by side within each line. ``bfloat16:onednn`` is bf16 with its decoding linears left to
 oneDNN's product on a CPU where the native kernel would take them (``DRAFTSMITH_ROWS_LINEAR_BF16=0``, in the same
 process). ``float32:padded`` (or ``bfloat16:padded``) pads a chain or tree block up to its row bucket, as decoding
-did before fc61918 (``DRAFTSMITH_PAD_BLOCKS=1``, in the same process). With ``--rounds N`` (N > 1) every line is
-compiled first and then measured N times in turn (A, B, A, B, ...), so that lines are side by side too; each line
-prints its per-round 1-row times and ratios and their medians. Compile time (the compiled forward's first calls)
-is printed with each line.
+did before fc61918 (``DRAFTSMITH_PAD_BLOCKS=1``, in the same process). ``float32:noprefetch`` (or
+``bfloat16:noprefetch``) runs the native row kernels without their weight prefetch, as before it existed
+(``DRAFTSMITH_PREFETCH_BYTES=0``, set around that line's measurements in the same process). With ``--rounds N``
+(N > 1) every line is compiled first and then measured N times in turn (A, B, A, B, ...), so that lines are side by
+side too; each line prints its per-round 1-row times and ratios and their medians. Compile time (the compiled
+forward's first calls) is printed with each line.
 """
 
 from __future__ import annotations
@@ -52,11 +54,19 @@ def main(argv=None) -> dict:
               "environment": environment()}
     print(f"CPU: {report['cpu']}; {a.threads} threads")
     amx = native._CPU_AMX
+    ahead = native.set_prefetch_bytes(native.PREFETCH_BYTES) if native.rows_linear_on() else None
+    if ahead is not None:
+        native.set_prefetch_bytes(ahead)  # the process's setting (DRAFTSMITH_PREFETCH_BYTES), read back
+
+    def prefetch_for(token: str) -> None:
+        if ahead is not None:
+            native.set_prefetch_bytes(0 if token.endswith(":noprefetch") else ahead)
     lines = []  # (line, target)
     for token in a.dtype.split(","):
         dt, _, linears = token.partition(":")
-        if linears not in ("", "onednn", "padded"):
-            raise SystemExit(f"step_cost: unknown variant {linears!r} in --dtype {token!r} (known: onednn, padded)")
+        if linears not in ("", "onednn", "padded", "noprefetch"):
+            raise SystemExit(f"step_cost: unknown variant {linears!r} in --dtype {token!r} (known: onednn, padded, "
+                             "noprefetch)")
         for fwd in a.forward.split(","):
             native._CPU_AMX = amx or linears == "onednn"  # read where the forward routes its linears
             target = load_target(a.target, dtype=dt)
@@ -65,6 +75,7 @@ def main(argv=None) -> dict:
             use_fast_forward(target, fwd, autotune=not a.no_autotune)
             if linears == "padded" and target.fast_body is not None:
                 target.fast_body.pad_blocks = True
+            prefetch_for(token)
             t0 = time.perf_counter()
             med: dict = {}
             ratios = measure_step_cost(target, sizes, medians_out=med)
@@ -84,10 +95,12 @@ def main(argv=None) -> dict:
     for _ in range(1, a.rounds):
         for line, target in lines:
             native._CPU_AMX = amx or line["dtype"].endswith(":onednn")
+            prefetch_for(line["dtype"])
             med = {}
             ratios = measure_step_cost(target, sizes, medians_out=med)
             line["rounds"].append(_round(med, sizes, ratios))
     native._CPU_AMX = amx
+    prefetch_for("")
     for line, _ in lines:
         rounds = line["rounds"]
         line["one_row_ms"] = round(statistics.median(r["one_row_ms"] for r in rounds), 2)

@@ -172,7 +172,35 @@ def native_available() -> bool:
             _state.update(ok=False, why=_reason(e))
             log.warning("native CPU kernels unavailable (%s); decode attention falls back to masked SDPA",
                         _state["why"])
+        env = os.environ.get("DRAFTSMITH_PREFETCH_BYTES")
+        if _state["ok"] and env is not None:  # a bad value is an error, not kernels turned off
+            torch.ops.draftsmith_native.set_prefetch_bytes(_prefetch_env(env))
         return _state["ok"]
+
+
+PREFETCH_BYTES = 4096  # rows_linear's default: csrc/widen.h
+
+
+def _prefetch_env(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 1 << 20:
+        raise ValueError(f"DRAFTSMITH_PREFETCH_BYTES must be a byte count from 0 to 1048576, got {value!r}")
+    return n
+
+
+def set_prefetch_bytes(n: int) -> int:
+    """How far ahead of the weight row being multiplied the ``rows_linear`` kernel asks the memory for the next
+    rows (into L2), in bytes (0: not at all; default `PREFETCH_BYTES`, ``DRAFTSMITH_PREFETCH_BYTES`` at load);
+    returns the previous setting. A hint to the caches: results are the same bits either way. Every call reads it,
+    so a benchmark can measure with and without it in one process (`benchmarks.step_cost`'s ``:noprefetch``).
+    ``rows_linear_q`` (packed 4/8-bit weights) does not prefetch: widening the blocks bounds it, not reading them
+    (docs/results-log.md §51)."""
+    if not native_available():
+        raise RuntimeError(f"the native kernels are not loaded: {native_status()['why']}")
+    return int(torch.ops.draftsmith_native.set_prefetch_bytes(int(n)))
 
 
 def native_status() -> dict:

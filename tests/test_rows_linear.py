@@ -60,6 +60,35 @@ def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(n, k, dtype):
     assert torch.equal(_op(x[:ROWS_LINEAR_MAX], w, b), together[:ROWS_LINEAR_MAX])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_weight_prefetch_changes_no_bit_and_is_set_per_process(dtype):
+    """The kernel asks for the weight rows a few KB ahead (into L2) where a group has enough rows to need it; it
+    is a hint, so every setting gives the same bits, including a distance past the last row and a row longer
+    than the distance; the setting round-trips and a bad one is refused."""
+    g = torch.Generator().manual_seed(7)
+    before = native.set_prefetch_bytes(native.PREFETCH_BYTES)
+    try:
+        for n, k in [(4096, 576), (300, 1536), (65, 24), (5, 1)]:
+            x, w, b = (t.to(dtype) for t in (torch.randn(16, k, generator=g), torch.randn(n, k, generator=g),
+                                             torch.randn(n, generator=g)))
+            outs = {}
+            for ahead in (0, 64, native.PREFETCH_BYTES, 1 << 20):
+                native.set_prefetch_bytes(ahead)
+                outs[ahead] = [_op(x[:m], w, b) for m in (1, 2, 3, 4, 5, 8, 16)]
+                outs[ahead].append(_widened(x[:6], w, b))
+            for ahead, got in outs.items():
+                assert all(torch.equal(a, r) for a, r in zip(got, outs[0])), (n, k, ahead)
+        assert native.set_prefetch_bytes(123) == 1 << 20
+        assert native.set_prefetch_bytes(native.PREFETCH_BYTES) == 123
+        with pytest.raises(RuntimeError, match="set_prefetch_bytes"):
+            native.set_prefetch_bytes(-1)
+        with pytest.raises(ValueError, match="DRAFTSMITH_PREFETCH_BYTES"):
+            native._prefetch_env("4k")
+        assert native._prefetch_env("0") == 0
+    finally:
+        native.set_prefetch_bytes(before)
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 3, 4, 8, 37])
 def test_bf16_is_the_float32_kernel_on_the_widened_numbers_rounded_once(m, n, k):

@@ -118,7 +118,13 @@ void rows_walk(const XT* X, const T* W, const T* B, T* O, int64_t m, int64_t k, 
   // the input rows in groups of four (in L1) meet the block's weight rows one by one. One input row reads every
   // weight once from memory (plain decoding); a prompt's hundred rows read a block from memory once and from L2
   // for every further group of four, instead of reading all the inputs from L2 for every weight row.
-  const int64_t block = std::max<int64_t>(1, 65536 / (k * static_cast<int64_t>(sizeof(T))));
+  // The first group asks for the weight rows a few KB ahead of the one it multiplies (`prefetch_bytes`).
+  const int64_t row_bytes = k * static_cast<int64_t>(sizeof(T));
+  const int64_t block = std::max<int64_t>(1, 65536 / row_bytes);
+  const int64_t ahead = draftsmith_native_vec::prefetch_rows(row_bytes);
+  // from how many input rows a group prefetches: float32 inputs (float32 weights, or bf16 ones widened) from 2,
+  // VDPBF16PS (bf16 inputs) from 4; below that the hardware prefetcher keeps up, and asking costs time
+  const int from = std::is_same<XT, float>::value ? 2 : 4;
   // grain: 64 weight rows or more a task, so a small matrix is not split into slivers
   at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
     const XT* xs[4];
@@ -130,6 +136,8 @@ void rows_walk(const XT* X, const T* W, const T* B, T* O, int64_t m, int64_t k, 
         for (int r = 0; r < g; ++r) xs[r] = X + (r0 + r) * k;
         for (int64_t j = b0; j < b1; ++j) {
           const T* wr = W + j * k;
+          // the first group reads the weights from memory: the rows `ahead` on are asked for now
+          if (r0 == 0 && g >= from && ahead > 0 && j + ahead < hi) draftsmith_native_vec::prefetch(W + (j + ahead) * k, row_bytes);
           const float b = B ? static_cast<float>(B[j]) : 0.f;
           switch (g) {
             case 1: dots<1>(wr, xs, k, part); break;
@@ -198,6 +206,12 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return rows_linear_impl(x, w, bias, false);
 }
 
+// Set how far ahead the row kernels ask for weights (bytes, 0: off) and return the previous setting.
+int64_t set_prefetch_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes <= (int64_t{1} << 20), "set_prefetch_bytes: 0 .. 1 MiB, got ", bytes);
+  return draftsmith_native_vec::prefetch_bytes().exchange(bytes);
+}
+
 // the widened chain, whatever the build: a reference for the tests and benchmarks
 at::Tensor rows_linear_widened(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   return rows_linear_impl(x, w, bias, true);
@@ -208,6 +222,7 @@ at::Tensor rows_linear_widened(const at::Tensor& x, const at::Tensor& w, const c
 TORCH_LIBRARY_FRAGMENT(draftsmith_native, m) {
   m.def("rows_linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.def("rows_linear_widened(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+  m.def("set_prefetch_bytes(int bytes) -> int", &set_prefetch_bytes);
 }
 
 TORCH_LIBRARY_IMPL(draftsmith_native, CPU, m) {
