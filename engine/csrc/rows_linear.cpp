@@ -137,7 +137,8 @@ void rows_walk(const XT* X, const T* W, const T* B, T* O, int64_t m, int64_t k, 
         for (int64_t j = b0; j < b1; ++j) {
           const T* wr = W + j * k;
           // the first group reads the weights from memory: the rows `ahead` on are asked for now
-          if (r0 == 0 && g >= from && ahead > 0 && j + ahead < hi) draftsmith_native_vec::prefetch(W + (j + ahead) * k, row_bytes);
+          if (r0 == 0 && g >= from && ahead > 0 && j + ahead < hi)
+            draftsmith_native_vec::prefetch(W + (j + ahead) * k, row_bytes);
           const float b = B ? static_cast<float>(B[j]) : 0.f;
           switch (g) {
             case 1: dots<1>(wr, xs, k, part); break;
