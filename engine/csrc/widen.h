@@ -37,7 +37,8 @@ inline fVec load_f(const c10::BFloat16* p) {
 // (0: not at all; `set_prefetch_bytes`). Without it, the products of four or more input rows per weight row are
 // slow enough that the hardware prefetcher alone keeps too few reads in flight: on a 2-core Zen 4, four bf16 rows
 // took 1.4x as long as three, which took about as long as one (docs/results-log.md §51). Asked 4 KB ahead, the
-// model's bf16 linears took 0.66-0.77x as long at 4-8 rows and 0.9x at 1-3 (into L1 instead: 1.1x at 1-3 rows).
+// model's bf16 linears took 0.66-0.77x as long at 4-8 rows; at 1-3 rows whole bf16 steps took 1-5% longer, so
+// rows_linear asks from 4 rows for bf16 inputs and from 2 for float32 ones (into L1 instead: 1.1x at 1-3 rows).
 // rows_linear_q does not ask: widening its 4-bit blocks, not reading them, bounds it (0.98-1.14x with it).
 inline std::atomic<int64_t>& prefetch_bytes() {
   static std::atomic<int64_t> bytes{4096};
