@@ -269,7 +269,7 @@ def evaluate(a: argparse.Namespace, loaded: Loaded, prompts: list, out: str | Pa
             raise ValueError("--suffix-from-data goes with --suffix, and not with --suffix-index")
         index_dir = Path(out) / "suffix_index"
         seeded = save_index_from_data(a.suffix_from_data, target.tokenizer, index_dir, target.fingerprint,
-                                      suffix_config(a))
+                                      suffix_config(a, both_ok=True))
         print(f"suffix index from {a.suffix_from_data}: {seeded['replies']} answers, {seeded['indexed_tokens']} "
               f"tokens; skipped {seeded['skipped'] or 'none'}")
     runs = {}
@@ -285,11 +285,13 @@ def evaluate(a: argparse.Namespace, loaded: Loaded, prompts: list, out: str | Pa
             methods += self_drafter_methods(target, d, sampling, a, trees)
         methods += self_drafter_methods(target, None, sampling, a)
         if a.suffix:
-            cfg = suffix_config(a)
+            cfg = suffix_config(a, both_ok=True)
             hybrids = [(d, trees) for d, trees in drafters if capabilities(d).verify_forward is None]
+            also = [("cost-aware", cfg.model_copy(update={"cost_aware": True}))] \
+                if a.suffix_cost_aware == "both" else []
             extra, members = suffix_methods(target, sampling, hybrids, config=cfg, lookup_k=a.prompt_lookup,
                                             index_dir=index_dir, hf_lookup=a.hf_prompt_lookup,
-                                            ours_lookup=a.ours_prompt_lookup)
+                                            ours_lookup=a.ours_prompt_lookup, also=also)
             methods += extra
         left_out: dict = {}
         with contextlib.ExitStack() as servers:  # llama.cpp's plain decoding, interleaved with ours

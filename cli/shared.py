@@ -64,13 +64,22 @@ def add_suffix_args(ap: argparse.ArgumentParser, suffix_help: str) -> None:
     ap.add_argument("--suffix-min-score", type=float, default=2.0,
                     help="SuffixDecoding: draft only when the draft's expected accepted tokens reach this "
                          "(0: always draft, as the reference implementation; 2: measured best on a CPU)")
+    ap.add_argument("--suffix-cost-aware", choices=("on", "off", "both"), default="off",
+                    help="SuffixDecoding: cut each draft to its prefix with the most expected tokens per unit of "
+                         "the verification time measured on this machine (both: the two side by side, the "
+                         "cost-aware one as 'ours suffix (cost-aware)')")
     ap.add_argument("--suffix-max-requests", type=int, default=10000,
                     help="SuffixDecoding: responses kept in the global index (FIFO; 0 = per-request index only)")
 
 
-def suffix_config(args: argparse.Namespace) -> SuffixConfig:
-    """The `SuffixConfig` of the options `add_suffix_args` added (a value out of range: pydantic's error)."""
+def suffix_config(args: argparse.Namespace, both_ok: bool = False) -> SuffixConfig:
+    """The `SuffixConfig` of the options `add_suffix_args` added (a value out of range: pydantic's error);
+    ``--suffix-cost-aware both`` only where the command runs methods side by side (``both_ok``)."""
+    if getattr(args, "suffix_cost_aware", "off") == "both" and not both_ok:
+        raise ValueError("--suffix-cost-aware both compares the two side by side: only `draftsmith eval` does "
+                         "that; here choose on or off")
     return SuffixConfig(max_depth=args.suffix_depth, max_spec_tokens=args.suffix_depth,
                         max_spec_factor=args.suffix_spec_factor, min_token_prob=args.suffix_min_prob,
-                        max_cached_requests=args.suffix_max_requests, min_score=args.suffix_min_score)
+                        max_cached_requests=args.suffix_max_requests, min_score=args.suffix_min_score,
+                        cost_aware=getattr(args, "suffix_cost_aware", "off") == "on")
 

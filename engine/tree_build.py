@@ -112,7 +112,9 @@ def measure_step_cost(target, sizes: list[int], prefix: int = 256, repeats: int 
         t0 = time.perf_counter()
         pos = torch.arange(prefix, prefix + n, device=dev)[None]
         if fast is not None:
-            fast(input_ids=ids[:, prefix:prefix + n], position_ids=pos, attention_mask=m, cache=cache)
+            # its own storage, as the decoder's ids: a view at offset 256 made the compiled graph guard on the offset
+            # and the decoder's next call compile again (15 s inside a timed run, docs/results-log.md §52)
+            fast(input_ids=ids[:, prefix:prefix + n].clone(), position_ids=pos, attention_mask=m, cache=cache)
         else:
             h = body(input_ids=ids[:, prefix:prefix + n], position_ids=pos, attention_mask=m,
                      **cache_arg(body, cache), use_cache=True).last_hidden_state[0]

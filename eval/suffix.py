@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from draftsmith.drafters.suffix.drafter import Calibration
 from draftsmith.drafters.suffix import HybridDrafter, PromptLookupDrafter, SuffixConfig, SuffixDrafter, SuffixIndex
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.eval.bench import Method, hf_run
@@ -25,6 +26,7 @@ def fresh_after_warmup(method: Method, drafter: SuffixDrafter, index_dir: str | 
     def forget():
         drafter.index = SuffixIndex.load(index_dir, drafter.config) if index_dir else SuffixIndex(drafter.config)
         drafter.lookup_s, drafter.lookups = 0.0, 0
+        drafter.calibration = Calibration()  # what the counts are worth is learnt again (the costs are kept)
         if hybrid is not None:
             hybrid.steps = {"suffix": 0, "inner": 0}
             hybrid.estimate = hybrid.prior
@@ -34,9 +36,10 @@ def fresh_after_warmup(method: Method, drafter: SuffixDrafter, index_dir: str | 
 
 def suffix_methods(target, sampling, drafters: list, *, config: SuffixConfig | None = None, lookup_k: int = 10,
                    hf_lookup: bool = True, ours_lookup: bool = True, index_dir: str | Path | None = None,
-                   prior: float = 1.0
+                   prior: float = 1.0, also: list[tuple[str, SuffixConfig]] = ()
                    ) -> tuple[list[Method], dict]:
-    """The model-free methods and the hybrids of ``drafters`` ([(drafter, [(tree label, tree)])]).
+    """The model-free methods and the hybrids of ``drafters`` ([(drafter, [(tree label, tree)])]); ``also``:
+    more SuffixDecoding-alone methods, ``ours suffix (LABEL)`` with their own settings (side-by-side variants).
 
     Returns (methods, members): members maps a method name to its `SuffixDrafter` (or `HybridDrafter`) for
     the figures `suffix_stats` reports."""
@@ -44,14 +47,14 @@ def suffix_methods(target, sampling, drafters: list, *, config: SuffixConfig | N
     methods: list[Method] = []
     members: dict = {}
 
-    def suffix() -> SuffixDrafter:
-        return SuffixDrafter(cfg, SuffixIndex.load(index_dir, cfg) if index_dir else None)
+    def suffix(c: SuffixConfig = cfg) -> SuffixDrafter:
+        return SuffixDrafter(c, SuffixIndex.load(index_dir, c) if index_dir else None)
 
-    sd = suffix()
-    name = "ours suffix"
-    methods.append(fresh_after_warmup(Method(name, _gen(SpeculativeDecoder(target, sd, sampling=sampling))), sd,
-                                      index_dir))
-    members[name] = sd
+    for name, c in [("ours suffix", cfg)] + [(f"ours suffix ({label})", c) for label, c in also]:
+        sd = suffix(c)
+        methods.append(fresh_after_warmup(Method(name, _gen(SpeculativeDecoder(target, sd, sampling=sampling))),
+                                          sd, index_dir))
+        members[name] = sd
     if ours_lookup:
         pl = PromptLookupDrafter(k=lookup_k)
         methods.append(Method(f"ours {pl.name}", _gen(SpeculativeDecoder(target, pl, sampling=sampling))))

@@ -36,6 +36,7 @@ from draftsmith.registry import register_untrained
 class _LocalState:
     local: TokenIndex
     fed: int = 0  # state.tokens[:fed] are in ``local``
+    last_nodes: list = field(default_factory=list)  # (tree node, its parent, count probability) of this step's draft
 
     def __copy__(self) -> "_LocalState":
         # a cloned decode state may commit other tokens: it gets its own per-request index
@@ -43,7 +44,7 @@ class _LocalState:
         ix.toks, ix.link1, ix.link3 = array_copy(self.local.toks), array_copy(self.local.link1), array_copy(
             self.local.link3)
         ix.head1, ix.head3, ix.base = dict(self.local.head1), dict(self.local.head3), self.local.base
-        return _LocalState(ix, self.fed)
+        return _LocalState(ix, self.fed, list(self.last_nodes))
 
 
 def array_copy(a):
@@ -59,10 +60,12 @@ def _feed(ls: _LocalState, state) -> list[int]:
     return state.tokens[:end]
 
 
-def add_draft(tree, d: Draft, eos: frozenset) -> int:
+def add_draft(tree, d: Draft, eos: frozenset, where: dict | None = None) -> int:
     """Put a draft into the decoder's tree as certain candidates; nodes under a drafted EOS are dropped
-    (nothing after an accepted EOS is emitted). Returns the nodes added."""
-    where = {-1: 0}
+    (nothing after an accepted EOS is emitted). Returns the nodes added; ``where`` (optional) receives each
+    placed draft node's tree node (-1: the root, 0)."""
+    where = {} if where is None else where
+    where[-1] = 0
     dead = set()
     for i, (tok, par) in enumerate(zip(d.tokens, d.parents)):
         if par in dead:
@@ -76,8 +79,109 @@ def add_draft(tree, d: Draft, eos: frozenset) -> int:
     return tree.n
 
 
+# draft sizes (nodes) whose verification cost a cost-aware SuffixDrafter measures; the others are interpolated
+COST_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def interpolate_costs(measured: dict[int, float], n_max: int) -> list[float]:
+    """[a step's cost verifying n drafted nodes, for n = 0 .. n_max], relative to a plain step (1.0 at 0 nodes),
+    from ``measured`` {nodes: cost}: linear between measured sizes, the last slope past the largest, and never
+    decreasing with n (a noisy measurement must not make a larger draft look cheaper)."""
+    pts = sorted({0: 1.0, **{int(k): float(v) for k, v in measured.items() if int(k) > 0}}.items())
+    if len(pts) < 2:
+        raise ValueError("interpolate_costs needs the cost of at least one draft size")
+    out = []
+    for n in range(n_max + 1):
+        j = next((i for i, (x, _) in enumerate(pts) if x >= n), len(pts) - 1)
+        j = max(j, 1)
+        (x0, y0), (x1, y1) = pts[j - 1], pts[j]
+        out.append(y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+    for n in range(1, len(out)):
+        out[n] = max(out[n], out[n - 1])
+    return out
+
+
+def conditionals(d: Draft) -> list[float]:
+    """Each node's probability given its parent (its path probability over its parent's)."""
+    return [p / d.probs[par] if par >= 0 and d.probs[par] > 0 else p for p, par in zip(d.probs, d.parents)]
+
+
+class Calibration:
+    """What a count probability is worth: per bin of the conditional probability the counts give a node, the
+    accepted nodes against the sum of the probabilities of the nodes tested (those whose parent was accepted),
+    both started at ``prior`` pseudo-nodes of the bin's centre, so that before any step a probability is taken at
+    its word. Counts from one or two occurrences promise 1.0; on sampled text a node's acceptance is the
+    target's probability of it, which the bins learn."""
+
+    def __init__(self, bins: int = 5, prior: float = 4.0):
+        self.bins, self.prior = bins, prior
+        self.hits, self.expected, self.tried = [0.0] * bins, [0.0] * bins, [0] * bins
+
+    def _bin(self, c: float) -> int:
+        return min(int(c * self.bins), self.bins - 1)
+
+    def ratio(self, c: float) -> float:
+        b = self._bin(c)
+        centre = (b + 0.5) / self.bins
+        return (self.hits[b] + self.prior * centre) / (self.expected[b] + self.prior * centre)
+
+    def __call__(self, c: float) -> float:
+        return min(1.0, c * self.ratio(c))
+
+    def record(self, c: float, accepted: bool) -> None:
+        b = self._bin(c)
+        self.hits[b] += float(accepted)
+        self.expected[b] += c
+        self.tried[b] += 1
+
+    def report(self) -> dict:
+        return {"bins": [f"{i / self.bins:.1f}-{(i + 1) / self.bins:.1f}" for i in range(self.bins)],
+                "tested": list(self.tried), "ratio": [round(self.ratio((i + 0.5) / self.bins), 3)
+                                                      for i in range(self.bins)]}
+
+
+def calibrated(d: Draft, cal: Calibration | None) -> Draft:
+    """``d`` with its path probabilities recomputed from calibrated conditionals, best-first again (a child is
+    never more probable than its parent, and the sort is stable, so parents still come first)."""
+    if cal is None or not len(d):
+        return d
+    cond = conditionals(d)
+    q: list[float] = []
+    for c, par in zip(cond, d.parents):
+        q.append(cal(c) * (q[par] if par >= 0 else 1.0))
+    order = sorted(range(len(d)), key=lambda i: -q[i])
+    new = {-1: -1, **{old: i for i, old in enumerate(order)}}
+    return Draft(tokens=[d.tokens[i] for i in order], parents=[new[d.parents[i]] for i in order],
+                 probs=[q[i] for i in order], score=sum(q), match_len=d.match_len,
+                 counts_probs=[d.probs[i] for i in order])
+
+
+def cost_cut(d: Draft, step_cost: list[float]) -> tuple[float, Draft]:
+    """The prefix of best-first draft ``d`` with the most expected tokens per unit of step time, and that value:
+    (1 + its score) / step_cost[its nodes], against a plain step's 1 / 1. A prefix of a best-first draft is a
+    tree (parents come first), and the k most probable nodes are the k-node subtree with the highest score (a
+    child is never more probable than its parent), so the best prefix is the best draft of any size."""
+    best_k, best_v, s = 0, 1.0, 0.0
+    for k, p in enumerate(d.probs[:len(step_cost) - 1], 1):
+        s += p
+        v = (1.0 + s) / step_cost[k]
+        if v > best_v:
+            best_k, best_v = k, v
+    if best_k == len(d):
+        return best_v, d
+    return best_v, Draft(tokens=d.tokens[:best_k], parents=d.parents[:best_k], probs=d.probs[:best_k],
+                         score=sum(d.probs[:best_k]), match_len=d.match_len if best_k else 0,
+                         counts_probs=None if d.counts_probs is None else d.counts_probs[:best_k])
+
+
 class SuffixDrafter:
-    """SuffixDecoding: per-request and global suffix indexes (drafters/suffix/index.py)."""
+    """SuffixDecoding: per-request and global suffix indexes (drafters/suffix/index.py).
+
+    With ``config.cost_aware``, each draft is cut to its prefix with the most expected tokens per unit of step
+    time (`cost_cut`): the verification costs by draft size are measured on the target once (`calibrate`, at
+    the first generation; from one sequence's forward), and the counts' probabilities are calibrated by what
+    verification accepted so far (`Calibration`); the scores (the gate's, the hybrid's) are then calibrated
+    expected tokens. Both read only the history: as lossless as the drafts themselves."""
 
     model_free = True
     target_fingerprint = None  # token ids only: any target (the caller keeps one tokenizer per index)
@@ -93,8 +197,23 @@ class SuffixDrafter:
         self.max_nodes = self.config.max_spec_tokens
         self.lookup_s = 0.0  # time spent in lookups (both indexes), for reports
         self.lookups = 0
+        self.step_cost: list[float] | None = None  # nodes -> a step's time over a plain step's (cost_aware)
+        self.calibration = Calibration()
+
+    def calibrate(self, target, repeats: int = 5) -> list[float]:
+        """Measure what verifying each draft size costs on ``target`` (its decoding forward, one sequence,
+        `draftsmith.engine.tree_build.measure_step_cost`) and keep it as ``step_cost``."""
+        from draftsmith.engine.tree_build import measure_step_cost
+
+        n = self.config.max_spec_tokens
+        sizes = sorted({s for s in COST_SIZES if s <= n} | {n})
+        rel = measure_step_cost(target, sizes, repeats=repeats)
+        self.step_cost = interpolate_costs({int(k): v for k, v in rel.items()}, n)
+        return self.step_cost
 
     def start(self, dec, state) -> _LocalState:
+        if self.config.cost_aware and self.step_cost is None:
+            self.calibrate(dec.target)
         return _LocalState(TokenIndex(self.config))
 
     def speculate(self, ls: _LocalState, state, cap: int) -> Draft:
@@ -104,29 +223,57 @@ class SuffixDrafter:
         b = self.index.speculate(ctx, cap)
         self.lookup_s += time.perf_counter() - t0
         self.lookups += 1
-        best = b if b.score > a.score else a
+        if self.step_cost is not None:
+            (va, a), (vb, b) = (cost_cut(calibrated(x, self.calibration), self.step_cost) for x in (a, b))
+            best = b if vb > va else a
+        else:
+            best = b if b.score > a.score else a
         # the gate: a draft expected to gain less than min_score tokens costs its verification rows for nothing
         return best if best.score >= self.config.min_score else Draft()
 
+    def place(self, ls: _LocalState, tree, d: Draft, eos: frozenset) -> None:
+        """Put draft ``d`` into the step's tree, remembering its nodes for `observe`."""
+        where: dict = {}
+        add_draft(tree, d, eos, where)
+        cond = conditionals(Draft(probs=d.counts_probs or d.probs, parents=d.parents))
+        ls.last_nodes = [(where[i], where[d.parents[i]], cond[i]) for i in range(len(d)) if i in where]
+
+    def observe(self, ls: _LocalState, tree, path) -> None:
+        """After a step verified this drafter's draft (``path``: the accepted path's tree nodes, root first):
+        each tested node (its parent accepted) teaches the calibration whether it was accepted. Read by the
+        next drafts, never by this step's."""
+        if not tree.n or not ls.last_nodes:
+            return
+        on = set(path)
+        for node, parent, c in ls.last_nodes:
+            if parent in on:
+                self.calibration.record(c, node in on)
+        ls.last_nodes = []
+
     def draft_tree(self, dec, state, tree, cap: int) -> bool:
-        d = self.speculate(state.drafter_state, state, min(cap, tree.capacity))
-        add_draft(tree, d, dec.eos)
+        ls = state.drafter_state
+        self.place(ls, tree, self.speculate(ls, state, min(cap, tree.capacity)), dec.eos)
         return True  # an empty tree is a plain step
 
     def propose(self, dec, state, tree, start, end):
         return None
 
     def commit(self, dec, state, tree, path) -> None:
-        return None
+        self.observe(state.drafter_state, tree, path)
 
     def batch_adapter(self) -> ModelFreeRows:
         return ModelFreeRows(self)
 
     def stats(self) -> dict:
-        """Lookups made, lookup time per step (both indexes) and the global index's memory report."""
-        return {"lookups": self.lookups,
-                "lookup_ms_per_step": round(1e3 * self.lookup_s / self.lookups, 4) if self.lookups else None,
-                "index": self.index.memory_report()}
+        """Lookups made, lookup time per step (both indexes), the global index's memory report, and where
+        drafts are cut by cost, the measured costs and the score calibration."""
+        out = {"lookups": self.lookups,
+               "lookup_ms_per_step": round(1e3 * self.lookup_s / self.lookups, 4) if self.lookups else None,
+               "index": self.index.memory_report()}
+        if self.step_cost is not None:
+            out["cost_aware"] = {"step_cost": [round(c, 3) for c in self.step_cost],
+                                 "calibration": self.calibration.report()}
+        return out
 
     def finish(self, dec, state) -> None:
         if self.learn:
@@ -192,7 +339,7 @@ class ModelFreeRows:
         return [None] * len(rows)
 
     def commit(self, row: int, dec, state, tree, path) -> None:
-        pass
+        self.drafter.commit(dec, state, tree, path)
 
     def history(self, state, old, new):
         return new
@@ -312,7 +459,7 @@ class HybridDrafter:
             hs.chose = kind
             self.steps[kind] = self.steps.get(kind, 0) + 1
             if kind == "suffix":
-                add_draft(tree, d, dec.eos)
+                self.suffix.place(hs.local, tree, d, dec.eos)
             return True
         hs.chose = "inner"
         self.steps["inner"] += 1
@@ -339,6 +486,8 @@ class HybridDrafter:
     def commit(self, dec, state, tree, path) -> None:
         hs: _HybridState = state.drafter_state
         hs.step += 1
+        if hs.chose == "suffix":
+            self.suffix.observe(hs.local, tree, path)
         if hs.chose != "inner":  # a suffix or plain step
             hs.since_inner += 1
             # a drafter that reads the target's states of every committed token (EAGLE-3) keeps this step's too

@@ -65,6 +65,10 @@ class SuffixConfig(StrictModel):
     tree: bool = Field(True, description="draft a tree (best-first by probability) instead of one path")
     min_score: float = Field(0.0, ge=0, description="SuffixDrafter drafts nothing (a plain step) when its best "
                                                     "draft's score, the expected accepted tokens, is under this")
+    cost_aware: bool = Field(False, description="SuffixDrafter keeps the prefix of its best-first draft with the "
+                                                "most expected tokens per unit of step time, from the verification "
+                                                "costs it measures on the target once (1 + calibrated score over "
+                                                "the step's cost; a plain step when no prefix beats 1)")
     max_cached_requests: int = Field(10000, ge=0, description="responses kept in the global index, FIFO "
                                                               "(0: no global index)")
     max_response_tokens: int = Field(8192, ge=1, description="tokens indexed per response (its first ones)")
@@ -81,6 +85,7 @@ class Draft:
     probs: list[float] = field(default_factory=list)
     score: float = 0.0
     match_len: int = 0
+    counts_probs: list[float] | None = None  # the counts' path probabilities where ``probs`` are calibrated
 
     def __len__(self) -> int:
         return len(self.tokens)
