@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from draftsmith.drafters.suffix.drafter import Calibration
-from draftsmith.drafters.suffix import HybridDrafter, PromptLookupDrafter, SuffixConfig, SuffixDrafter, SuffixIndex
+from draftsmith.drafters.suffix import (Calibration, HybridDrafter, PromptLookupDrafter, SuffixConfig, SuffixDrafter,
+                                       SuffixIndex)
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.eval.bench import Method, hf_run
 

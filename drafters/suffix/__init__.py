@@ -6,8 +6,8 @@ index (`SuffixIndex.save` / `load`). It is a decoder-side drafter, chosen
 with ``--suffix`` (docs/DECISIONS.md).
 """
 
-from draftsmith.drafters.suffix.drafter import HybridDrafter, PromptLookupDrafter, SuffixDrafter
+from draftsmith.drafters.suffix.drafter import Calibration, HybridDrafter, PromptLookupDrafter, SuffixDrafter
 from draftsmith.drafters.suffix.index import Draft, SuffixConfig, SuffixIndex, TokenIndex
 
-__all__ = ["Draft", "HybridDrafter", "PromptLookupDrafter", "SuffixConfig", "SuffixDrafter", "SuffixIndex",
-           "TokenIndex"]
+__all__ = ["Calibration", "Draft", "HybridDrafter", "PromptLookupDrafter", "SuffixConfig", "SuffixDrafter",
+           "SuffixIndex", "TokenIndex"]

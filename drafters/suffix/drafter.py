@@ -29,6 +29,7 @@ import torch
 
 from draftsmith.drafters.suffix.index import Draft, SuffixConfig, SuffixIndex, TokenIndex
 from draftsmith.engine.capabilities import capabilities
+from draftsmith.engine.tree_build import measure_step_cost
 from draftsmith.registry import register_untrained
 
 
@@ -203,8 +204,6 @@ class SuffixDrafter:
     def calibrate(self, target, repeats: int = 5) -> list[float]:
         """Measure what verifying each draft size costs on ``target`` (its decoding forward, one sequence,
         `draftsmith.engine.tree_build.measure_step_cost`) and keep it as ``step_cost``."""
-        from draftsmith.engine.tree_build import measure_step_cost
-
         n = self.config.max_spec_tokens
         sizes = sorted({s for s in COST_SIZES if s <= n} | {n})
         rel = measure_step_cost(target, sizes, repeats=repeats)
