@@ -6,18 +6,20 @@ from __future__ import annotations
 import argparse
 
 import pytest
-import torch
 
 from draftsmith.cli.shared import add_suffix_args, suffix_config
-from draftsmith.drafters.suffix import Draft, SuffixConfig, SuffixDrafter, SuffixIndex
+from draftsmith.drafters.suffix import Draft, SuffixConfig, SuffixDrafter
 from draftsmith.drafters.suffix.drafter import Calibration, calibrated, conditionals, cost_cut, interpolate_costs
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.sampling import SamplingParams, TorchRandom
-from draftsmith.eval.exact import target_distribution
 from draftsmith.eval.suffix import suffix_methods
 from tests.test_decoder import tiny
-from tests.test_decoder_enumeration import N_NEW, PROMPT, TEMP, TOPKP
+from tests.test_decoder_enumeration import N_NEW, TEMP, TOPKP
 from tests.test_decoder_enumeration import _check as _exact
+from tests import test_suffix as base
+from tests.test_suffix import _suffix
+
+tgt, references = base.tgt, base.references  # the same tiny target and exact references as tests/test_suffix.py
 
 
 def test_interpolate_costs_is_linear_monotone_and_extrapolates():
@@ -75,24 +77,6 @@ def test_calibration_learns_per_bin_and_reorders_best_first():
     assert c.tokens == [12, 10, 11] and c.parents == [-1, -1, 1]
     assert c.counts_probs == [0.5, 1.0, 1.0] and c.score == pytest.approx(sum(c.probs))
     assert c.probs[2] == pytest.approx(cal(1.0) ** 2)
-
-
-def _suffix(**kw):
-    cfg = SuffixConfig(max_spec_factor=3, min_token_prob=0.05, **kw)
-    g = SuffixIndex(cfg)
-    for r in ([3, 2, 5, 1], [4, 3, 2, 2], [4, 3, 1, 0], [3, 5, 4, 3], [2, 3, 2, 2]):
-        g.add_response(r)
-    return SuffixDrafter(cfg, g)
-
-
-@pytest.fixture(scope="module")
-def tgt():
-    return tiny(vocab=6, seed=0, std=0.5, layers=2, dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def references(tgt):
-    return {s: target_distribution(tgt, PROMPT, N_NEW, s.temperature, s.top_k, s.top_p) for s in (TEMP, TOPKP)}
 
 
 def test_costs_decide_what_is_drafted(tgt):
