@@ -20,12 +20,12 @@ import time
 import torch
 
 from draftsmith import registry
-from draftsmith.chat import has_template, prompt_token_ids
+from draftsmith.chat import has_template
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.fastpath import add_forward_arg, use_fast_forward
 from draftsmith.engine.kvcache import sliding_windows
 from draftsmith.eval.greedy_equality import first_divergence, tie_threshold, top2
-from draftsmith.eval.humaneval import humaneval_problems
+from draftsmith.eval.humaneval import long_prompt_ids
 from draftsmith.eval.mtbench import mtbench_prompts
 from benchmarks.common import add_common_args, parser, setup, write_json
 
@@ -37,17 +37,6 @@ KINDS = {
     "kangaroo": ("kangaroo", {"exit_layer": 2}),
     "standalone": ("standalone", {"init": "target", "num_layers": 2}),
 }
-
-
-def long_prompt(tokenizer, length: int) -> list[int]:
-    """HumanEval problems one after another until ``length`` tokens, as one user turn."""
-    text = ""
-    for p in humaneval_problems():
-        text += p["prompt"]
-        ids = prompt_token_ids(tokenizer, [{"role": "user", "content": text}])
-        if len(ids) >= length:
-            return ids
-    return ids
 
 
 def reference(model, ids: list[int], n: int) -> list[int]:
@@ -70,7 +59,7 @@ def main(argv=None) -> dict:
     windows = sliding_windows(cfg)
     span = (min(windows.values()) if windows else 512) + 64
     prompts = [(f"mtbench-{p.question_id}", p.ids) for p in mtbench_prompts(tok, a.prompts, spread=True)]
-    prompts.append((f"long-{span}", long_prompt(tok, span)))
+    prompts.append((f"long-{span}", long_prompt_ids(tok, 1, span)[0]))
     report = {"target": target.name, "model_type": cfg.model_type, "chat_template": has_template(tok),
               "sliding_windows": windows, "prompt_tokens": {k: len(v) for k, v in prompts},
               "max_new_tokens": a.max_new_tokens, "kinds": {}}

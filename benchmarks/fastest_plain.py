@@ -1,8 +1,8 @@
 """Plain decoding on this machine: ours (compiled and not), Hugging Face ``generate``, vLLM on CPU and llama.cpp on
 the target's GGUF files, and each drafter's speedup over the fastest of them.
 
-    python -m benchmarks.fastest_plain [--prompts 80] [--max-new-tokens 128] [--threads 2] [--dtype float32]
-        [--checkpoint CKPT --tree built:best ...] [--vllm-modes compiled,eager] [--batched] --out FILE
+    python -m benchmarks.fastest_plain [--prompts 80] [--long-prompts N] [--max-new-tokens 128] [--threads 2]
+        [--dtype float32] [--checkpoint CKPT --tree built:best ...] [--vllm-modes compiled,eager] [--batched] --out FILE
 
 One process of ours runs its methods interleaved per prompt (a seeded shuffle per prompt, as eval/bench.py):
   * ``plain (ours, compiled)``: our static-shape forward compiled with inductor (engine/fastpath.py);
@@ -48,6 +48,7 @@ from draftsmith.engine.fastpath import FastBody
 from draftsmith.engine.sampling import SamplingParams
 from draftsmith.eval.bench import hf_generate, ours
 from draftsmith.eval.greedy_equality import first_divergence, top2_gap
+from draftsmith.eval.humaneval import long_prompt_ids
 from draftsmith.eval.mtbench import mtbench_prompts
 from draftsmith.engine.tree_build import parse_tree
 from draftsmith.export.llamacpp import have_llamacpp, target_gguf
@@ -91,6 +92,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--prompts", type=int, default=80)
+    ap.add_argument("--long-prompts", type=int, default=0, metavar="N",
+                    help="prompts of at least N tokens (HumanEval's stubs one after another, eval/humaneval.py "
+                         "long_prompt_ids) instead of MT-Bench first turns: decoding deep in a context, past a "
+                         "sliding window (Gemma 3's 512) where a target has one")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
@@ -124,12 +129,16 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(a.threads)
     choice = resolve_dtype(a.dtype, "cpu")
     target = load_target(a.target, dtype=choice.dtype)
-    prompts = mtbench_prompts(target.tokenizer, a.prompts, spread=True)
-    ids = [p.ids for p in prompts]
+    if a.long_prompts:
+        ids = long_prompt_ids(target.tokenizer, a.prompts, a.long_prompts)
+    else:
+        ids = [p.ids for p in mtbench_prompts(target.tokenizer, a.prompts, spread=True)]
     report = {"cpu": cpu_name(), "threads": a.threads, "dtype": choice.name, "dtype_reason": choice.reason,
               "prompts": len(ids), "max_new_tokens": a.max_new_tokens, "methods": {},
-              "command": command_line(), "environment": environment()}
-    print(f"CPU: {report['cpu']}; {a.threads} threads; {choice.name}; {len(ids)} prompts x {a.max_new_tokens}")
+              "prompt_set": f"long (>= {a.long_prompts} tokens)" if a.long_prompts else "mt-bench first turns",
+              "prompt_tokens": [len(x) for x in ids], "command": command_line(), "environment": environment()}
+    print(f"CPU: {report['cpu']}; {a.threads} threads; {choice.name}; {len(ids)} prompts x {a.max_new_tokens}; "
+          f"{report['prompt_set']}, {min(report['prompt_tokens'])}-{max(report['prompt_tokens'])} prompt tokens")
 
     drafters = [(Path(c), drafter_from_checkpoint(c, target)) for c in a.checkpoint]
     apply_cpu_layout(target, *[d for _, d in drafters])  # the eager methods' best layout

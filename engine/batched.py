@@ -53,7 +53,7 @@ from draftsmith.engine.decoder import DecodeState
 from draftsmith.engine.drafters import project
 from draftsmith.engine.fast_batch import batch_body
 from draftsmith.engine.metrics import DecodeResult, StepStats, tau, tokens_per_second
-from draftsmith.engine.kvcache import KVCache
+from draftsmith.engine.kvcache import KVCache, sliding_windows
 from draftsmith.engine.ragged import ragged_forward
 from draftsmith.engine.sampling import RandomSource, SamplingParams, TorchRandom, WithoutReplacement, greedy_ids
 from draftsmith.engine.trees import DraftTree, StaticTree, Verdict, verify_tree
@@ -178,6 +178,13 @@ class BatchedSpeculativeDecoder:
         # the same cache buffers; a drafter that reads the target's layers gets their outputs through its hooks
         fb = getattr(target, "fast_body", None)
         self.forward = "eager" if fb is None else "compile" if fb.compiled is not None else "fast"
+        # a target with sliding windows (Gemma 3): the fused step's kernels attend over every live slot, which is
+        # the windowed attention only while every position is inside the smallest window; a call whose cache holds
+        # no more positions than that runs fused, a longer one the model's own forward (`_within_window`)
+        windows = sliding_windows(self.model.config)
+        self.window = min(windows.values()) if windows else None
+        self._within = self.window is None
+        self._cache_zeroed = False
         self.cache: KVCache | None = None
         self.prefix: list[int] = []  # a prefix many prompts start with (`set_prefix`), its entries once computed
         self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -252,10 +259,17 @@ class BatchedSpeculativeDecoder:
 
     def _fast(self):
         """The fused batched step (`fast_batch.FastBatchBody`: prefills, plain steps and verification), or None for
-        an eager target (the model's own forward)."""
-        if self.forward == "eager":
+        an eager target (the model's own forward) and for a call whose cache reaches past the target's sliding
+        window (`_within_window`)."""
+        if self.forward == "eager" or not self._within:
             return None
-        return batch_body(self.model, self.forward)
+        return batch_body(self.model, self.forward, within_window=self.window is not None)
+
+    def _within_window(self, capacity: int) -> bool:
+        """Whether a cache of ``capacity`` positions per row keeps every position inside the target's smallest
+        sliding window (always, without windows): a query at position p sees a key at j when p - j < window, so
+        below the window a sliding layer attends as a full one does, which the fused step computes."""
+        return self.window is None or capacity <= self.window
 
     def _kv(self) -> list[torch.Tensor]:
         return [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
@@ -533,14 +547,18 @@ class BatchedSpeculativeDecoder:
         need = max(self.positions(len(p), n) for p, n in zip(prompts, news))
         if capacity is not None and need > capacity:
             raise ValueError(f"the batch needs {need} cache positions per row; capacity is {capacity}")
-        capacity = max(capacity or need, 256)
+        capacity = max(capacity or need, 256 if self.window is None else min(256, self.window))
         rows_cap = max(max_rows or len(live), len(live), 1)
-        if self.cache is None or self.cache.capacity < capacity or self.cache.n_rows < rows_cap:
+        reuse = self.cache is not None and self.cache.capacity >= capacity and self.cache.n_rows >= rows_cap and \
+            self._within_window(self.cache.capacity) == self._within_window(capacity)
+        self._within = self._within_window(self.cache.capacity if reuse else capacity)
+        fast = self._fast()
+        if not reuse or (fast is None and not self._cache_zeroed):
             # the fused step's native attention reads written slots only (as the data engine's): no need to zero the
             # buffers, and pages no row reaches are never touched; the model's own masked forward needs them zeroed
-            fast = self._fast()
-            self.cache = KVCache.for_model(self.model, capacity, rows=rows_cap,
-                                           zeroed=fast is None or not fast.native)
+            self._cache_zeroed = fast is None or not fast.native
+            self.cache = KVCache.for_model(self.model, self.cache.capacity if reuse else capacity,
+                                           rows=self.cache.n_rows if reuse else rows_cap, zeroed=self._cache_zeroed)
         live_states = [states[i] for i in live]
         # Without admission, live rows only leave the batch, so when the length policy picks K = 0 for every
         # batch size up to this one the drafter can never run in this call: no drafter state is kept (plain
@@ -599,6 +617,7 @@ class BatchedSpeculativeDecoder:
         """Decode ``prompt`` (and twice it, rows of two lengths) in batches of each row count whose step compiles a
         graph of its own, up to ``max_rows`` (`FastBatchBody.graph_rows`), in a cache of ``max_rows`` rows and
         ``capacity`` positions, so that no request waits for a compile. Returns the batch sizes run."""
+        self._within = self._within_window(max(capacity, self.positions(2 * len(prompt), new_tokens)))
         fast = self._fast()
         sizes = fast.graph_rows(max_rows) if fast is not None else [min(2, max_rows)]
         p = [int(t) for t in prompt]
@@ -606,6 +625,15 @@ class BatchedSpeculativeDecoder:
             self.generate([p if i % 2 == 0 else p + p for i in range(n)], new_tokens, max_rows=max_rows,
                           capacity=max(capacity, self.positions(2 * len(p), new_tokens)))
         return sizes
+
+    def call_capacity(self, need: int, floor: int) -> int:
+        """Cache positions per row for a call whose rows need at most ``need``, allocating at least ``floor`` (a
+        server's ``batch_positions``, so later rows can join): on a target with sliding windows no more than the
+        smallest window while the rows fit in it, so that the call runs the fused step (`_within_window`); rows
+        that need more than the call's capacity wait for a call of their own (`fits`)."""
+        if self.window is not None and need <= self.window:
+            floor = min(floor, self.window)
+        return max(int(need), int(floor))
 
     def positions(self, prompt_len: int, max_new_tokens: int) -> int:
         """Cache positions a row needs: its prompt, its new tokens and two draft blocks (the one being verified

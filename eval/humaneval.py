@@ -9,6 +9,7 @@ import gzip
 import json
 
 from draftsmith import paths
+from draftsmith.chat import prompt_token_ids
 from draftsmith.eval.mtbench import chat_ids
 
 
@@ -37,4 +38,26 @@ def humaneval_prompt_ids(tokenizer, n: int, samples: int = 1) -> list[list[int]]
     out = []
     for prob in humaneval_problems()[:n]:
         out += [chat_ids(tokenizer, humaneval_text(prob))] * samples
+    return out
+
+
+def long_prompt_ids(tokenizer, count: int, min_tokens: int) -> list[list[int]]:
+    """``count`` prompts of at least ``min_tokens`` tokens each (for decoding past a sliding window, or deep in a
+    long context): prompt i is HumanEval's problem stubs from the i-th on, one after another (wrapping round), as one
+    user turn (a plain completion for a target without a chat template), cut at the first stub that makes it long
+    enough."""
+    probs = humaneval_problems()
+    if min_tokens < 1 or count < 1:
+        raise ValueError(f"long prompts need count >= 1 and min_tokens >= 1, got {count} and {min_tokens}")
+    out = []
+    for i in range(count):
+        text = ""
+        for j in range(len(probs)):
+            text += probs[(i + j) % len(probs)]["prompt"]
+            ids = prompt_token_ids(tokenizer, [{"role": "user", "content": text}])
+            if len(ids) >= min_tokens:
+                break
+        else:
+            raise ValueError(f"every HumanEval stub together is {len(ids)} tokens, fewer than {min_tokens}")
+        out.append(ids)
     return out

@@ -277,7 +277,9 @@ class Scheduler:
         version, kind = svc.version, svc.batched_kind
         self.batch_sizes.append(len(rows))
         # the cache is sized once per call, for the longest row the limits allow (rows that need more wait)
-        capacity = max(max(dec.positions(len(j.spec.prompt), j.spec.max_tokens) for j in rows), svc.batch_positions)
+        # (on a target with sliding windows: the window while the rows fit in it, where the fused step runs)
+        capacity = dec.call_capacity(max(dec.positions(len(j.spec.prompt), j.spec.max_tokens) for j in rows),
+                                     svc.batch_positions)
         held = [0]  # steps the head of the queue has been held for its admission group
 
         def admit(free: int) -> list[NewRow]:

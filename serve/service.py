@@ -67,7 +67,8 @@ class DecodingService:
     `start`; tests queue requests first to see them batched). ``max_queue``: requests that may wait; past it
     `QueueFull` (429). ``max_prompt_tokens`` / ``max_tokens_limit``: a request over either is a `BadRequest`
     naming it (None: the target's context length bounds them). ``batch_positions``: cache positions per row a
-    batched call allocates at least (rows that need more wait for a call of their own). ``log_bodies``: False
+    batched call allocates at least (rows that need more wait for a call of their own; on a target with sliding windows
+    at most the window while the call's rows fit in it, where the fused step runs). ``log_bodies``: False
     leaves messages, prompts and texts out of the request log.
 
     ``suffix``: SuffixDecoding's settings (None: off). ``suffix_state``: where its global index is saved and
@@ -415,7 +416,9 @@ class DecodingService:
         ids = [int(t) for t in self.target.tokenizer("Hello")["input_ids"]] or [min(self.target.eos_token_ids)]
         with self.lock:
             if self.batched is not None:  # in the cache a batched call allocates: each of the step's graphs
-                self.batched.warmup(ids, new_tokens, self.max_batch, self.batch_positions)
+                self.batched.warmup(ids, new_tokens, self.max_batch,
+                                    self.batched.call_capacity(self.batched.positions(2 * len(ids), new_tokens),
+                                                               self.batch_positions))
             self.decoder.generate(ids, new_tokens)
         return time.perf_counter() - t0
 

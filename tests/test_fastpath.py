@@ -379,6 +379,49 @@ def test_gemma3_forward_equals_the_models_within_and_past_its_window(prompt_len)
         assert _gemma_steps(tgt, fast, prompt_len, True) > 1e-3, attr
 
 
+@pytest.mark.parametrize("drafter", ["plain", "chain"])
+def test_batched_gemma3_runs_the_fused_step_within_its_window_and_the_models_forward_past_it(drafter):
+    """The batched decoder (the server's) on a windowed target: a call whose cache fits the window (64 here) runs the
+    fused step (its kernels attend over every live slot, which is the window's attention there), a longer one the
+    model's own forward; both give the model's greedy tokens. The fused step past the window would not: the test
+    can fail."""
+    from draftsmith.engine.batched import BatchedSpeculativeDecoder
+    from draftsmith.engine.fast_batch import batch_body
+    from tests.families import family_target
+    from tests.tiny import greedy_reference
+    tgt = family_target("gemma3", window=64)
+    eos = set(tgt.eos_token_ids)
+    prompts = [[1, 5, 6, 7], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
+    assert use_fast_forward(tgt, "fast", autotune=False) == {"forward": "fast"}
+    body = batch_body(tgt.model, "fast", within_window=True)
+    fused = []
+    for name in ("prefill", "step", "verify"):
+        def counted(*a, _f=getattr(body, name), _n=name, **kw):
+            fused.append(_n)
+            return _f(*a, **kw)
+        setattr(body, name, counted)
+    dec = BatchedSpeculativeDecoder(tgt, random_medusa(tgt, num_heads=2, std=0.3) if drafter == "chain" else None,
+                                    k=2)
+    for new, within in ((20, True), (60, False)):
+        refs = [greedy_reference(tgt.model, p, new, eos)[0] for p in prompts]
+        cap = dec.call_capacity(max(dec.positions(len(p), new) for p in prompts), 2048)
+        assert cap == (64 if within else 2048)
+        fused.clear()
+        res = dec.generate(prompts, [new, new], capacity=cap)
+        assert [r.tokens for r in res.rows] == refs, (new, within)
+        assert dec._within is within and dec.cache.capacity == cap
+        assert ("prefill" in fused and ("step" in fused or "verify" in fused)) if within else not fused
+    # what the capacity guards (random tiny models repeat a token, so their greedy tokens would not show it): the
+    # fused prefill of a prompt inside the window gives the model's logits, past it not (its last token sees slots
+    # the sliding layers must not)
+    for n, same in ((40, True), (80, False)):
+        ids = [1 + (7 * i) % 40 for i in range(n)]
+        kv = [t for layer in KVCache.for_model(tgt.model, 128).layers for t in (layer.keys, layer.values)]
+        lg = body.prefill([ids], [0], 0, kv)[1][0]
+        ref = tgt.model(torch.tensor([ids])).logits[0, -1]
+        assert (float((lg - ref).abs().max()) < 1e-4) is same, n
+
+
 def test_compiled_gemma3_decoding_keeps_the_models_tokens():
     """The compiled forward on Gemma 3's tiny target: native kernels while the live slots fit the window, then the
     masked graphs with the sliding layers' own mask; plain decoding, a chain and a tree give the model's own
