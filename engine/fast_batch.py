@@ -118,8 +118,10 @@ class FastBatchBody:
         rows = torch.arange(b, device=ids.device)
         if self.compiled is None or b == 1:
             return self.core(ids, cos, sin, rows, slots, kv, "rows", (slots,))[:2]
-        for t in (ids, rows, slots, cos, sin):
+        for t in (ids, rows, slots):
             torch._dynamo.maybe_mark_dynamic(t, 0)
+        for t in (cos, sin):  # [rows, 1, dim], or [types, rows, 1, dim] with a RoPE per layer type (Gemma 3)
+            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 3)
         for t in kv:
             torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(t, 2)

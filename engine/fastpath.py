@@ -722,8 +722,10 @@ class FastBody(torch.nn.Module):
             # one graph for every block bucket (4, 8, 16 rows): their products are the native kernels' (no GEMM to
             # specialise on the rows) and their attention the block kernel's. On a 2-core AVX2 EPYC (Zen 1) this
             # saved a ~55-s compile a bucket, the step costs the same (benchmarks.step_cost, docs/results-log.md §43)
-            for t in (ids, pos, slots, cos, sin, a[0]):
+            for t in (ids, pos, slots, a[0]):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
+            for t in (cos, sin):  # [rows, 1, dim], or [types, rows, 1, dim] with a RoPE per layer type (Gemma 3)
+                torch._dynamo.maybe_mark_dynamic(t, t.dim() - 3)
             torch._dynamo.maybe_mark_dynamic(a[1], 0)
             torch._dynamo.maybe_mark_dynamic(a[1], 1)
         graphs = _unique_graphs()
