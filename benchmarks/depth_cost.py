@@ -18,8 +18,6 @@ from __future__ import annotations
 from contextlib import ExitStack
 from pathlib import Path
 
-import torch
-
 from benchmarks.common import add_common_args, parser, provenance, setup, write_json
 from draftsmith.engine.decoder import SpeculativeDecoder
 from draftsmith.engine.fastpath import use_fast_forward
@@ -52,7 +50,6 @@ def main(argv=None) -> dict:
     add_common_args(ap, threads=True, threads_default=2, out="file")
     b = setup(ap.parse_args(argv), out_file=True, layout=False)
     a, target = b.args, b.target
-    target.model.to(torch.float32)
     use_fast_forward(target, "compile")
     dec = SpeculativeDecoder(target)
     sets = {int(d): long_prompt_ids(target.tokenizer, a.prompts, int(d)) for d in a.depths.split(",")}

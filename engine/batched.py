@@ -183,8 +183,6 @@ class BatchedSpeculativeDecoder:
         # no more positions than that runs fused, a longer one the model's own forward (`_within_window`)
         windows = sliding_windows(self.model.config)
         self.window = min(windows.values()) if windows else None
-        self._within = self.window is None
-        self._cache_zeroed = False
         self.cache: KVCache | None = None
         self.prefix: list[int] = []  # a prefix many prompts start with (`set_prefix`), its entries once computed
         self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -257,11 +255,11 @@ class BatchedSpeculativeDecoder:
                                      f"length {ctx}")
         return prompts, news
 
-    def _fast(self):
+    def _fast(self, capacity: int | None = None):
         """The fused batched step (`fast_batch.FastBatchBody`: prefills, plain steps and verification), or None for
-        an eager target (the model's own forward) and for a call whose cache reaches past the target's sliding
-        window (`_within_window`)."""
-        if self.forward == "eager" or not self._within:
+        an eager target (the model's own forward) and for a call whose cache (of ``capacity`` positions, default
+        the current one's) reaches past the target's sliding window (`_within_window`)."""
+        if self.forward == "eager" or not self._within_window(self.cache.capacity if capacity is None else capacity):
             return None
         return batch_body(self.model, self.forward, within_window=self.window is not None)
 
@@ -547,18 +545,17 @@ class BatchedSpeculativeDecoder:
         need = max(self.positions(len(p), n) for p, n in zip(prompts, news))
         if capacity is not None and need > capacity:
             raise ValueError(f"the batch needs {need} cache positions per row; capacity is {capacity}")
-        capacity = max(capacity or need, 256 if self.window is None else min(256, self.window))
+        capacity = max(capacity or need, min(256, self.window or 256))
         rows_cap = max(max_rows or len(live), len(live), 1)
         reuse = self.cache is not None and self.cache.capacity >= capacity and self.cache.n_rows >= rows_cap and \
             self._within_window(self.cache.capacity) == self._within_window(capacity)
-        self._within = self._within_window(self.cache.capacity if reuse else capacity)
-        fast = self._fast()
-        if not reuse or (fast is None and not self._cache_zeroed):
+        if reuse:
+            capacity, rows_cap = self.cache.capacity, self.cache.n_rows
+        fast = self._fast(capacity)
+        if not reuse or (fast is None and not self.cache.zeroed):
             # the fused step's native attention reads written slots only (as the data engine's): no need to zero the
             # buffers, and pages no row reaches are never touched; the model's own masked forward needs them zeroed
-            self._cache_zeroed = fast is None or not fast.native
-            self.cache = KVCache.for_model(self.model, self.cache.capacity if reuse else capacity,
-                                           rows=self.cache.n_rows if reuse else rows_cap, zeroed=self._cache_zeroed)
+            self.cache = KVCache.for_model(self.model, capacity, rows=rows_cap, zeroed=fast is None or not fast.native)
         live_states = [states[i] for i in live]
         # Without admission, live rows only leave the batch, so when the length policy picks K = 0 for every
         # batch size up to this one the drafter can never run in this call: no drafter state is kept (plain
@@ -615,15 +612,16 @@ class BatchedSpeculativeDecoder:
 
     def warmup(self, prompt: Sequence[int], new_tokens: int, max_rows: int, capacity: int) -> list[int]:
         """Decode ``prompt`` (and twice it, rows of two lengths) in batches of each row count whose step compiles a
-        graph of its own, up to ``max_rows`` (`FastBatchBody.graph_rows`), in a cache of ``max_rows`` rows and
-        ``capacity`` positions, so that no request waits for a compile. Returns the batch sizes run."""
-        self._within = self._within_window(max(capacity, self.positions(2 * len(prompt), new_tokens)))
-        fast = self._fast()
-        sizes = fast.graph_rows(max_rows) if fast is not None else [min(2, max_rows)]
+        graph of its own, up to ``max_rows`` (`FastBatchBody.graph_rows`), in a cache of ``max_rows`` rows, so that
+        no request waits for a compile: ``capacity`` is the least a call allocates (a server's
+        ``batch_positions``), the cache the one such a call gets (`call_capacity`). Returns the batch sizes run."""
         p = [int(t) for t in prompt]
+        capacity = self.call_capacity(self.positions(2 * len(p), new_tokens), capacity)
+        fast = self._fast(capacity)
+        sizes = fast.graph_rows(max_rows) if fast is not None else [min(2, max_rows)]
         for n in sizes:
             self.generate([p if i % 2 == 0 else p + p for i in range(n)], new_tokens, max_rows=max_rows,
-                          capacity=max(capacity, self.positions(2 * len(p), new_tokens)))
+                          capacity=capacity)
         return sizes
 
     def call_capacity(self, need: int, floor: int) -> int:

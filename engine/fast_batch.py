@@ -120,8 +120,7 @@ class FastBatchBody:
             return self.core(ids, cos, sin, rows, slots, kv, "rows", (slots,))[:2]
         for t in (ids, rows, slots):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        for t in (cos, sin):  # [rows, 1, dim], or [types, rows, 1, dim] with a RoPE per layer type (Gemma 3)
-            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 3)
+        self.core.mark_rope_dynamic(cos, sin)
         for t in kv:
             torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(t, 2)

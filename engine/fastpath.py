@@ -418,6 +418,13 @@ class _Core(torch.nn.Module):
         return qkv.split([nh * d, nk * d, nk * d], dim=-1)
 
     @staticmethod
+    def mark_rope_dynamic(cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Mark the tokens' dimension of `rope`'s tables dynamic for a compiled graph: the first of [T, 1, dim], the
+        second of [types, T, 1, dim]."""
+        for t in (cos, sin):
+            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 3)
+
+    @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on the last dimension (the model's rotate-half convention)."""
         half = x.shape[-1] // 2
@@ -724,8 +731,7 @@ class FastBody(torch.nn.Module):
             # saved a ~55-s compile a bucket, the step costs the same (benchmarks.step_cost, docs/results-log.md §43)
             for t in (ids, pos, slots, a[0]):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-            for t in (cos, sin):  # [rows, 1, dim], or [types, rows, 1, dim] with a RoPE per layer type (Gemma 3)
-                torch._dynamo.maybe_mark_dynamic(t, t.dim() - 3)
+            self.core.mark_rope_dynamic(cos, sin)
             torch._dynamo.maybe_mark_dynamic(a[1], 0)
             torch._dynamo.maybe_mark_dynamic(a[1], 1)
         graphs = _unique_graphs()

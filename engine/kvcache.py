@@ -106,6 +106,7 @@ class KVCache(Cache):
         layers_n, n_kv, head_dim = kv_dims(config)
         shape = (int(rows), n_kv, int(capacity), head_dim)
         self.capacity, self.n_rows = int(capacity), int(rows)
+        self.zeroed = bool(zeroed)  # False: unset buffers, for attention that reads written slots only
         self.rows = torch.arange(rows, device=device)
         # where the next forward writes: a span (slots None) or per-row slots
         self.write_start, self.row0, self.fresh_at_zero = 0, 0, False

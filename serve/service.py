@@ -416,9 +416,7 @@ class DecodingService:
         ids = [int(t) for t in self.target.tokenizer("Hello")["input_ids"]] or [min(self.target.eos_token_ids)]
         with self.lock:
             if self.batched is not None:  # in the cache a batched call allocates: each of the step's graphs
-                self.batched.warmup(ids, new_tokens, self.max_batch,
-                                    self.batched.call_capacity(self.batched.positions(2 * len(ids), new_tokens),
-                                                               self.batch_positions))
+                self.batched.warmup(ids, new_tokens, self.max_batch, self.batch_positions)
             self.decoder.generate(ids, new_tokens)
         return time.perf_counter() - t0
 

@@ -409,7 +409,7 @@ def test_batched_gemma3_runs_the_fused_step_within_its_window_and_the_models_for
         fused.clear()
         res = dec.generate(prompts, [new, new], capacity=cap)
         assert [r.tokens for r in res.rows] == refs, (new, within)
-        assert dec._within is within and dec.cache.capacity == cap
+        assert (dec._fast() is not None) is within and dec.cache.capacity == cap
         assert ("prefill" in fused and ("step" in fused or "verify" in fused)) if within else not fused
     # what the capacity guards (random tiny models repeat a token, so their greedy tokens would not show it): the
     # fused prefill of a prompt inside the window gives the model's logits, past it not (its last token sees slots
