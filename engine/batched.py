@@ -258,8 +258,12 @@ class BatchedSpeculativeDecoder:
     def _fast(self, capacity: int | None = None):
         """The fused batched step (`fast_batch.FastBatchBody`: prefills, plain steps and verification), or None for
         an eager target (the model's own forward) and for a call whose cache (of ``capacity`` positions, default
-        the current one's) reaches past the target's sliding window (`_within_window`)."""
-        if self.forward == "eager" or not self._within_window(self.cache.capacity if capacity is None else capacity):
+        the current one's; with none yet, a windowed target's) reaches past the target's sliding window
+        (`_within_window`)."""
+        if capacity is None and self.cache is not None:
+            capacity = self.cache.capacity
+        within = self._within_window(capacity) if capacity is not None else self.window is None
+        if self.forward == "eager" or not within:
             return None
         return batch_body(self.model, self.forward, within_window=self.window is not None)
 
@@ -550,12 +554,13 @@ class BatchedSpeculativeDecoder:
         reuse = self.cache is not None and self.cache.capacity >= capacity and self.cache.n_rows >= rows_cap and \
             self._within_window(self.cache.capacity) == self._within_window(capacity)
         if reuse:
-            capacity, rows_cap = self.cache.capacity, self.cache.n_rows
+            capacity = self.cache.capacity
         fast = self._fast(capacity)
         if not reuse or (fast is None and not self.cache.zeroed):
             # the fused step's native attention reads written slots only (as the data engine's): no need to zero the
             # buffers, and pages no row reaches are never touched; the model's own masked forward needs them zeroed
-            self.cache = KVCache.for_model(self.model, capacity, rows=rows_cap, zeroed=fast is None or not fast.native)
+            self.cache = KVCache.for_model(self.model, capacity, rows=self.cache.n_rows if reuse else rows_cap,
+                                           zeroed=fast is None or not fast.native)
         live_states = [states[i] for i in live]
         # Without admission, live rows only leave the batch, so when the length policy picks K = 0 for every
         # batch size up to this one the drafter can never run in this call: no drafter state is kept (plain
